@@ -1,0 +1,117 @@
+"""Request sampling parameters and the speculative configuration (vLLM's JSON shape), validated."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from speculant.errors import SpeculantError
+
+MAX_SPECULATIVE_TOKENS = 32
+METHODS = ("draft_model", "ngram", "eagle")
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = -1  # -1 or 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the context length
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def validate(self) -> None:
+        checks = [
+            ("temperature", self.temperature >= 0, "must be >= 0"),
+            ("top_k", self.top_k == -1 or self.top_k >= 0, "must be -1 (off) or >= 0"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise SpeculantError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    @classmethod
+    def parse(cls, value: str | dict | None) -> SpeculativeConfig | None:
+        """From a dict, a JSON string, or a path to a JSON/YAML file; None stays None."""
+        if value is None:
+            return None
+        if isinstance(value, str):
+            value = _load_json_or_file(value)
+        if not isinstance(value, dict):
+            raise SpeculantError("speculative config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise SpeculantError(f"speculative config: unknown key(s) {', '.join(unknown)}; "
+                                 f"known: {', '.join(sorted(known))}")
+        method = value.get("method")
+        if method is None and value.get("model"):
+            method = "draft_model"
+        if method not in METHODS:
+            raise SpeculantError(f"speculative config: unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        k = value.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool):
+            raise SpeculantError("speculative config: num_speculative_tokens (an integer) is required")
+        if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise SpeculantError(f"speculative config: num_speculative_tokens={k} is out of range "
+                                 f"[1, {MAX_SPECULATIVE_TOKENS}]")
+        cfg = cls(method=method, num_speculative_tokens=k, model=value.get("model"),
+                  prompt_lookup_min=value.get("prompt_lookup_min", 1),
+                  prompt_lookup_max=value.get("prompt_lookup_max", 4))
+        if method in ("draft_model", "eagle") and not cfg.model:
+            raise SpeculantError(f"speculative config: method {method!r} needs \"model\" (the draft's path)")
+        if method == "ngram":
+            lo, hi = cfg.prompt_lookup_min, cfg.prompt_lookup_max
+            if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+                raise SpeculantError(f"speculative config: need 1 <= prompt_lookup_min <= prompt_lookup_max, "
+                                     f"got {lo} and {hi}")
+        return cfg
+
+
+def _load_json_or_file(text: str) -> dict:
+    stripped = text.strip()
+    if not stripped.startswith("{"):
+        path = Path(stripped).expanduser()
+        if not path.exists():
+            raise SpeculantError(f"speculative config: not a JSON object and no such file: {text}")
+        if path.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            try:
+                return yaml.safe_load(path.read_text())
+            except yaml.YAMLError as e:
+                raise SpeculantError(f"speculative config: invalid YAML in {path}: {e}") from None
+        stripped = path.read_text()
+    try:
+        return json.loads(stripped)
+    except json.JSONDecodeError as e:
+        raise SpeculantError(f"speculative config: invalid JSON ({e.msg} at line {e.lineno} column {e.colno})") \
+            from None

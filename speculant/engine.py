@@ -1,0 +1,288 @@
+"""The loop: propose → score → verify → commit, for a batch of sequences.
+
+Plain decoding is the same loop with k = 0, so a baseline and a speculative run are measured
+on one engine. Sequences join and leave between steps (continuous batching); each keeps its
+own length in the KV cache, and rollback is a length change.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from speculant.config import SamplingParams
+from speculant.errors import SpeculantError
+from speculant.models.llama import ModelConfig
+from speculant.models.loader import LoadedModel
+from speculant.models.tokenizer import Detokenizer
+from speculant.proposers import Proposal, Proposer
+from speculant.sampling import SamplingBatch, make_generator, probabilities
+from speculant.sequence import Sequence, SpecStats
+from speculant.verify import verify
+
+log = logging.getLogger("speculant")
+
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def resolve_max_model_len(cfg: ModelConfig, requested: int | None) -> int:
+    """The context length served: the request, else a default that keeps the KV cache small,
+    never beyond what the model was trained for."""
+    if requested is not None and requested < 2:
+        raise SpeculantError(f"max_model_len={requested} is too small")
+    return min(requested or DEFAULT_MAX_MODEL_LEN, cfg.max_position_embeddings)
+
+
+@dataclass
+class StepOutput:
+    seq: Sequence
+    new_token_ids: list[int]
+    new_text: str
+
+
+@dataclass
+class EngineTiming:
+    draft_s: float = 0.0
+    target_s: float = 0.0
+    other_s: float = 0.0
+    steps: int = 0
+    tokens: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Engine:
+    target: LoadedModel
+    proposer: Proposer | None = None
+    num_speculative_tokens: int = 0
+    max_batch_size: int = 8
+    max_model_len: int | None = None
+    log_interval_s: float = 10.0
+    stats: SpecStats = field(default_factory=SpecStats)
+    timing: EngineTiming = field(default_factory=EngineTiming)
+
+    def __post_init__(self):
+        self.model = self.target.model
+        self.tokenizer = self.target.tokenizer
+        self.eos_ids = set(self.target.eos_token_ids)
+        self.k = self.num_speculative_tokens if self.proposer is not None else 0
+        self.max_model_len = resolve_max_model_len(self.model.cfg, self.max_model_len)
+        # k + 1 spare positions: a verify pass writes the drafts before knowing how many stay.
+        self.cache = self.model.new_cache(self.max_batch_size, self.max_model_len + self.k + 1)
+        self.free_slots = list(range(self.max_batch_size))
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._ids = itertools.count()
+        self._last_log = time.perf_counter()
+        self._logged = SpecStats()
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> Sequence:
+        if not prompt_ids:
+            raise SpeculantError("the prompt is empty")
+        vocab = self.model.cfg.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise SpeculantError(f"prompt token id {bad[0]} is out of the vocabulary [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise SpeculantError(f"the prompt has {len(prompt_ids)} tokens; the context holds "
+                                 f"{self.max_model_len} (prompt plus at least one generated token)")
+        room = self.max_model_len - len(prompt_ids)
+        max_tokens = min(params.max_tokens or room, room)
+        seq = Sequence(
+            request_id=request_id or f"req-{next(self._ids)}",
+            prompt_ids=list(prompt_ids),
+            params=params,
+            max_tokens=max_tokens,
+            generator=None if params.greedy else make_generator(params.seed, self.device),
+            detokenizer=Detokenizer(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None,
+        )
+        self.waiting.append(seq)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        for seq in list(self.waiting):
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                seq.finish_reason = "abort"
+        for seq in self.running:
+            if seq.request_id == request_id:
+                self._finish(seq, "abort")
+        self._release_finished()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def generate(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Run steps until the given (already added) sequences are done."""
+        while any(not s.finished for s in seqs):
+            self.step()
+        return seqs
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        self._admit()
+        batch = self.running
+        if not batch:
+            return []
+        t0 = time.perf_counter()
+        sb = SamplingBatch.build([s.params for s in batch], [s.generator for s in batch], self.device)
+        ks = [self._k_for(s) for s in batch]
+        if any(ks):
+            proposal = self.proposer.propose(batch, ks, sb)
+        else:
+            proposal = Proposal.from_lists([[] for _ in batch], self.device)
+        t1 = time.perf_counter()
+        p = self.score(batch, proposal, sb)
+        t2 = time.perf_counter()
+        n_accepted, next_tokens = verify(proposal.tokens, proposal.n_draft, p, proposal.q, sb.generators)
+        outputs = self.commit(batch, proposal, n_accepted.tolist(), next_tokens.tolist())
+        if self.proposer is not None:
+            self.proposer.commit(batch)
+        self._release_finished()
+        t3 = time.perf_counter()
+        self.timing.draft_s += t1 - t0
+        self.timing.target_s += t2 - t1
+        self.timing.other_s += t3 - t2
+        self.timing.steps += 1
+        self.timing.tokens += sum(len(o.new_token_ids) for o in outputs)
+        self._maybe_log()
+        return outputs
+
+    def score(self, batch: list[Sequence], proposal: Proposal, sb: SamplingBatch) -> torch.Tensor:
+        """One target pass over each row's unseen tokens plus its drafts → p [B, k+1, V]."""
+        n_draft = proposal.n_draft.tolist()
+        drafts = proposal.tokens.tolist()
+        rows = [s.tokens[s.num_cached:] + d[:n] for s, d, n in zip(batch, drafts, n_draft)]
+        n_new = torch.tensor([len(r) for r in rows], device=self.device)
+        tokens = torch.zeros(len(rows), int(n_new.max()), dtype=torch.long)
+        for b, r in enumerate(rows):
+            tokens[b, :len(r)] = torch.tensor(r)
+        slots = torch.tensor([s.slot for s in batch], device=self.device)
+        hidden = self.model(tokens.to(self.device), self.cache, slots, n_new)  # [B, T, D]
+        # Row b's last unseen token predicts its first draft: positions n_unseen-1 .. n_new-1.
+        k = proposal.tokens.shape[1]
+        first = n_new - proposal.n_draft - 1
+        at = (first[:, None] + torch.arange(k + 1, device=self.device)).minimum(n_new[:, None] - 1)
+        hidden = hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, k+1, D]
+        self.last_hidden = hidden
+        return probabilities(self.model.logits(hidden), sb)
+
+    def commit(self, batch: list[Sequence], proposal: Proposal, n_accepted: list[int],
+               next_tokens: list[int]) -> list[StepOutput]:
+        outputs = []
+        drafts = proposal.tokens.tolist()
+        n_draft = proposal.n_draft.tolist()
+        for b, seq in enumerate(batch):
+            new = drafts[b][:n_accepted[b]] + [next_tokens[b]]
+            seq.stats.record(n_draft[b], n_accepted[b])
+            self.stats.record(n_draft[b], n_accepted[b])
+            outputs.append(self._append(seq, new))
+            # The target has seen every token but the newest (it is the next pass's input).
+            seq.num_cached = len(seq.tokens) - 1
+        self.cache.lengths[torch.tensor([s.slot for s in batch], device=self.device)] = torch.tensor(
+            [s.num_cached for s in batch], device=self.device)
+        return outputs
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _k_for(self, seq: Sequence) -> int:
+        # A step yields accepted + 1 tokens: never draft past max_tokens.
+        return max(0, min(self.k, seq.max_tokens - seq.num_generated - 1))
+
+    def _admit(self) -> None:
+        while self.waiting and self.free_slots:
+            seq = self.waiting.popleft()
+            seq.slot = self.free_slots.pop(0)
+            seq.num_cached = 0
+            self.cache.rollback(seq.slot, 0)
+            if self.proposer is not None:
+                self.proposer.add(seq)
+            self.running.append(seq)
+
+    def _append(self, seq: Sequence, new_ids: list[int]) -> StepOutput:
+        kept = []
+        stop_ids = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_ids)
+        for tok in new_ids:
+            seq.tokens.append(tok)
+            kept.append(tok)
+            if seq.first_token_time is None:
+                seq.first_token_time = time.perf_counter()
+            if seq.detokenizer is not None:
+                searched = len(seq.text)
+                seq.text += seq.detokenizer.push([tok])
+                if seq.params.stop and self._cut_at_stop_string(seq, searched):
+                    break
+            if tok in stop_ids:
+                self._finish(seq, "stop")
+                break
+            if seq.num_generated >= seq.max_tokens:
+                self._finish(seq, "length")
+                break
+        return StepOutput(seq, kept, self._release_text(seq))
+
+    def _cut_at_stop_string(self, seq: Sequence, searched: int) -> bool:
+        """If a stop string completed, cut the text before it and finish the sequence."""
+        longest = max(len(s) for s in seq.params.stop)
+        start = max(0, searched - longest + 1)
+        hits = [i for i in (seq.text.find(s, start) for s in seq.params.stop) if i >= 0]
+        if not hits:
+            return False
+        seq.text = seq.text[:min(hits)]
+        self._finish(seq, "stop")
+        return True
+
+    @staticmethod
+    def _release_text(seq: Sequence) -> str:
+        """The text not yet streamed, holding back a tail that could still grow into a stop string."""
+        end = len(seq.text)
+        if not seq.finished:
+            for stop in seq.params.stop:
+                for n in range(min(len(stop) - 1, end), 0, -1):
+                    if seq.text.endswith(stop[:n]):
+                        end = min(end, len(seq.text) - n)
+                        break
+        end = max(end, seq.emitted)
+        new, seq.emitted = seq.text[seq.emitted:end], end
+        return new
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        seq.finish_time = time.perf_counter()
+
+    def _release_finished(self) -> None:
+        for seq in [s for s in self.running if s.finished]:
+            self.running.remove(seq)
+            self.free_slots.append(seq.slot)
+            if self.proposer is not None:
+                self.proposer.remove(seq)
+
+    def _maybe_log(self) -> None:
+        now = time.perf_counter()
+        if now - self._last_log < self.log_interval_s or not self.k:
+            return
+        s, last = self.stats, self._logged
+        drafted = s.num_draft_tokens - last.num_draft_tokens
+        accepted = s.num_accepted_tokens - last.num_accepted_tokens
+        drafts = s.num_drafts - last.num_drafts
+        if drafts:
+            per_pos = ", ".join(f"{a:.3f}" for a in s.per_position_acceptance)
+            log.info("SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, Drafted: %d "
+                     "tokens, Avg Draft acceptance rate: %.1f%%, Per-position acceptance rate: %s",
+                     1 + accepted / drafts, accepted, drafted, 100 * accepted / max(drafted, 1), per_pos)
+        self._logged = SpecStats(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
+        self._last_log = now

@@ -1,0 +1,97 @@
+"""The offline Python API, shaped like vLLM's: LLM(model).generate(prompts, sampling_params)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from speculant.config import SamplingParams, SpeculativeConfig
+from speculant.engine import Engine, resolve_max_model_len
+from speculant.errors import SpeculantError
+from speculant.models.loader import load_model
+from speculant.proposers import build_proposer
+from speculant.sequence import Sequence
+
+Prompt = str | dict
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    metrics: dict
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @classmethod
+    def from_sequence(cls, seq: Sequence, prompt: str | None) -> RequestOutput:
+        out = CompletionOutput(0, seq.text, seq.output_ids, seq.finish_reason)
+        return cls(seq.request_id, prompt, seq.prompt_ids, [out], seq.metrics())
+
+
+def build_engine(model: str | None = None, dtype: str = "float32", device: str = "cpu",
+                 speculative_config: str | dict | SpeculativeConfig | None = None,
+                 max_batch_size: int = 8, max_model_len: int | None = None) -> Engine:
+    spec = speculative_config if isinstance(speculative_config, SpeculativeConfig) \
+        else SpeculativeConfig.parse(speculative_config)
+    target = load_model(model, dtype=dtype, device=device)
+    max_len = resolve_max_model_len(target.config, max_model_len)
+    k = spec.num_speculative_tokens if spec else 0
+    proposer = build_proposer(spec, target, max_batch_size, max_len + k + 1) if spec else None
+    return Engine(target, proposer, k, max_batch_size, max_len)
+
+
+class LLM:
+    def __init__(self, model: str | None = None, dtype: str = "float32", device: str = "cpu",
+                 speculative_config: str | dict | None = None, max_batch_size: int = 8,
+                 max_model_len: int | None = None):
+        self.engine = build_engine(model, dtype, device, speculative_config, max_batch_size, max_model_len)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | list[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        prompts = prompts if isinstance(prompts, list) else [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise SpeculantError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        seqs = [self.engine.add_request(self._prompt_ids(p), sp) for p, sp in zip(prompts, params)]
+        self.engine.generate(seqs)
+        return [RequestOutput.from_sequence(s, p if isinstance(p, str) else None) for s, p in zip(seqs, prompts)]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        self._need_tokenizer()
+        prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(c)} for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise SpeculantError("a dict prompt needs 'prompt_token_ids'")
+            return list(prompt["prompt_token_ids"])
+        self._need_tokenizer()
+        return self.tokenizer.encode(prompt)
+
+    def _need_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            raise SpeculantError("this model has no tokenizer.json: pass {'prompt_token_ids': [...]} prompts")

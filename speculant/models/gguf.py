@@ -1,0 +1,322 @@
+"""Turn a llama.cpp GGUF file into a Hugging Face style folder, so the rest of speculant loads one format.
+
+Weights are dequantized to float32 with the `gguf` package and renamed to Hugging Face parameter names;
+for llama/mistral files the q/k row permutation llama.cpp applies is undone. The tokenizer is rebuilt by
+transformers' own GGUF converter (the reference we must match id for id). The result is cached under
+`<cache>/gguf/<key>`, keyed on the file's path, size and mtime, and published by an atomic rename.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from speculant.errors import SpeculantError
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# llama.cpp's Llama converter interleaves q/k rows for its RoPE kernel; the Qwen converters do not.
+PERMUTED_QK = {"llama", "mistral"}
+# Bump when the converted output changes, so stale cache entries are not reused.
+FORMAT_VERSION = 1
+
+TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+# Every block must have these; q/k norms and biases are optional (qwen3 / qwen2).
+REQUIRED_BLOCK = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+                  "attn_norm", "ffn_norm"]
+
+
+def convert_gguf(path: str | os.PathLike, cache_root: Path | None = None) -> tuple[Path, bool]:
+    """Convert a GGUF file (Llama-family: general.architecture llama / mistral / qwen2 / qwen3) into a
+    Hugging Face style folder, cached; return (folder, was_cached)."""
+    src = Path(path).expanduser()
+    if not src.is_file():
+        raise SpeculantError(f"GGUF file not found: {src}")
+    src = src.resolve()
+    folder = cache_dir(cache_root) / "gguf" / cache_key(src)
+    if (folder / "config.json").is_file():  # only complete folders ever get this name (atomic rename)
+        return folder, True
+
+    reader = open_gguf(src)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # Build next to the final place (same filesystem, so the rename is atomic); a crash leaves only `.tmp-*`.
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
+    try:
+        write_folder(reader, src, tmp)
+        try:
+            tmp.rename(folder)
+        except OSError:
+            if not (folder / "config.json").is_file():
+                raise
+            # Another process finished the same conversion first; its copy is as good as ours.
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder, False
+
+
+def cache_dir(cache_root: Path | None) -> Path:
+    root = cache_root or os.environ.get("SPECULANT_CACHE") or Path.home() / ".cache" / "speculant"
+    return Path(root).expanduser()
+
+
+def cache_key(src: Path) -> str:
+    st = src.stat()
+    ident = f"{FORMAT_VERSION}|{src}|{st.st_size}|{st.st_mtime_ns}"
+    return f"{src.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
+
+
+def open_gguf(src: Path) -> gguf.GGUFReader:
+    with open(src, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise SpeculantError(f"{src}: not a GGUF file (bad magic bytes).")
+    try:
+        return gguf.GGUFReader(src)
+    except Exception as e:  # the reader fails in many ways on a damaged file; all mean the same to the user
+        raise SpeculantError(f"{src}: unreadable GGUF file (truncated or corrupt?): {e}") from None
+
+
+def write_folder(reader: gguf.GGUFReader, src: Path, out: Path) -> None:
+    meta = read_metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch is None:
+        raise SpeculantError(f"{src}: missing required metadata key 'general.architecture'.")
+    if arch not in ARCHITECTURES:
+        raise SpeculantError(f"{src}: unsupported architecture '{arch}'. Supported: {', '.join(ARCHITECTURES)}.")
+    for t in reader.tensors:  # fail before spending minutes on the others
+        if not can_dequantize(t.tensor_type):
+            supported = ", ".join(q.name for q in gguf.GGMLQuantizationType if can_dequantize(q))
+            raise SpeculantError(f"{src}: tensor '{t.name}' has unsupported type {t.tensor_type.name}. "
+                                 f"Supported: {supported}.")
+    config = hf_config(reader, meta, arch, src)
+    tensors = hf_tensors(reader, config, arch, src)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    write_tokenizer(reader, meta, src, out)
+    eos = [meta[f"tokenizer.ggml.{k}_token_id"] for k in ("eos", "eot", "eom")
+           if f"tokenizer.ggml.{k}_token_id" in meta]
+    eos = list(dict.fromkeys(eos))  # chat models stop on end-of-turn as well as end-of-sequence
+    gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": eos[0] if len(eos) == 1 else eos or None}
+    write_json(out / "config.json", config)
+    write_json(out / "generation_config.json", gen)
+
+
+# --- metadata ------------------------------------------------------------------------------------------
+
+def read_metadata(reader: gguf.GGUFReader) -> dict:
+    """Scalar and string fields; arrays (vocabulary, merges) are left out and read where needed."""
+    meta = {}
+    for key, field in reader.fields.items():
+        if field.types and field.types[0] != gguf.GGUFValueType.ARRAY:
+            part = field.parts[field.data[0]]
+            is_str = field.types[0] == gguf.GGUFValueType.STRING
+            meta[key] = bytes(part).decode("utf-8") if is_str else part.tolist()[0]
+    return meta
+
+
+def token_text(reader: gguf.GGUFReader, token_id: int | None) -> str | None:
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    if token_id is None or field is None or not 0 <= token_id < len(field.data):
+        return None
+    return bytes(field.parts[field.data[token_id]]).decode("utf-8")
+
+
+def require(meta: dict, key: str, src: Path):
+    if key not in meta:
+        raise SpeculantError(f"{src}: missing required metadata key '{key}'.")
+    return meta[key]
+
+
+def hf_config(reader: gguf.GGUFReader, meta: dict, arch: str, src: Path) -> dict:
+    def req(key: str):
+        return require(meta, f"{arch}.{key}", src)
+
+    hidden, n_heads = req("embedding_length"), req("attention.head_count")
+    head_dim = meta.get(f"{arch}.attention.key_length") or hidden // n_heads
+    rope_theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))  # llama.cpp's default when absent
+    names = {t.name for t in reader.tensors}
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embd is None:
+        raise SpeculantError(f"{src}: missing tensor 'token_embd.weight'.")
+    config = {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": int(embd.shape[1]),  # the weights are the truth; metadata vocab_size is optional
+        "hidden_size": hidden,
+        "intermediate_size": req("feed_forward_length"),
+        "num_hidden_layers": req("block_count"),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", n_heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": req("attention.layer_norm_rms_epsilon"),
+        "rope_theta": rope_theta,
+        "max_position_embeddings": req("context_length"),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+    }
+    if arch == "mistral":  # HF's Mistral defaults to a 4096 window; only use one the file states
+        config["sliding_window"] = meta.get(f"{arch}.attention.sliding_window")
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        config["rope_scaling"] = llama3_scaling(dequantize(freqs).numpy(), rope_theta, head_dim)
+    elif meta.get(f"{arch}.rope.scaling.type", "none") != "none":
+        config["rope_scaling"] = {"rope_type": meta[f"{arch}.rope.scaling.type"],
+                                  "factor": float(req("rope.scaling.factor"))}
+        if f"{arch}.rope.scaling.original_context_length" in meta:
+            orig = meta[f"{arch}.rope.scaling.original_context_length"]
+            config["rope_scaling"]["original_max_position_embeddings"] = orig
+    return config
+
+
+def llama3_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict:
+    """Recover HF's llama3 rope_scaling from llama.cpp's per-frequency divisors (`rope_freqs.weight`).
+
+    llama.cpp stores Llama 3.x scaling only as these divisors. Between the two cut-offs the blend weight is
+    linear in 1/wavelength; with low_freq_factor = 1 (as Meta's configs have) the line gives
+    high_freq_factor and the original context length, which reproduce the same frequencies exactly.
+    """
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / inv_freq
+    factors = factors.astype(np.float64)
+    factor = float(factors.max())
+    mid = (factors > 1 + 1e-4) & (factors < factor - 1e-4)
+    high, orig = 4.0, 8192  # Meta's published values: the fallback when too few frequencies are blended
+    if mid.sum() >= 2:
+        smooth = (1 / factors[mid] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(1 / wavelen[mid], smooth, 1)
+        high = round(float(1 - 1 / intercept), 4)
+        orig = int(round(slope * (high - 1)))
+    return {"rope_type": "llama3", "factor": round(factor, 4), "low_freq_factor": 1.0,
+            "high_freq_factor": high, "original_max_position_embeddings": orig}
+
+
+# --- weights -------------------------------------------------------------------------------------------
+
+@functools.cache
+def can_dequantize(qtype: gguf.GGMLQuantizationType) -> bool:
+    # Probe gguf's dequantizer with one zero block: accept whatever the installed version supports.
+    if qtype not in gguf.GGML_QUANT_SIZES:
+        return False
+    try:
+        gguf.quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+        return True
+    except Exception:
+        return False
+
+
+def dequantize(t) -> torch.Tensor:
+    values = gguf.quants.dequantize(t.data, t.tensor_type)
+    shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists dims fastest-first, torch slowest-first
+    # F32 tensors come back as a read-only view of the memory-mapped file; copy those only.
+    return torch.from_numpy(np.require(values.reshape(shape), np.float32, ["C", "W"]))
+
+
+def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    # llama.cpp stores each head's rows as interleaved pairs (h, d/2, 2); HF's rotate-half wants (h, 2, d/2).
+    return w.reshape(n_heads, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def hf_name(name: str, src: Path) -> str | None:
+    if name == "rope_freqs.weight":
+        return None  # folded into config["rope_scaling"]
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    if m and m[2] in BLOCK_NAMES:
+        return f"model.layers.{m[1]}.{BLOCK_NAMES[m[2]]}.{m[3]}"
+    base, _, kind = name.rpartition(".")
+    if base in TOP_NAMES:
+        return f"{TOP_NAMES[base]}.{kind}"
+    raise SpeculantError(f"{src}: tensor '{name}' has no equivalent in a dense Llama-family model "
+                         "(mixture-of-experts and multimodal GGUFs are not supported).")
+
+
+def hf_tensors(reader: gguf.GGUFReader, config: dict, arch: str, src: Path) -> dict[str, torch.Tensor]:
+    names = {t.name for t in reader.tensors}
+    for i in range(config["num_hidden_layers"]):
+        for part in REQUIRED_BLOCK:
+            if f"blk.{i}.{part}.weight" not in names:
+                raise SpeculantError(f"{src}: missing tensor 'blk.{i}.{part}.weight'.")
+    if "output_norm.weight" not in names:
+        raise SpeculantError(f"{src}: missing tensor 'output_norm.weight'.")
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    out = {}
+    for t in reader.tensors:
+        name = hf_name(t.name, src)
+        if name is None:
+            continue
+        w = dequantize(t)
+        kind = t.name.split(".")[-2]
+        if arch in PERMUTED_QK and kind in heads:
+            w = unpermute(w, heads[kind])
+        out[name] = w
+    return out
+
+
+# --- tokenizer -----------------------------------------------------------------------------------------
+
+def write_tokenizer(reader: gguf.GGUFReader, meta: dict, src: Path, out: Path) -> None:
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens"):
+        if key not in reader.fields:
+            raise SpeculantError(f"{src}: missing required metadata key '{key}'.")
+    try:  # transformers is the reference tokenizer; rebuilding its pipelines by hand would drift from it
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise SpeculantError("Converting a GGUF tokenizer needs transformers: pip install transformers") from None
+    # Load from a folder holding only the GGUF, so a tokenizer.json lying next to the user's file is ignored.
+    scratch = out / ".src"
+    scratch.mkdir()
+    try:
+        (scratch / src.name).symlink_to(src)
+    except OSError:
+        scratch = src.parent  # no symlinks on this system: fall back to the file's own folder
+    try:
+        tok = AutoTokenizer.from_pretrained(str(scratch), gguf_file=src.name, local_files_only=True)
+    except Exception as e:
+        raise SpeculantError(f"{src}: cannot build its tokenizer: {e}") from None
+    finally:
+        if scratch != src.parent:
+            shutil.rmtree(scratch)
+    tok.backend_tokenizer.save(str(out / "tokenizer.json"))
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",  # the generic class: tokenizer.json is complete
+        "bos_token": token_text(reader, meta.get("tokenizer.ggml.bos_token_id")),
+        "eos_token": token_text(reader, meta.get("tokenizer.ggml.eos_token_id")),
+        "unk_token": token_text(reader, meta.get("tokenizer.ggml.unknown_token_id")),
+        "pad_token": token_text(reader, meta.get("tokenizer.ggml.padding_token_id")),
+        "add_bos_token": bool(getattr(tok, "add_bos_token", meta.get("tokenizer.ggml.add_bos_token", False))),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "chat_template": meta.get("tokenizer.chat_template"),
+    }
+    write_json(out / "tokenizer_config.json", tok_config)
+
+
+def write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

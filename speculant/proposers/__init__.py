@@ -1,0 +1,23 @@
+"""Proposers guess the next k tokens; the verifier decides. One interface for all of them."""
+
+from __future__ import annotations
+
+from speculant.config import SpeculativeConfig
+from speculant.models.loader import LoadedModel, load_model
+from speculant.proposers.base import Proposal, Proposer
+
+__all__ = ["Proposal", "Proposer", "build_proposer"]
+
+
+def build_proposer(cfg: SpeculativeConfig, target: LoadedModel, max_batch_size: int, max_len: int) -> Proposer:
+    if cfg.method == "ngram":
+        from speculant.proposers.ngram import NgramProposer
+
+        return NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+    if cfg.method == "draft_model":
+        from speculant.proposers.draft_model import DraftModelProposer, check_vocab
+
+        draft = load_model(cfg.model, dtype=target.model.dtype, device=target.model.device)
+        check_vocab(target, draft)
+        return DraftModelProposer(draft, target.config.vocab_size, max_batch_size, max_len)
+    raise NotImplementedError(f"method {cfg.method!r} is not available yet")

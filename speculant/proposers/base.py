@@ -1,0 +1,48 @@
+"""The proposer interface."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from speculant.sampling import SamplingBatch
+
+if TYPE_CHECKING:
+    from speculant.sequence import Sequence
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [B, k] draft tokens, padded with 0 past n_draft
+    n_draft: torch.Tensor  # [B] how many of row b's tokens are real (0..k)
+    q: torch.Tensor | None  # [B, k, V] the distribution each token was drawn from; None: deterministic
+
+    @classmethod
+    def from_lists(cls, drafts: list[list[int]], device: torch.device) -> Proposal:
+        k = max((len(d) for d in drafts), default=0)
+        tokens = torch.zeros(len(drafts), k, dtype=torch.long)
+        for row, d in enumerate(drafts):
+            tokens[row, :len(d)] = torch.tensor(d, dtype=torch.long)
+        n_draft = torch.tensor([len(d) for d in drafts], dtype=torch.long)
+        return cls(tokens.to(device), n_draft.to(device), None)
+
+
+class Proposer:
+    """Stateless by default; a proposer with a model keeps per-sequence state (a KV cache row)."""
+
+    name = "none"
+
+    def add(self, seq: Sequence) -> None:
+        """A sequence joins the running batch."""
+
+    def remove(self, seq: Sequence) -> None:
+        """A sequence leaves (finished or aborted): free its state."""
+
+    def propose(self, seqs: list[Sequence], ks: list[int], sb: SamplingBatch) -> Proposal:
+        """Up to ks[b] draft tokens continuing seqs[b].tokens."""
+        raise NotImplementedError
+
+    def commit(self, seqs: list[Sequence]) -> None:
+        """The sequences' tokens were extended by the verifier: drop state past the agreed prefix."""

@@ -1,0 +1,96 @@
+"""A smaller model of the same family drafts k tokens autoregressively, sampling each under the
+request's own transforms, and reports q, the distribution it really drew from."""
+
+from __future__ import annotations
+
+import torch
+
+from speculant.errors import SpeculantError
+from speculant.models.loader import LoadedModel
+from speculant.proposers.base import Proposal, Proposer
+from speculant.sampling import SamplingBatch, probabilities, sample
+from speculant.sequence import Sequence
+
+
+def check_vocab(target: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse a draft whose tokens do not mean what the target's mean."""
+    tv, dv = target.config.vocab_size, draft.config.vocab_size
+    if target.tokenizer is None or draft.tokenizer is None:
+        if tv != dv:
+            raise SpeculantError(f"draft vocabulary size {dv} differs from the target's {tv} "
+                                 "(no tokenizer to compare token strings)")
+        return
+    t_vocab, d_vocab = target.tokenizer.vocab, draft.tokenizer.vocab
+    if t_vocab != d_vocab:
+        differ = sorted(set(t_vocab.items()) ^ set(d_vocab.items()), key=lambda kv: kv[1])[:3]
+        raise SpeculantError(
+            f"draft and target vocabularies differ ({len(d_vocab)} vs {len(t_vocab)} tokens; first "
+            f"differences: {', '.join(f'{tok!r}={i}' for tok, i in differ)}); a draft must share the "
+            "target's tokenizer")
+    # Beyond the tokenizer's tokens, the embedding rows are padding: sizes may differ there.
+    if min(tv, dv) < len(t_vocab):
+        raise SpeculantError(f"model vocabulary sizes ({tv}, {dv}) are smaller than the tokenizer's {len(t_vocab)}")
+    for name in ("bos_id", "eos_id"):
+        if getattr(target.tokenizer, name) != getattr(draft.tokenizer, name):
+            raise SpeculantError(f"draft and target special tokens differ: {name} "
+                                 f"{getattr(draft.tokenizer, name)} vs {getattr(target.tokenizer, name)}")
+
+
+class DraftModelProposer(Proposer):
+    name = "draft_model"
+
+    def __init__(self, draft: LoadedModel, target_vocab_size: int, max_batch_size: int, max_len: int):
+        self.model = draft.model
+        self.vocab = target_vocab_size
+        self.cache = self.model.new_cache(max_batch_size, max_len)
+        self.free = list(range(max_batch_size))
+        self.slot: dict[str, int] = {}
+        self.fed: dict[str, int] = {}  # tokens of the sequence the draft cache holds
+
+    def add(self, seq: Sequence) -> None:
+        self.slot[seq.request_id] = self.free.pop(0)
+        self.fed[seq.request_id] = 0
+        self.cache.rollback(self.slot[seq.request_id], 0)
+
+    def remove(self, seq: Sequence) -> None:
+        self.free.append(self.slot.pop(seq.request_id))
+        del self.fed[seq.request_id]
+
+    def propose(self, seqs: list[Sequence], ks: list[int], sb: SamplingBatch) -> Proposal:
+        device = self.model.device
+        slots = torch.tensor([self.slot[s.request_id] for s in seqs], device=device)
+        # Catch up on what the draft has not seen yet (the prompt, the verifier's last tokens).
+        unseen = [s.tokens[self.fed[s.request_id]:] for s in seqs]
+        n_new = torch.tensor([len(u) for u in unseen], device=device)
+        tokens = torch.zeros(len(seqs), int(n_new.max()), dtype=torch.long)
+        for b, u in enumerate(unseen):
+            tokens[b, :len(u)] = torch.tensor(u)
+        hidden = self.model(tokens.to(device), self.cache, slots, n_new)
+        hidden = hidden[torch.arange(len(seqs), device=device), n_new - 1][:, None]  # [B, 1, D]
+        k = max(ks)
+        drafts, qs = [], []
+        for i in range(k):
+            q = probabilities(self._logits(hidden), sb)[:, 0]  # [B, V]
+            drafts.append(sample(q, sb.generators))
+            qs.append(q)
+            if i < k - 1:
+                hidden = self.model(drafts[-1][:, None], self.cache, slots)
+        for s, u in zip(seqs, unseen):
+            self.fed[s.request_id] += len(u) + k - 1
+        q = None if sb.all_greedy else torch.stack(qs, dim=1)  # greedy q is one-hot: deterministic
+        return Proposal(torch.stack(drafts, dim=1), torch.tensor(ks, device=device), q)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # Draft and target may pad their vocabularies differently: compare on the target's ids.
+        logits = self.model.logits(hidden)
+        V = logits.shape[-1]
+        if V >= self.vocab:
+            return logits[..., :self.vocab]
+        return torch.nn.functional.pad(logits, (0, self.vocab - V), value=float("-inf"))
+
+    def commit(self, seqs: list[Sequence]) -> None:
+        # The draft fed its own guesses; only those the verifier kept are still valid.
+        for s in seqs:
+            if s.request_id in self.fed:
+                self.fed[s.request_id] = min(self.fed[s.request_id], len(s.tokens) - 1)
+                self.cache.rollback(self.slot[s.request_id], self.fed[s.request_id])

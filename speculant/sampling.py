@@ -1,0 +1,119 @@
+"""Logits → probabilities under a request's transforms, and seeded sampling.
+
+The same function turns target and draft logits into the distributions p and q the verifier
+compares: applying the transforms to one side only would break losslessness.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from speculant.config import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling transforms of a batch, as tensors, and each row's random generator
+    (None for a greedy row: it draws no randomness)."""
+
+    temperature: torch.Tensor  # [B]
+    top_k: torch.Tensor  # [B], 0 = off
+    top_p: torch.Tensor  # [B]
+    min_p: torch.Tensor  # [B]
+    greedy: torch.Tensor  # [B] bool
+    generators: list[torch.Generator | None]
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
+              device: torch.device) -> SamplingBatch:
+        def t(values, dtype=torch.float32):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(
+            temperature=t([p.temperature if p.temperature > 0 else 1.0 for p in params]),
+            top_k=t([max(p.top_k, 0) for p in params], torch.long),
+            top_p=t([p.top_p for p in params]),
+            min_p=t([p.min_p for p in params]),
+            greedy=t([p.greedy for p in params], torch.bool),
+            generators=generators,
+        )
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(g is None for g in self.generators)
+
+
+def probabilities(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """logits [B, T, V] → probabilities [B, T, V] after temperature, top-k, top-p, min-p.
+
+    A greedy row becomes the one-hot of its argmax: the acceptance rule applied to one-hot
+    distributions is exactly greedy verification, so both share one code path.
+    """
+    B, T, V = logits.shape
+    logits = logits.float()
+    if sb.all_greedy:
+        return _one_hot_argmax(logits)
+    logits = logits / sb.temperature[:, None, None]
+    if bool((sb.top_k > 0).any()) or bool((sb.top_p < 1).any()):
+        logits = _top_k_top_p(logits, sb.top_k, sb.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    if bool((sb.min_p > 0).any()):
+        floor = sb.min_p[:, None, None] * probs.amax(dim=-1, keepdim=True)
+        probs = torch.where(probs < floor, 0.0, probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    if bool(sb.greedy.any()):
+        probs = torch.where(sb.greedy[:, None, None], _one_hot_argmax(logits), probs)
+    return probs
+
+
+def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(logits)
+    return out.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    V = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(V, device=logits.device)
+    k = torch.where(top_k > 0, top_k, V)[:, None, None]
+    sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_logits = sorted_logits.masked_fill((mass_before >= top_p[:, None, None]) & (rank > 0), float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(-1, order, sorted_logits)
+
+
+def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of probs [B, V] → [B]; a row without generator takes the argmax.
+
+    argmax(p / E) with E ~ Exp(1) is an exact draw from p (zero-probability tokens never win),
+    and it takes each row's own generator, so a seeded request reproduces whatever its batch.
+    """
+    tokens = probs.argmax(dim=-1)
+    for row, gen in enumerate(generators):
+        if gen is not None:
+            noise = torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=gen)
+            tokens[row] = (probs[row] / noise).argmax()
+    return tokens
+
+
+def uniforms(n: int, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """[B, n] uniform draws in [0, 1); zeros for rows without a generator (greedy rows, whose
+    acceptance then reduces to p(d) > 0, i.e. d is the argmax)."""
+    out = torch.zeros(len(generators), n, device=device)
+    for row, gen in enumerate(generators):
+        if gen is not None and n:
+            out[row] = torch.rand(n, generator=gen, device=device)
+    return out
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen

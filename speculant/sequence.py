@@ -1,0 +1,108 @@
+"""A request in flight: its tokens, sampling state, text and statistics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from speculant.config import SamplingParams
+from speculant.models.tokenizer import Detokenizer
+
+
+@dataclass
+class SpecStats:
+    """Speculation counters; the same shape serves one request and the whole engine."""
+
+    num_drafts: int = 0  # verify steps that checked at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    drafts_per_pos: list[int] = field(default_factory=list)
+    target_passes: int = 0
+
+    def record(self, n_draft: int, n_accepted: int) -> None:
+        self.target_passes += 1
+        if n_draft == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += n_draft
+        self.num_accepted_tokens += n_accepted
+        grow = n_draft - len(self.drafts_per_pos)
+        if grow > 0:
+            self.drafts_per_pos += [0] * grow
+            self.accepted_per_pos += [0] * grow
+        for pos in range(n_draft):
+            self.drafts_per_pos[pos] += 1
+            self.accepted_per_pos[pos] += pos < n_accepted
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / d for a, d in zip(self.accepted_per_pos, self.drafts_per_pos)]
+
+    def as_dict(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "per_position_acceptance": self.per_position_acceptance,
+            "target_passes": self.target_passes,
+        }
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # params.max_tokens, capped by the context length
+    generator: torch.Generator | None  # None: greedy
+    detokenizer: Detokenizer | None
+    tokens: list[int] = field(default_factory=list)  # prompt + output
+    slot: int = -1  # row in the target's KV cache
+    num_cached: int = 0  # tokens the target's cache holds for this sequence
+    text: str = ""
+    emitted: int = 0  # characters of text already streamed out
+    finish_reason: str | None = None
+    stats: SpecStats = field(default_factory=SpecStats)
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self):
+        self.tokens = list(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[len(self.prompt_ids):]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def metrics(self) -> dict:
+        end = self.finish_time or time.perf_counter()
+        decode_s = end - (self.first_token_time or end)
+        return {
+            "prompt_tokens": len(self.prompt_ids),
+            "completion_tokens": self.num_generated,
+            "time_to_first_token_s": (self.first_token_time - self.arrival) if self.first_token_time else None,
+            "total_time_s": end - self.arrival,
+            "tokens_per_s": (self.num_generated - 1) / decode_s if decode_s > 0 else None,
+            **self.stats.as_dict(),
+        }
