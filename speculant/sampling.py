@@ -24,6 +24,7 @@ class SamplingBatch:
     min_p: torch.Tensor  # [B]
     greedy: torch.Tensor  # [B] bool
     generators: list[torch.Generator | None]
+    all_greedy: bool
 
     @classmethod
     def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
@@ -38,11 +39,8 @@ class SamplingBatch:
             min_p=t([p.min_p for p in params]),
             greedy=t([p.greedy for p in params], torch.bool),
             generators=generators,
+            all_greedy=all(p.greedy for p in params),
         )
-
-    @property
-    def all_greedy(self) -> bool:
-        return all(g is None for g in self.generators)
 
 
 def probabilities(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:

@@ -27,24 +27,33 @@ def verify(draft: torch.Tensor, n_draft: torch.Tensor, p: torch.Tensor, q: torch
     rows = torch.arange(B, device=draft.device)
     real = torch.arange(k, device=draft.device)[None, :] < n_draft[:, None]  # [B, k]
     p_d = p[:, :k].gather(-1, draft[..., None]).squeeze(-1)  # [B, k]
-    if q is None:
-        ratio = p_d
-    else:
-        q_d = q.gather(-1, draft[..., None]).squeeze(-1)
-        ratio = torch.where(q_d > 0, p_d / q_d.clamp_min(1e-30), 0.0)
-    accepted = (uniforms(k, generators, draft.device) < ratio) & real
+    q_d = None if q is None else q.gather(-1, draft[..., None]).squeeze(-1)
+    accepted = (uniforms(k, generators, draft.device) < acceptance_probability(p_d, q_d)) & real
     n_accepted = accepted.int().cumprod(dim=1).sum(dim=1)  # [B]
 
     p_next = p[rows, n_accepted]  # [B, V]
     rejected = n_accepted < n_draft
     if k and bool(rejected.any()):
         at = n_accepted.clamp(max=k - 1)
-        if q is None:
-            residual = p_next.scatter(-1, draft[rows, at][:, None], 0.0)
-        else:
-            residual = (p_next - q[rows, at]).clamp_min(0.0)
-        mass = residual.sum(dim=-1, keepdim=True)
-        # A zero residual only happens when p == q (up to rounding): then p itself is the answer.
-        residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_next)
-        p_next = torch.where(rejected[:, None], residual, p_next)
+        fix = residual(p_next, None if q is None else q[rows, at], draft[rows, at])
+        p_next = torch.where(rejected[:, None], fix, p_next)
     return n_accepted, sample(p_next, generators)
+
+
+def acceptance_probability(p_d: torch.Tensor, q_d: torch.Tensor | None) -> torch.Tensor:
+    """p(d) / q(d), compared with a uniform draw (so capped at 1 in effect); q = None is one-hot."""
+    if q_d is None:
+        return p_d
+    return torch.where(q_d > 0, p_d / q_d.clamp_min(1e-30), 0.0)
+
+
+def residual(p: torch.Tensor, q: torch.Tensor | None, rejected_token: torch.Tensor) -> torch.Tensor:
+    """normalize(max(0, p - q)) [B, V]: what to draw from after rejecting a draft drawn from q.
+    With q = None (one-hot at the rejected token) that is p without the token."""
+    if q is None:
+        out = p.scatter(-1, rejected_token[:, None], 0.0)
+    else:
+        out = (p - q).clamp_min(0.0)
+    mass = out.sum(dim=-1, keepdim=True)
+    # A zero residual only happens when p == q (up to rounding): then p itself is the answer.
+    return torch.where(mass > 0, out / mass.clamp_min(1e-30), p)

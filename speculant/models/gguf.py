@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import gguf
@@ -67,6 +68,9 @@ def convert_gguf(path: str | os.PathLike, cache_root: Path | None = None) -> tup
 
     reader = open_gguf(src)
     folder.parent.mkdir(parents=True, exist_ok=True)
+    for stale in folder.parent.glob(".tmp-*"):  # left by killed conversions; a live one is never a day old
+        if time.time() - stale.stat().st_mtime > 86400:
+            shutil.rmtree(stale, ignore_errors=True)
     # Build next to the final place (same filesystem, so the rename is atomic); a crash leaves only `.tmp-*`.
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
     try:
@@ -109,8 +113,13 @@ def write_folder(reader: gguf.GGUFReader, src: Path, out: Path) -> None:
     if arch is None:
         raise SpeculantError(f"{src}: missing required metadata key 'general.architecture'.")
     if arch not in ARCHITECTURES:
-        raise SpeculantError(f"{src}: unsupported architecture '{arch}'. Supported: {', '.join(ARCHITECTURES)}.")
-    for t in reader.tensors:  # fail before spending minutes on the others
+        supported = ", ".join(ARCHITECTURES)
+        raise SpeculantError(f"{src}: unsupported architecture '{arch}'. Supported: {supported}.")
+    # Check everything that can fail cheaply before the slow dequantization.
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens"):
+        if key not in reader.fields:
+            raise SpeculantError(f"{src}: missing required metadata key '{key}'.")
+    for t in reader.tensors:
         if not can_dequantize(t.tensor_type):
             supported = ", ".join(q.name for q in gguf.GGMLQuantizationType if can_dequantize(q))
             raise SpeculantError(f"{src}: tensor '{t.name}' has unsupported type {t.tensor_type.name}. "
@@ -122,7 +131,7 @@ def write_folder(reader: gguf.GGUFReader, src: Path, out: Path) -> None:
     eos = [meta[f"tokenizer.ggml.{k}_token_id"] for k in ("eos", "eot", "eom")
            if f"tokenizer.ggml.{k}_token_id" in meta]
     eos = list(dict.fromkeys(eos))  # chat models stop on end-of-turn as well as end-of-sequence
-    gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": eos[0] if len(eos) == 1 else eos or None}
+    gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": eos[0] if len(eos) == 1 else (eos or None)}
     write_json(out / "config.json", config)
     write_json(out / "generation_config.json", gen)
 
@@ -187,7 +196,9 @@ def hf_config(reader: gguf.GGUFReader, meta: dict, arch: str, src: Path) -> dict
         config["sliding_window"] = meta.get(f"{arch}.attention.sliding_window")
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is not None:
-        config["rope_scaling"] = llama3_scaling(dequantize(freqs).numpy(), rope_theta, head_dim)
+        scaling = llama3_scaling(dequantize(freqs).numpy(), rope_theta, head_dim)
+        if scaling is not None:
+            config["rope_scaling"] = scaling
     elif meta.get(f"{arch}.rope.scaling.type", "none") != "none":
         config["rope_scaling"] = {"rope_type": meta[f"{arch}.rope.scaling.type"],
                                   "factor": float(req("rope.scaling.factor"))}
@@ -197,7 +208,7 @@ def hf_config(reader: gguf.GGUFReader, meta: dict, arch: str, src: Path) -> dict
     return config
 
 
-def llama3_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict:
+def llama3_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict | None:
     """Recover HF's llama3 rope_scaling from llama.cpp's per-frequency divisors (`rope_freqs.weight`).
 
     llama.cpp stores Llama 3.x scaling only as these divisors. Between the two cut-offs the blend weight is
@@ -208,6 +219,8 @@ def llama3_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict:
     wavelen = 2 * np.pi / inv_freq
     factors = factors.astype(np.float64)
     factor = float(factors.max())
+    if factor <= 1:
+        return None
     mid = (factors > 1 + 1e-4) & (factors < factor - 1e-4)
     high, orig = 4.0, 8192  # Meta's published values: the fallback when too few frequencies are blended
     if mid.sum() >= 2:
@@ -283,20 +296,19 @@ def hf_tensors(reader: gguf.GGUFReader, config: dict, arch: str, src: Path) -> d
 # --- tokenizer -----------------------------------------------------------------------------------------
 
 def write_tokenizer(reader: gguf.GGUFReader, meta: dict, src: Path, out: Path) -> None:
-    for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens"):
-        if key not in reader.fields:
-            raise SpeculantError(f"{src}: missing required metadata key '{key}'.")
     try:  # transformers is the reference tokenizer; rebuilding its pipelines by hand would drift from it
         from transformers import AutoTokenizer
-    except ImportError:
-        raise SpeculantError("Converting a GGUF tokenizer needs transformers: pip install transformers") from None
+    except ImportError:  # an optional dependency (the `peers` extra)
+        msg = "Converting a GGUF tokenizer needs transformers (pip install transformers)."
+        raise SpeculantError(msg) from None
     # Load from a folder holding only the GGUF, so a tokenizer.json lying next to the user's file is ignored.
     scratch = out / ".src"
     scratch.mkdir()
     try:
         (scratch / src.name).symlink_to(src)
-    except OSError:
-        scratch = src.parent  # no symlinks on this system: fall back to the file's own folder
+    except OSError:  # no symlinks on this system: fall back to the file's own folder
+        scratch.rmdir()
+        scratch = src.parent
     try:
         tok = AutoTokenizer.from_pretrained(str(scratch), gguf_file=src.name, local_files_only=True)
     except Exception as e:

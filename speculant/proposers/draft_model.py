@@ -70,8 +70,8 @@ class DraftModelProposer(Proposer):
         k = max(ks)
         drafts, qs = [], []
         for i in range(k):
-            q = probabilities(self._logits(hidden), sb)[:, 0]  # [B, V]
-            drafts.append(sample(q, sb.generators))
+            token, q = self.draw(self._logits(hidden), sb)
+            drafts.append(token)
             qs.append(q)
             if i < k - 1:
                 hidden = self.model(drafts[-1][:, None], self.cache, slots)
@@ -79,6 +79,12 @@ class DraftModelProposer(Proposer):
             self.fed[s.request_id] += len(u) + k - 1
         q = None if sb.all_greedy else torch.stack(qs, dim=1)  # greedy q is one-hot: deterministic
         return Proposal(torch.stack(drafts, dim=1), torch.tensor(ks, device=device), q)
+
+    def draw(self, logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [B, 1, V] → a token per row [B] and q [B, V], the distribution it was drawn from:
+        the request's transforms applied to the draft's logits, exactly as to the target's."""
+        q = probabilities(logits, sb)[:, 0]
+        return sample(q, sb.generators), q
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Draft and target may pad their vocabularies differently: compare on the target's ids.

@@ -1,0 +1,163 @@
+"""The `speculant` command: generate | serve | bench | advise | train-draft."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+import time
+
+from speculant.config import SamplingParams, SpeculativeConfig
+from speculant.errors import SpeculantError
+
+# Subcommands that live with their feature: module path → it defines add_arguments(p) and run(args).
+FEATURE_COMMANDS = {
+    "serve": ("speculant.server.cli", "OpenAI-compatible HTTP server with speculative decoding"),
+    "bench": ("speculant.bench.cli", "side-by-side benchmark: speed-up per k, batch size, proposer"),
+    "advise": ("speculant.bench.advise", "short run that says whether speculation pays on this setup"),
+    "train-draft": ("speculant.training.cli", "train an EAGLE-style head or a distilled draft model"),
+}
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """Model and speculation flags shared by every subcommand that runs the engine."""
+    g = p.add_argument_group("model")
+    g.add_argument("--model", "-m", default=None,
+                   help="HF model folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    g.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length served (default 2048)")
+    g.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together (default 8)")
+    s = p.add_argument_group("speculation")
+    s.add_argument("--speculative-config", default=None,
+                   help='JSON object or a JSON/YAML file, as vLLM: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4}\'; methods: draft_model, ngram, eagle')
+    s.add_argument("--draft-model", default=None, help="shortcut: a draft model path (method draft_model)")
+    s.add_argument("--ngram", action="store_true", help="shortcut: prompt-lookup proposer (method ngram)")
+    s.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="draft length k (default 4)")
+    s.add_argument("--no-speculation", action="store_true", help="plain decoding (k = 0)")
+
+
+def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
+    if args.no_speculation:
+        return None
+    if args.speculative_config:
+        cfg = SpeculativeConfig.parse(args.speculative_config)
+        if args.num_speculative_tokens is not None:
+            cfg.num_speculative_tokens = args.num_speculative_tokens
+        return cfg
+    k = args.num_speculative_tokens if args.num_speculative_tokens is not None else 4
+    if args.draft_model:
+        return SpeculativeConfig.parse({"method": "draft_model", "model": args.draft_model,
+                                        "num_speculative_tokens": k})
+    if args.ngram or args.num_speculative_tokens is not None:
+        return SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": k})
+    return None
+
+
+def engine_from_args(args: argparse.Namespace):
+    from speculant.llm import build_engine
+
+    return build_engine(args.model, args.dtype, args.device, speculative_config_from_args(args),
+                        args.max_batch_size, args.max_model_len)
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-tokens", "-n", type=int, default=256)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          seed=args.seed, max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    params = sampling_from_args(args)
+    t0 = time.perf_counter()
+    engine = engine_from_args(args)
+    load_s = time.perf_counter() - t0
+    tok = engine.tokenizer
+    if tok is None:
+        raise SpeculantError("this model has no tokenizer.json: generate needs one to read the prompt")
+    prompt_ids = tok.encode(args.prompt) if args.no_chat else tok.encode_chat(
+        [{"role": "user", "content": args.prompt}])
+    seq = engine.add_request(prompt_ids, params)
+    while not seq.finished:
+        for out in engine.step():
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    report_run(seq.metrics(), engine, load_s)
+
+
+def report_run(m: dict, engine, load_s: float) -> None:
+    lines = [f"load {load_s:.2f}s | prompt {m['prompt_tokens']} tokens | generated {m['completion_tokens']} tokens "
+             f"in {m['total_time_s']:.2f}s | {m['tokens_per_s'] or 0:.1f} tokens/s | "
+             f"first token {m['time_to_first_token_s'] or 0:.3f}s"]
+    if engine.k:
+        per_pos = " ".join(f"{a:.2f}" for a in m["per_position_acceptance"])
+        lines.append(f"speculation: {engine.proposer.name}, k={engine.k} | drafted {m['num_draft_tokens']} | "
+                     f"accepted {m['num_accepted_tokens']} ({100 * (m['acceptance_rate'] or 0):.1f}%) | "
+                     f"mean acceptance length {m['mean_acceptance_length'] or 0:.2f} | "
+                     f"target passes {m['target_passes']} | per-position {per_pos}")
+    t = engine.timing
+    lines.append(f"time: draft {t.draft_s:.2f}s, target {t.target_s:.2f}s, rest {t.other_s:.2f}s")
+    print("\n".join(lines), file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="speculant",
+        description="Speculative decoding: a cheap proposer drafts tokens, the target verifies them in one "
+                    "pass; the output is exactly the target's.")
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG | INFO | WARNING (default)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    gen = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal",
+                         description="Generate from a prompt (chat template applied unless --no-chat) and print "
+                                     "speed and speculation statistics at the end.")
+    gen.add_argument("prompt")
+    gen.add_argument("--no-chat", action="store_true", help="raw completion: no chat template")
+    add_model_arguments(gen)
+    add_sampling_arguments(gen)
+    gen.set_defaults(run=run_generate)
+    for name, (module, help_text) in FEATURE_COMMANDS.items():
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name and module.startswith(e.name):
+                continue  # the feature is not part of this build
+            raise
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        mod.add_arguments(p)
+        p.set_defaults(run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "run", None):
+        parser.print_help()
+        return 2
+    try:
+        args.run(args)
+    except SpeculantError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

