@@ -20,7 +20,7 @@ from speculant.errors import SpeculantError
 from speculant.models.llama import ModelConfig
 from speculant.models.loader import LoadedModel
 from speculant.models.tokenizer import Detokenizer
-from speculant.proposers import Proposal, Proposer
+from speculant.proposers import Proposal, Proposer, TargetHidden
 from speculant.sampling import SamplingBatch, make_generator, probabilities
 from speculant.sequence import Sequence, SpecStats
 from speculant.verify import verify
@@ -147,12 +147,15 @@ class Engine:
         else:
             proposal = Proposal.from_lists([[] for _ in batch], self.device)
         t1 = time.perf_counter()
-        p = self.score(batch, proposal, sb)
+        p, hidden = self.score(batch, proposal, sb)
         t2 = time.perf_counter()
         n_accepted, next_tokens = verify(proposal.tokens, proposal.n_draft, p, proposal.q, sb.generators)
-        outputs = self.commit(batch, proposal, n_accepted.tolist(), next_tokens.tolist())
+        n_accepted = n_accepted.tolist()
+        start = [s.num_cached for s in batch]
+        n_valid = [len(s.tokens) - s.num_cached + n for s, n in zip(batch, n_accepted)]
+        outputs = self.commit(batch, proposal, n_accepted, next_tokens.tolist())
         if self.proposer is not None:
-            self.proposer.commit(batch)
+            self.proposer.commit(batch, TargetHidden(hidden, start, n_valid))
         self._release_finished()
         t3 = time.perf_counter()
         self.timing.draft_s += t1 - t0
@@ -163,8 +166,10 @@ class Engine:
         self._maybe_log()
         return outputs
 
-    def score(self, batch: list[Sequence], proposal: Proposal, sb: SamplingBatch) -> torch.Tensor:
-        """One target pass over each row's unseen tokens plus its drafts → p [B, k+1, V]."""
+    def score(self, batch: list[Sequence], proposal: Proposal,
+              sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """One target pass over each row's unseen tokens plus its drafts → (p [B, k+1, V], the
+        final hidden states of every fed token [B, T, D])."""
         n_draft = proposal.n_draft.tolist()
         drafts = proposal.tokens.tolist()
         rows = [s.tokens[s.num_cached:] + d[:n] for s, d, n in zip(batch, drafts, n_draft)]
@@ -178,9 +183,8 @@ class Engine:
         k = proposal.tokens.shape[1]
         first = n_new - proposal.n_draft - 1
         at = (first[:, None] + torch.arange(k + 1, device=self.device)).minimum(n_new[:, None] - 1)
-        hidden = hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, k+1, D]
-        self.last_hidden = hidden
-        return probabilities(self.model.logits(hidden), sb)
+        scored = hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, k+1, D]
+        return probabilities(self.model.logits(scored), sb), hidden
 
     def commit(self, batch: list[Sequence], proposal: Proposal, n_accepted: list[int],
                next_tokens: list[int]) -> list[StepOutput]:

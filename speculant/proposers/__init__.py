@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from speculant.config import SpeculativeConfig
 from speculant.models.loader import LoadedModel, load_model
-from speculant.proposers.base import Proposal, Proposer
+from speculant.proposers.base import Proposal, Proposer, TargetHidden
 
-__all__ = ["Proposal", "Proposer", "build_proposer"]
+__all__ = ["Proposal", "Proposer", "TargetHidden", "build_proposer"]
 
 
 def build_proposer(cfg: SpeculativeConfig, target: LoadedModel, max_batch_size: int, max_len: int) -> Proposer:

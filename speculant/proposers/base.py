@@ -29,6 +29,16 @@ class Proposal:
         return cls(tokens.to(device), n_draft.to(device), None)
 
 
+@dataclass
+class TargetHidden:
+    """The target's final hidden states from a verify pass, for proposers that draft from them
+    (EAGLE). Row b fed the sequence's unseen tokens, then its drafts, from position start[b]."""
+
+    hidden: torch.Tensor  # [B, T, D]
+    start: list[int]
+    n_valid: list[int]  # fed tokens that are now part of the sequence (unseen + accepted drafts)
+
+
 class Proposer:
     """Stateless by default; a proposer with a model keeps per-sequence state (a KV cache row)."""
 
@@ -44,5 +54,5 @@ class Proposer:
         """Up to ks[b] draft tokens continuing seqs[b].tokens."""
         raise NotImplementedError
 
-    def commit(self, seqs: list[Sequence]) -> None:
+    def commit(self, seqs: list[Sequence], target: TargetHidden) -> None:
         """The sequences' tokens were extended by the verifier: drop state past the agreed prefix."""

@@ -7,7 +7,7 @@ import torch
 
 from speculant.errors import SpeculantError
 from speculant.models.loader import LoadedModel
-from speculant.proposers.base import Proposal, Proposer
+from speculant.proposers.base import Proposal, Proposer, TargetHidden
 from speculant.sampling import SamplingBatch, probabilities, sample
 from speculant.sequence import Sequence
 
@@ -94,7 +94,7 @@ class DraftModelProposer(Proposer):
             return logits[..., :self.vocab]
         return torch.nn.functional.pad(logits, (0, self.vocab - V), value=float("-inf"))
 
-    def commit(self, seqs: list[Sequence]) -> None:
+    def commit(self, seqs: list[Sequence], target: TargetHidden) -> None:
         # The draft fed its own guesses; only those the verifier kept are still valid.
         for s in seqs:
             if s.request_id in self.fed:
