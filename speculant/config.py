@@ -98,7 +98,7 @@ class SpeculativeConfig:
 
 def _load_json_or_file(text: str) -> dict:
     stripped = text.strip()
-    if not stripped.startswith("{"):
+    if not stripped.startswith(("{", "[")):
         path = Path(stripped).expanduser()
         if not path.exists():
             raise SpeculantError(f"speculative config: not a JSON object and no such file: {text}")

@@ -1,0 +1,66 @@
+"""Greedy speculative output equals plain greedy output, token for token (float32)."""
+
+from __future__ import annotations
+
+import pytest
+
+from speculant.config import SamplingParams, SpeculativeConfig
+from speculant.engine import Engine
+from speculant.models.loader import load_model
+from speculant.proposers import build_proposer
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+# Repetitive prompts give the n-gram proposer something to find.
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 12, 13], list(range(20, 45)) + list(range(20, 30)), [9]]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_pair):
+    return load_model(tiny_pair[0])
+
+
+def run(target, spec: dict | None, prompts, params=GREEDY, max_batch_size=4):
+    cfg = SpeculativeConfig.parse(spec)
+    k = cfg.num_speculative_tokens if cfg else 0
+    proposer = build_proposer(cfg, target, max_batch_size, 256 + k + 1) if cfg else None
+    engine = Engine(target, proposer, k, max_batch_size=max_batch_size, max_model_len=256)
+    seqs = [engine.add_request(p, params) for p in prompts]
+    engine.generate(seqs)
+    return [s.output_ids for s in seqs], engine
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    return run(target, None, PROMPTS)[0]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, 8])
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_greedy_equals_plain(target, tiny_pair, plain, method, k):
+    spec = {"method": method, "num_speculative_tokens": k}
+    if method == "draft_model":
+        spec["model"] = str(tiny_pair[1])
+    one_by_one = [run(target, spec, [p], max_batch_size=1)[0][0] for p in PROMPTS]
+    batched, engine = run(target, spec, PROMPTS)  # ragged batch of 4
+    assert one_by_one == plain
+    assert batched == plain
+    assert engine.stats.num_draft_tokens > 0
+
+
+def test_identical_draft_accepts_everything(target, tiny_pair):
+    spec = {"method": "draft_model", "model": str(tiny_pair[0]), "num_speculative_tokens": 4}
+    outputs, engine = run(target, spec, PROMPTS)
+    assert engine.stats.acceptance_rate >= 0.99
+    assert engine.stats.mean_acceptance_length > 4.5
+
+
+def test_ngram_on_repetitive_prompt_accepts_and_saves_passes(target, plain):
+    outputs, engine = run(target, {"method": "ngram", "num_speculative_tokens": 5}, PROMPTS)
+    assert outputs == plain
+    plain_passes = sum(len(o) for o in plain)
+    assert engine.stats.target_passes < plain_passes
+
+
+def test_batch_larger_than_slots_queues(target, plain):
+    outputs, engine = run(target, {"method": "ngram", "num_speculative_tokens": 3}, PROMPTS, max_batch_size=2)
+    assert outputs == plain

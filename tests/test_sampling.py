@@ -1,0 +1,96 @@
+"""Sampling transforms give the right support; seeded sampling reproduces whatever the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speculant.config import SamplingParams
+from speculant.engine import Engine
+from speculant.models.loader import load_model
+from speculant.sampling import SamplingBatch, probabilities
+
+LOGITS = torch.tensor([[[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]]])  # softmax ≈ .63 .23 .09 .03 .01 .00
+
+
+def probs(**kw) -> torch.Tensor:
+    params = SamplingParams(**kw)
+    return probabilities(LOGITS, SamplingBatch.build([params], [None], torch.device("cpu")))[0, 0]
+
+
+def support(p: torch.Tensor) -> list[int]:
+    return torch.nonzero(p).flatten().tolist()
+
+
+def test_top_k_keeps_k_most_likely():
+    assert support(probs(top_k=2)) == [0, 1]
+    assert support(probs(top_k=-1)) == [0, 1, 2, 3, 4, 5]
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p():
+    full = torch.softmax(LOGITS[0, 0], -1)
+    assert support(probs(top_p=0.5)) == [0]  # 0.63 ≥ 0.5 alone
+    assert support(probs(top_p=float(full[0] + 0.01))) == [0, 1]
+    assert support(probs(top_p=float(full[:3].sum()))) == [0, 1, 2]
+
+
+def test_min_p_drops_tokens_below_fraction_of_max():
+    full = torch.softmax(LOGITS[0, 0], -1)
+    ratio = full / full[0]  # 1, .37, .14, .05, .02, .007
+    assert support(probs(min_p=float(ratio[2]) - 1e-3)) == [0, 1, 2]
+    assert support(probs(min_p=0.5)) == [0]
+
+
+def test_transforms_renormalize_and_temperature_sharpens():
+    p = probs(top_k=3, temperature=0.5)
+    assert p.sum().item() == pytest.approx(1.0, abs=1e-6)
+    expected = torch.softmax(LOGITS[0, 0, :3] / 0.5, -1)
+    assert torch.allclose(p[:3], expected, atol=1e-6)
+
+
+def test_greedy_is_one_hot_argmax():
+    assert probs(temperature=0).tolist() == [1.0, 0, 0, 0, 0, 0]
+
+
+def test_mixed_rows_get_their_own_transforms():
+    params = [SamplingParams(top_k=1), SamplingParams(temperature=0), SamplingParams(min_p=0.2)]
+    sb = SamplingBatch.build(params, [None] * 3, torch.device("cpu"))
+    p = probabilities(LOGITS.expand(3, 1, 6), sb)[:, 0]
+    assert [support(r) for r in p] == [[0], [0], [0, 1]]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_pair):
+    return load_model(tiny_pair[0])
+
+
+def sample_outputs(target, params_list, max_batch_size=4):
+    engine = Engine(target, max_batch_size=max_batch_size, max_model_len=64)
+    seqs = [engine.add_request([3, 4, 5], p) for p in params_list]
+    engine.generate(seqs)
+    return [s.output_ids for s in seqs]
+
+
+def test_seeded_sampling_reproduces_across_batches(target):
+    p = SamplingParams(temperature=1.0, seed=123, max_tokens=12, ignore_eos=True)
+    alone = sample_outputs(target, [p])[0]
+    again = sample_outputs(target, [p])[0]
+    others = [SamplingParams(temperature=1.0, seed=s, max_tokens=12, ignore_eos=True) for s in (1, 2, 3)]
+    in_batch = sample_outputs(target, [others[0], p, others[1], others[2]])[1]
+    assert alone == again == in_batch
+    different_seeds = sample_outputs(target, others)
+    assert len({tuple(o) for o in different_seeds + [alone]}) > 1
+
+
+def test_generated_tokens_stay_in_the_top_k_support(target):
+    params = SamplingParams(temperature=1.5, top_k=3, seed=7, max_tokens=10, ignore_eos=True)
+    engine = Engine(target, max_batch_size=1, max_model_len=64)
+    seq = engine.add_request([3, 4, 5], params)
+    engine.generate([seq])
+    model = target.model
+    with torch.no_grad():
+        cache = model.new_cache(1, 64)
+        logits = model.logits(model(torch.tensor([seq.tokens[:-1]]), cache, torch.tensor([0])))[0]
+    for i, tok in enumerate(seq.output_ids):
+        top3 = logits[2 + i].topk(3).indices.tolist()  # position 2 is the last prompt token
+        assert tok in top3
