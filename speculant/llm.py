@@ -70,7 +70,9 @@ class LLM:
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         prompts = prompts if isinstance(prompts, list) else [prompts]
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        params = sampling_params
         if len(params) != len(prompts):
             raise SpeculantError(f"{len(prompts)} prompts but {len(params)} sampling params")
         seqs = [self.engine.add_request(self._prompt_ids(p), sp) for p, sp in zip(prompts, params)]

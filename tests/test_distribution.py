@@ -12,9 +12,9 @@ from dataclasses import replace
 
 import pytest
 import torch
+from mutants import PROPOSER_MUTANTS, VERIFIER_MUTANTS, inverse_cdf_sample, patch_verifier
 from scipy.stats import power_divergence
 
-from mutants import PROPOSER_MUTANTS, VERIFIER_MUTANTS, inverse_cdf_sample, patch_verifier
 from speculant.config import SamplingParams
 from speculant.engine import Engine
 from speculant.models.loader import load_model

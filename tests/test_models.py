@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import save_tiny, transformers
+
 from speculant.models.loader import load_model
 
 TOL = 1e-4

@@ -4,7 +4,6 @@ what followed it. No model, deterministic (q is one-hot)."""
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from speculant.proposers.base import Proposal, Proposer
 from speculant.sampling import SamplingBatch
