@@ -27,6 +27,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="HF model folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
     g.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    g.add_argument("--quantization", "-q", default=None, choices=["none", "int8"],
+                   help="weight-only int8 (per channel) for target and draft; default none")
     g.add_argument("--max-model-len", type=int, default=None, help="context length served (default 2048)")
     g.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together (default 8)")
     s = p.add_argument_group("speculation")
@@ -60,7 +62,7 @@ def engine_from_args(args: argparse.Namespace):
     from speculant.llm import build_engine
 
     return build_engine(args.model, args.dtype, args.device, speculative_config_from_args(args),
-                        args.max_batch_size, args.max_model_len)
+                        args.max_batch_size, args.max_model_len, args.quantization)
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:

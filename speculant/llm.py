@@ -50,10 +50,11 @@ class RequestOutput:
 
 def build_engine(model: str | None = None, dtype: str = "float32", device: str = "cpu",
                  speculative_config: str | dict | SpeculativeConfig | None = None,
-                 max_batch_size: int = 8, max_model_len: int | None = None) -> Engine:
+                 max_batch_size: int = 8, max_model_len: int | None = None,
+                 quantization: str | None = None) -> Engine:
     spec = speculative_config if isinstance(speculative_config, SpeculativeConfig) \
         else SpeculativeConfig.parse(speculative_config)
-    target = load_model(model, dtype=dtype, device=device)
+    target = load_model(model, dtype=dtype, device=device, quantization=quantization)
     max_len = resolve_max_model_len(target.config, max_model_len)
     k = spec.num_speculative_tokens if spec else 0
     proposer = build_proposer(spec, target, max_batch_size, max_len + k + 1) if spec else None
@@ -63,8 +64,9 @@ def build_engine(model: str | None = None, dtype: str = "float32", device: str =
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = "float32", device: str = "cpu",
                  speculative_config: str | dict | None = None, max_batch_size: int = 8,
-                 max_model_len: int | None = None):
-        self.engine = build_engine(model, dtype, device, speculative_config, max_batch_size, max_model_len)
+                 max_model_len: int | None = None, quantization: str | None = None):
+        self.engine = build_engine(model, dtype, device, speculative_config, max_batch_size, max_model_len,
+                                   quantization)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: Prompt | list[Prompt],

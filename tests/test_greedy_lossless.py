@@ -64,3 +64,11 @@ def test_ngram_on_repetitive_prompt_accepts_and_saves_passes(target, plain):
 def test_batch_larger_than_slots_queues(target, plain):
     outputs, engine = run(target, {"method": "ngram", "num_speculative_tokens": 3}, PROMPTS, max_batch_size=2)
     assert outputs == plain
+
+
+def test_int8_target_speculation_equals_its_own_plain_output(tiny_pair):
+    target = load_model(tiny_pair[0], quantization="int8")
+    plain_int8 = run(target, None, PROMPTS)[0]
+    for spec in ({"method": "ngram", "num_speculative_tokens": 4},
+                 {"method": "draft_model", "model": str(tiny_pair[1]), "num_speculative_tokens": 3}):
+        assert run(target, spec, PROMPTS)[0] == plain_int8

@@ -204,11 +204,12 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.embed_tokens.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        # The embedding is never quantized: it holds the activations' dtype.
+        return self.model.embed_tokens.weight.dtype
 
     def new_cache(self, max_batch: int, max_len: int) -> KVCache:
         c = self.cfg

