@@ -1,0 +1,397 @@
+"""The OpenAI-compatible HTTP API over one engine.
+
+POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics.
+Handlers validate, tokenize and hand the request to the engine thread (worker.py); they never touch
+the engine themselves. Every error leaves as the OpenAI error body with a 4xx/5xx status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from speculant.engine import Engine
+from speculant.errors import SpeculantError
+from speculant.metrics import ServerMetrics
+from speculant.sequence import Sequence, SpecStats
+from speculant.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    SamplingRequest,
+    SpeculativeStats,
+    UsageInfo,
+)
+from speculant.server.worker import Delta, EngineFailure, EngineWorker, RequestStream, ShuttingDown
+
+log = logging.getLogger("speculant.server")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(ErrorResponse(error=err.info).model_dump(), status_code=err.status)
+
+
+def api_error(e: Exception) -> APIError:
+    """The HTTP face of an error raised while a request was with the engine."""
+    if isinstance(e, SpeculantError):
+        return APIError(400, str(e))
+    if isinstance(e, ShuttingDown):
+        return APIError(503, str(e), "service_unavailable")
+    return APIError(500, str(e), "internal_error")
+
+
+def sse(body: BaseModel) -> str:
+    return f"data: {body.model_dump_json()}\n\n"
+
+
+async def parse_body(request: Request, model: type[SamplingRequest]) -> SamplingRequest:
+    try:
+        req = model.model_validate_json(await request.body())
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = [str(part) for part in first["loc"]]
+        if not loc:  # the body itself: not JSON, or not an object
+            raise APIError(400, f"invalid request body: {first['msg']}") from None
+        raise APIError(400, f"{'.'.join(loc)}: {first['msg']}", param=loc[0]) from None
+    unsupported = req.unsupported()
+    if unsupported:
+        raise APIError(400, f"'{unsupported}' is not supported by this server", param=unsupported)
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    return req
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def sum_stats(seqs: list[Sequence]) -> SpecStats:
+    total = SpecStats()
+    for s in seqs:
+        st = s.stats
+        total.num_drafts += st.num_drafts
+        total.num_draft_tokens += st.num_draft_tokens
+        total.num_accepted_tokens += st.num_accepted_tokens
+        total.target_passes += st.target_passes
+        for pos, (accepted, drafted) in enumerate(zip(st.accepted_per_pos, st.drafts_per_pos, strict=True)):
+            if pos == len(total.drafts_per_pos):
+                total.drafts_per_pos.append(0)
+                total.accepted_per_pos.append(0)
+            total.drafts_per_pos[pos] += drafted
+            total.accepted_per_pos[pos] += accepted
+    return total
+
+
+# -- the two response families ----------------------------------------------------------------
+
+
+class CompletionFormat:
+    id_prefix = "cmpl"
+
+    def response(self, rid: str, model: str, texts: list[str], ids: list[list[int]], reasons: list[str],
+                 with_ids: bool, **extra) -> BaseModel:
+        choices = [CompletionChoice(index=i, text=t, finish_reason=r, token_ids=d if with_ids else None)
+                   for i, (t, d, r) in enumerate(zip(texts, ids, reasons, strict=True))]
+        return CompletionResponse(id=rid, model=model, choices=choices, **extra)
+
+    def opening(self, rid: str, created: int, model: str, n: int) -> list[BaseModel]:
+        return []
+
+    def chunk(self, rid: str, created: int, model: str, deltas: list[Delta], with_ids: bool,
+              **extra) -> BaseModel:
+        choices = [CompletionChoice(index=d.index, text=d.text, finish_reason=d.finish_reason,
+                                    token_ids=d.token_ids if with_ids else None) for d in deltas]
+        return CompletionResponse(id=rid, created=created, model=model, choices=choices, **extra)
+
+
+class ChatFormat:
+    id_prefix = "chatcmpl"
+
+    def response(self, rid: str, model: str, texts: list[str], ids: list[list[int]], reasons: list[str],
+                 with_ids: bool, **extra) -> BaseModel:
+        choices = [ChatChoice(index=i, message=AssistantMessage(content=t), finish_reason=r,
+                              token_ids=d if with_ids else None)
+                   for i, (t, d, r) in enumerate(zip(texts, ids, reasons, strict=True))]
+        return ChatCompletionResponse(id=rid, model=model, choices=choices, **extra)
+
+    def opening(self, rid: str, created: int, model: str, n: int) -> list[BaseModel]:
+        # As OpenAI does: each choice's first chunk names the role, with empty content.
+        return [ChatCompletionChunk(id=rid, created=created, model=model, choices=[
+            ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]) for i in range(n)]
+
+    def chunk(self, rid: str, created: int, model: str, deltas: list[Delta], with_ids: bool,
+              **extra) -> BaseModel:
+        choices = [ChatStreamChoice(index=d.index, delta=DeltaMessage(content=d.text or None),
+                                    finish_reason=d.finish_reason,
+                                    token_ids=d.token_ids if with_ids else None) for d in deltas]
+        return ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, **extra)
+
+
+# -- the server -------------------------------------------------------------------------------
+
+
+class OpenAIServer:
+    def __init__(self, engine: Engine, served_model_names: list[str], api_key: str | None):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_names = served_model_names
+        self.model_name = served_model_names[0]
+        self.api_key = api_key
+        self.metrics = ServerMetrics(self.model_name, engine.k)
+        self.worker = EngineWorker(engine, self.metrics)
+
+    # -- endpoints --------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        req = await parse_body(request, CompletionRequest)
+        self.check_model(req.model)
+        prompts = self.completion_prompts(req.prompt)
+        for ids in prompts:
+            self.check_context(ids, req.max_new_tokens(), "prompt")
+        return await self.generate(request, req, prompts, CompletionFormat())
+
+    async def chat_completions(self, request: Request) -> Response:
+        req = await parse_body(request, ChatCompletionRequest)
+        self.check_model(req.model)
+        self.need_tokenizer("messages")
+        try:
+            ids = self.tokenizer.encode_chat([m.for_template() for m in req.messages])
+        except SpeculantError as e:
+            raise APIError(400, str(e), param="messages") from None
+        self.check_context(ids, req.max_new_tokens(), "messages")
+        return await self.generate(request, req, [ids], ChatFormat())
+
+    def models(self) -> ModelList:
+        cards = [ModelCard(id=name, root=self.engine.target.source, max_model_len=self.engine.max_model_len)
+                 for name in self.model_names]
+        return ModelList(data=cards)
+
+    def health(self) -> Response:
+        if not self.worker.accepting:
+            return error_response(APIError(503, "the server is shutting down", "service_unavailable"))
+        return JSONResponse({"status": "ok"})
+
+    def render_metrics(self) -> Response:
+        return Response(self.metrics.render(), media_type=self.metrics.content_type)
+
+    def check_api_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    # -- checks and prompts -----------------------------------------------------------------
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model_names:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves "
+                                f"{', '.join(repr(n) for n in self.model_names)}",
+                           param="model", code="model_not_found")
+
+    def need_tokenizer(self, param: str) -> None:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: only /v1/completions with a prompt of token ids "
+                                "works", param=param)
+
+    def completion_prompts(self, prompt: str | list) -> list[list[int]]:
+        if isinstance(prompt, list) and not prompt:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        if isinstance(prompt, list) and isinstance(prompt[0], int):
+            return [prompt]
+        if isinstance(prompt, list) and isinstance(prompt[0], list):
+            return prompt
+        self.need_tokenizer("prompt")
+        return [self.tokenizer.encode(p) for p in ([prompt] if isinstance(prompt, str) else prompt)]
+
+    def check_context(self, ids: list[int], max_tokens: int | None, param: str) -> None:
+        limit = self.engine.max_model_len
+        if not ids:
+            raise APIError(400, "the prompt is empty", param=param)
+        if len(ids) >= limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens and the prompt has "
+                                f"{len(ids)} (the context must also hold at least one generated token)",
+                           param=param, code="context_length_exceeded")
+        if max_tokens is not None and len(ids) + max_tokens > limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens; you asked for "
+                                f"{len(ids) + max_tokens} ({len(ids)} in the prompt, {max_tokens} to write)",
+                           param="max_tokens", code="context_length_exceeded")
+
+    # -- generation -------------------------------------------------------------------------
+
+    async def generate(self, request: Request, req: SamplingRequest, prompts: list[list[int]],
+                       fmt: CompletionFormat | ChatFormat) -> Response:
+        rid = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
+        # Choice index = prompt index × n + j, as the OpenAI API numbers them.
+        seqs = [(ids, req.sampling_params(j)) for ids in prompts for j in range(req.n)]
+        try:
+            stream = self.worker.submit(rid, seqs)
+        except ShuttingDown as e:
+            raise api_error(e) from None
+        try:
+            await stream.admitted()
+        except BaseException as e:  # refused, or this handler was cancelled: give back what was taken
+            stream.close()
+            if isinstance(e, Exception):
+                raise api_error(e) from None
+            raise
+        usage_prompt = sum(len(ids) for ids in prompts)
+        if req.stream:
+            # The background close covers a client gone before the first chunk: the generator, never
+            # started, would not run its own `finally`.
+            return StreamingResponse(self.stream_events(stream, req, fmt, usage_prompt),
+                                     media_type="text/event-stream", background=BackgroundTask(stream.close))
+        return await self.complete(request, stream, req, fmt, usage_prompt)
+
+    async def complete(self, request: Request, stream: RequestStream, req: SamplingRequest,
+                       fmt: CompletionFormat | ChatFormat, prompt_tokens: int) -> Response:
+        n = len(stream.prompts)
+        texts, ids, reasons = [""] * n, [[] for _ in range(n)], [""] * n
+
+        async def collect() -> None:
+            async for d in stream:
+                texts[d.index] += d.text
+                ids[d.index] += d.token_ids
+                reasons[d.index] = d.finish_reason
+
+        # A client that hangs up must free its batch slots now, not when generation would end.
+        work, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(wait_for_disconnect(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            work.cancel()
+            stream.close()
+        if not work.done() or work.cancelled():
+            return Response(status_code=499)  # nobody is listening any more
+        if work.exception() is not None:
+            raise api_error(work.exception())
+        return JSONResponse(fmt.response(stream.request_id, self.model_name, texts, ids, reasons,
+                                         req.return_token_ids, usage=self.usage(prompt_tokens, ids),
+                                         speculative_stats=self.speculative_stats(stream.seqs)).model_dump())
+
+    async def stream_events(self, stream: RequestStream, req: SamplingRequest,
+                            fmt: CompletionFormat | ChatFormat, prompt_tokens: int) -> AsyncIterator[str]:
+        rid, created, n = stream.request_id, int(time.time()), len(stream.prompts)
+        ids: list[list[int]] = [[] for _ in range(n)]
+        try:
+            for body in fmt.opening(rid, created, self.model_name, n):
+                yield sse(body)
+            async for d in stream:
+                ids[d.index] += d.token_ids
+                if not (d.text or d.finish_reason or req.return_token_ids):
+                    continue  # text held back (a possible stop string, an unfinished character)
+                # Without a usage chunk, the last chunk carries the request's speculative statistics.
+                last = stream.finished and not req.include_usage
+                yield sse(fmt.chunk(rid, created, self.model_name, [d], req.return_token_ids,
+                                    speculative_stats=self.speculative_stats(stream.seqs) if last else None))
+            if req.include_usage:
+                yield sse(fmt.chunk(rid, created, self.model_name, [], False,
+                                    usage=self.usage(prompt_tokens, ids),
+                                    speculative_stats=self.speculative_stats(stream.seqs)))
+        except (ShuttingDown, EngineFailure) as e:
+            # Headers are gone already: the error travels as an event, which OpenAI clients raise.
+            yield sse(ErrorResponse(error=api_error(e).info))
+        finally:
+            stream.close()
+        yield "data: [DONE]\n\n"
+
+    @staticmethod
+    def usage(prompt_tokens: int, ids: list[list[int]]) -> UsageInfo:
+        completion = sum(len(d) for d in ids)
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion,
+                         total_tokens=prompt_tokens + completion)
+
+    def speculative_stats(self, seqs: list[Sequence]) -> SpeculativeStats:
+        """Read only once every sequence has finished: the engine no longer touches them."""
+        proposer = self.engine.proposer
+        return SpeculativeStats(method=proposer.name if proposer is not None and self.engine.k else None,
+                                num_speculative_tokens=self.engine.k, **sum_stats(seqs).as_dict())
+
+
+def default_model_name(engine: Engine) -> str:
+    return Path(engine.target.source).name.removesuffix(".gguf")
+
+
+def create_app(engine: Engine, served_model_names: list[str] | None = None,
+               api_key: str | None = None) -> FastAPI:
+    """The FastAPI app. The engine thread starts and stops with the app's lifespan."""
+    server = OpenAIServer(engine, served_model_names or [default_model_name(engine)], api_key)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.worker.start()
+        yield
+        server.worker.stop()
+
+    app = FastAPI(title="Speculant", lifespan=lifespan)
+    app.state.server = server
+    auth = [Depends(server.check_api_key)]
+    app.post("/v1/completions", dependencies=auth)(server.completions)
+    app.post("/v1/chat/completions", dependencies=auth)(server.chat_completions)
+    app.get("/v1/models", dependencies=auth)(server.models)
+    app.get("/health")(server.health)
+    app.get("/metrics")(server.render_metrics)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(APIError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def on_bug(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error in %s", request.url.path)
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}", "internal_error"))
+
+    return app
+
+
+class Server(uvicorn.Server):
+    """uvicorn with a drain before it closes connections: on SIGINT/SIGTERM, in-flight requests get
+    `shutdown_timeout_s` to finish, then a clean error instead of a dropped connection."""
+
+    def __init__(self, config: uvicorn.Config, shutdown_timeout_s: float = 30.0):
+        super().__init__(config)
+        self.shutdown_timeout_s = shutdown_timeout_s
+
+    async def shutdown(self, sockets=None) -> None:
+        worker = self.config.app.state.server.worker
+        await worker.drain(self.shutdown_timeout_s, give_up=lambda: self.force_exit)
+        await super().shutdown(sockets)

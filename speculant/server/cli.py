@@ -1,0 +1,64 @@
+"""`speculant serve [MODEL]`: the flags of `vllm serve`, checked before the port is bound."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import os
+import socket
+
+from speculant.cli import add_model_arguments, engine_from_args, speculative_config_from_args
+from speculant.errors import SpeculantError
+
+log = logging.getLogger("speculant.server")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+                   help="HF model folder or .gguf file; overrides --model (default: the bundled SmolLM2)")
+    add_model_arguments(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    g.add_argument("--api-key", default=os.environ.get("SPECULANT_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $SPECULANT_API_KEY, else none)")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients send; the first is used in responses (default: MODEL)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default 30)")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail before loading the model, not minutes later, when the address is taken."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            why = "address already in use" if e.errno == errno.EADDRINUSE else e.strerror
+            raise SpeculantError(f"cannot listen on {host}:{port}: {why}") from None
+
+
+def run(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from speculant.server.app import Server, create_app
+
+    if args.model_tag:
+        args.model = args.model_tag
+    speculative_config_from_args(args)  # a bad config fails here, before anything touches the port
+    check_port_free(args.host, args.port)
+    engine = engine_from_args(args)
+    # The periodic "SpecDecoding metrics" line is INFO: a server shows it unless asked to be quieter.
+    speculant_log = logging.getLogger("speculant")
+    if speculant_log.getEffectiveLevel() > logging.INFO:
+        speculant_log.setLevel(logging.INFO)
+    names = args.served_model_name or ([args.model] if args.model else None)
+    app = create_app(engine, names, args.api_key)
+    server_name = app.state.server.model_name
+    how = f"{engine.proposer.name}, k={engine.k}" if engine.k else "no speculation"
+    log.info("serving %s (%s, batch %d, context %d) on http://%s:%d", server_name, how, engine.max_batch_size,
+             engine.max_model_len, args.host, args.port)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info")
+    Server(config, args.shutdown_timeout).run()

@@ -1,0 +1,254 @@
+"""The engine thread: continuous batching behind the asyncio front end.
+
+The engine is not thread-safe, so one thread owns it. HTTP handlers hand requests over through a
+command queue; between two steps the thread admits new requests (they join the running batch at the
+next step), aborts those whose client left (their slot is free for the next step), then runs one
+batched step and sends every sequence's new tokens to the asyncio queue of the request it belongs
+to. With nothing to do it sleeps on an Event instead of spinning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from speculant.config import SamplingParams
+from speculant.engine import Engine
+from speculant.errors import SpeculantError
+from speculant.metrics import ServerMetrics
+from speculant.sequence import Sequence
+
+log = logging.getLogger("speculant.server")
+
+
+class ShuttingDown(Exception):
+    """The server is stopping: the request was refused or cut short."""
+
+
+class EngineFailure(Exception):
+    """The engine raised an unexpected error while this request was in the batch."""
+
+
+@dataclass
+class Delta:
+    """What one step gave one sequence, copied in the engine thread (the Sequence keeps changing)."""
+
+    index: int  # the choice this sequence fills
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+
+
+@dataclass
+class Admitted:
+    seqs: list[Sequence]
+
+
+class RequestStream:
+    """One HTTP request's sequences (prompts × n), seen from the event loop.
+
+    Iterate it for Deltas until every sequence has finished; close it when done, which aborts
+    whatever is still generating (a client that left frees its batch slots at once)."""
+
+    def __init__(self, worker: EngineWorker, request_id: str,
+                 prompts: list[tuple[list[int], SamplingParams]]):
+        self.worker = worker
+        self.request_id = request_id
+        self.prompts = prompts
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.arrival = time.perf_counter()
+        self.seqs: list[Sequence] = []
+        self.unfinished = len(prompts)
+        self.closed = False
+
+    def put(self, item: Delta | Admitted | Exception) -> None:
+        """Called from the engine thread."""
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    async def admitted(self) -> list[Sequence]:
+        """Wait until the engine took the request; raises SpeculantError if it refused it."""
+        item = await self.queue.get()
+        if isinstance(item, Exception):
+            raise item
+        self.seqs = item.seqs
+        return self.seqs
+
+    @property
+    def finished(self) -> bool:
+        return self.unfinished == 0
+
+    def __aiter__(self):
+        return self._deltas()
+
+    async def _deltas(self):
+        while self.unfinished:
+            item = await self.queue.get()
+            if isinstance(item, Exception):
+                raise item
+            self.unfinished -= item.finish_reason is not None
+            yield item
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.worker.in_flight.discard(self)
+        if self.unfinished:
+            self.worker.abort(self)
+
+
+@dataclass
+class _Entry:
+    stream: RequestStream
+    index: int
+    last_emit: float | None = None
+
+
+class EngineWorker:
+    def __init__(self, engine: Engine, metrics: ServerMetrics):
+        self.engine = engine
+        self.metrics = metrics
+        self.in_flight: set[RequestStream] = set()  # event-loop side only
+        self.accepting = True
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._entries: dict[str, _Entry] = {}  # engine-thread side only: sequence id → its request
+        self._thread = threading.Thread(target=self._run, name="speculant-engine", daemon=True)
+
+    # -- event-loop side --------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._send("stop", None)
+        self._thread.join(timeout_s)
+
+    def submit(self, request_id: str, prompts: list[tuple[list[int], SamplingParams]]) -> RequestStream:
+        if not self.accepting:
+            raise ShuttingDown("the server is shutting down")
+        stream = RequestStream(self, request_id, prompts)
+        self.in_flight.add(stream)
+        self._send("add", stream)
+        return stream
+
+    def abort(self, stream: RequestStream) -> None:
+        self._send("abort", stream)
+
+    async def drain(self, timeout_s: float, give_up: Callable[[], bool] = lambda: False) -> None:
+        """Refuse new requests, give in-flight ones `timeout_s` to finish, then end the rest with a
+        clean error rather than a dropped connection."""
+        self.accepting = False
+        deadline = time.perf_counter() + timeout_s
+        if self.in_flight:
+            log.info("waiting up to %.0fs for %d in-flight request(s)", timeout_s, len(self.in_flight))
+        while self.in_flight and time.perf_counter() < deadline and not give_up():
+            await asyncio.sleep(0.05)
+        if self.in_flight:
+            log.warning("aborting %d request(s) still in flight at shutdown", len(self.in_flight))
+            self._send("abort_all", None)
+            while self.in_flight and not give_up() and time.perf_counter() < deadline + 5:
+                await asyncio.sleep(0.05)
+
+    def _send(self, command: str, stream: RequestStream | None) -> None:
+        self._commands.put((command, stream))
+        self._wake.set()
+
+    # -- engine-thread side -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        running = True
+        while running:
+            if not self.engine.has_unfinished():
+                self._wake.wait()
+            # Cleared before draining: a command sent after this point sets it again.
+            self._wake.clear()
+            running = self._apply_commands()
+            if running and self.engine.has_unfinished():
+                self._step()
+            self.metrics.observe_load(len(self.engine.running), len(self.engine.waiting))
+        for stream in self._live_streams():
+            self._abort(stream, ShuttingDown("the server shut down before the request finished"))
+
+    def _live_streams(self) -> set[RequestStream]:
+        return {entry.stream for entry in self._entries.values()}
+
+    def _apply_commands(self) -> bool:
+        """Apply the queued commands; False once told to stop."""
+        while True:
+            try:
+                command, stream = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            if command == "stop":
+                while not self._commands.empty():  # requests that raced the shutdown
+                    late_command, late = self._commands.get_nowait()
+                    if late_command == "add":
+                        late.put(ShuttingDown("the server is shutting down"))
+                return False
+            if command == "add":
+                self._add(stream)
+            elif command == "abort":
+                self._abort(stream, None)
+            elif command == "abort_all":
+                for s in self._live_streams():
+                    self._abort(s, ShuttingDown("the server is shutting down"))
+
+    def _add(self, stream: RequestStream) -> None:
+        seqs: list[Sequence] = []
+        try:
+            for i, (prompt_ids, params) in enumerate(stream.prompts):
+                seqs.append(self.engine.add_request(prompt_ids, params, f"{stream.request_id}-{i}"))
+        except Exception as e:
+            for seq in seqs:
+                self.engine.abort(seq.request_id)
+            if not isinstance(e, SpeculantError):  # a bug: keep the thread alive for everyone else
+                log.exception("engine refused a request")
+                e = EngineFailure(f"engine failure: {type(e).__name__}: {e}")
+            stream.put(e)
+            return
+        for i, seq in enumerate(seqs):
+            self._entries[seq.request_id] = _Entry(stream, i)
+            self.metrics.observe_admitted(len(seq.prompt_ids))
+        stream.put(Admitted(seqs))
+
+    def _abort(self, stream: RequestStream, error: Exception | None) -> None:
+        for seq_id in [k for k, e in self._entries.items() if e.stream is stream]:
+            del self._entries[seq_id]
+            self.engine.abort(seq_id)
+            self.metrics.observe_finished("abort", None)
+        if error is not None:
+            stream.put(error)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            # A bug or an out-of-memory must not take the server down: fail the requests in the
+            # batch, keep serving the next ones.
+            log.exception("engine step failed")
+            for stream in self._live_streams():
+                self._abort(stream, EngineFailure(f"engine failure: {type(e).__name__}: {e}"))
+            return
+        self.metrics.batch_size.observe(len(outputs))  # one output per sequence in the batch
+        self.metrics.observe_spec(self.engine.stats)
+        now = time.perf_counter()
+        for out in outputs:
+            seq = out.seq
+            entry = self._entries[seq.request_id]
+            entry.stream.put(Delta(entry.index, list(out.new_token_ids), out.new_text, seq.finish_reason))
+            if entry.last_emit is None:
+                self.metrics.observe_first_tokens(len(out.new_token_ids), now - entry.stream.arrival)
+            else:
+                self.metrics.observe_tokens(len(out.new_token_ids), now - entry.last_emit)
+            entry.last_emit = now
+            if seq.finished:
+                del self._entries[seq.request_id]
+                self.metrics.observe_finished(seq.finish_reason, now - entry.stream.arrival)
