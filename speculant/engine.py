@@ -279,14 +279,12 @@ class Engine:
         now = time.perf_counter()
         if now - self._last_log < self.log_interval_s or not self.k:
             return
-        s, last = self.stats, self._logged
-        drafted = s.num_draft_tokens - last.num_draft_tokens
-        accepted = s.num_accepted_tokens - last.num_accepted_tokens
-        drafts = s.num_drafts - last.num_drafts
-        if drafts:
-            per_pos = ", ".join(f"{a:.3f}" for a in s.per_position_acceptance)
+        interval = self.stats - self._logged
+        if interval.num_drafts:
             log.info("SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, Drafted: %d "
                      "tokens, Avg Draft acceptance rate: %.1f%%, Per-position acceptance rate: %s",
-                     1 + accepted / drafts, accepted, drafted, 100 * accepted / max(drafted, 1), per_pos)
-        self._logged = SpecStats(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
+                     interval.mean_acceptance_length, interval.num_accepted_tokens, interval.num_draft_tokens,
+                     100 * interval.acceptance_rate,
+                     ", ".join(f"{a:.3f}" for a in interval.per_position_acceptance))
+        self._logged = self.stats + SpecStats()  # a snapshot
         self._last_log = now

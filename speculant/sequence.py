@@ -37,6 +37,27 @@ class SpecStats:
             self.drafts_per_pos[pos] += 1
             self.accepted_per_pos[pos] += pos < n_accepted
 
+    def __add__(self, other: SpecStats) -> SpecStats:
+        return self._combine(other, 1)
+
+    def __sub__(self, other: SpecStats) -> SpecStats:
+        """The counts since `other`, an earlier snapshot of the same counters."""
+        return self._combine(other, -1)
+
+    def _combine(self, other: SpecStats, sign: int) -> SpecStats:
+        n = max(len(self.drafts_per_pos), len(other.drafts_per_pos))
+
+        def per_pos(a: list[int], b: list[int]) -> list[int]:
+            a, b = a + [0] * (n - len(a)), b + [0] * (n - len(b))
+            return [x + sign * y for x, y in zip(a, b)]
+
+        return SpecStats(self.num_drafts + sign * other.num_drafts,
+                         self.num_draft_tokens + sign * other.num_draft_tokens,
+                         self.num_accepted_tokens + sign * other.num_accepted_tokens,
+                         per_pos(self.accepted_per_pos, other.accepted_per_pos),
+                         per_pos(self.drafts_per_pos, other.drafts_per_pos),
+                         self.target_passes + sign * other.target_passes)
+
     @property
     def acceptance_rate(self) -> float | None:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
@@ -47,7 +68,7 @@ class SpecStats:
 
     @property
     def per_position_acceptance(self) -> list[float]:
-        return [a / d for a, d in zip(self.accepted_per_pos, self.drafts_per_pos)]
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_pos, self.drafts_per_pos)]
 
     def as_dict(self) -> dict:
         return {

@@ -99,20 +99,7 @@ async def wait_for_disconnect(request: Request) -> None:
 
 
 def sum_stats(seqs: list[Sequence]) -> SpecStats:
-    total = SpecStats()
-    for s in seqs:
-        st = s.stats
-        total.num_drafts += st.num_drafts
-        total.num_draft_tokens += st.num_draft_tokens
-        total.num_accepted_tokens += st.num_accepted_tokens
-        total.target_passes += st.target_passes
-        for pos, (accepted, drafted) in enumerate(zip(st.accepted_per_pos, st.drafts_per_pos, strict=True)):
-            if pos == len(total.drafts_per_pos):
-                total.drafts_per_pos.append(0)
-                total.accepted_per_pos.append(0)
-            total.drafts_per_pos[pos] += drafted
-            total.accepted_per_pos[pos] += accepted
-    return total
+    return sum((s.stats for s in seqs), SpecStats())
 
 
 # -- the two response families ----------------------------------------------------------------
