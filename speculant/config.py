@@ -57,6 +57,9 @@ class SpeculativeConfig:
     model: str | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    # Our extension: choose k per step (0..num_speculative_tokens) from the measured cost curve and
+    # the running acceptance; speculation switches itself off where it would lose.
+    adaptive: bool = False
 
     @classmethod
     def parse(cls, value: str | dict | None) -> SpeculativeConfig | None:
@@ -85,7 +88,10 @@ class SpeculativeConfig:
                                  f"[1, {MAX_SPECULATIVE_TOKENS}]")
         cfg = cls(method=method, num_speculative_tokens=k, model=value.get("model"),
                   prompt_lookup_min=value.get("prompt_lookup_min", 1),
-                  prompt_lookup_max=value.get("prompt_lookup_max", 4))
+                  prompt_lookup_max=value.get("prompt_lookup_max", 4),
+                  adaptive=value.get("adaptive", False))
+        if not isinstance(cfg.adaptive, bool):
+            raise SpeculantError(f"speculative config: adaptive must be true or false, got {cfg.adaptive!r}")
         if method in ("draft_model", "eagle") and not cfg.model:
             raise SpeculantError(f"speculative config: method {method!r} needs \"model\" (the draft's path)")
         if method == "ngram":

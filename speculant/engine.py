@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from speculant.adaptive import AdaptiveK
 from speculant.config import SamplingParams
 from speculant.errors import SpeculantError
 from speculant.models.llama import ModelConfig
@@ -65,6 +66,7 @@ class Engine:
     max_batch_size: int = 8
     max_model_len: int | None = None
     log_interval_s: float = 10.0
+    adaptive: AdaptiveK | None = None  # choose k per step; None: always num_speculative_tokens
     stats: SpecStats = field(default_factory=SpecStats)
     timing: EngineTiming = field(default_factory=EngineTiming)
 
@@ -141,7 +143,8 @@ class Engine:
             return []
         t0 = time.perf_counter()
         sb = SamplingBatch.build([s.params for s in batch], [s.generator for s in batch], self.device)
-        ks = [self._k_for(s) for s in batch]
+        k = self.adaptive.choose(len(batch)) if self.adaptive and self.k else self.k
+        ks = [self._k_for(s, k) for s in batch]
         if any(ks):
             proposal = self.proposer.propose(batch, ks, sb)
         else:
@@ -151,6 +154,9 @@ class Engine:
         t2 = time.perf_counter()
         n_accepted, next_tokens = verify(proposal.tokens, proposal.n_draft, p, proposal.q, sb.generators)
         n_accepted = n_accepted.tolist()
+        if self.adaptive and any(ks):
+            n_draft = proposal.n_draft.tolist()
+            self.adaptive.observe(max(ks), sum(n > 0 for n in n_draft), sum(n_accepted), t1 - t0, len(batch))
         start = [s.num_cached for s in batch]
         n_valid = [len(s.tokens) - s.num_cached + n for s, n in zip(batch, n_accepted)]
         outputs = self.commit(batch, proposal, n_accepted, next_tokens.tolist())
@@ -204,9 +210,9 @@ class Engine:
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _k_for(self, seq: Sequence) -> int:
+    def _k_for(self, seq: Sequence, k: int) -> int:
         # A step yields accepted + 1 tokens: never draft past max_tokens.
-        return max(0, min(self.k, seq.max_tokens - seq.num_generated - 1))
+        return max(0, min(k, seq.max_tokens - seq.num_generated - 1))
 
     def _admit(self) -> None:
         while self.waiting and self.free_slots:

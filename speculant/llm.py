@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from speculant.adaptive import AdaptiveK, cost_curve_for
 from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.engine import Engine, resolve_max_model_len
 from speculant.errors import SpeculantError
@@ -58,7 +59,10 @@ def build_engine(model: str | None = None, dtype: str = "float32", device: str =
     max_len = resolve_max_model_len(target.config, max_model_len)
     k = spec.num_speculative_tokens if spec else 0
     proposer = build_proposer(spec, target, max_batch_size, max_len + k + 1) if spec else None
-    return Engine(target, proposer, k, max_batch_size, max_len)
+    adaptive = None
+    if spec is not None and spec.adaptive:
+        adaptive = AdaptiveK(cost_curve_for(target.model, max_batch_size, k + 1), k)
+    return Engine(target, proposer, k, max_batch_size, max_len, adaptive=adaptive)
 
 
 class LLM:

@@ -1,0 +1,148 @@
+"""The speed-up model of DESIGN.md §3 and the target's measured cost curve C_B(T).
+
+    tokens per target pass   E = (1 − α^(k+1)) / (1 − α)
+    speed-up                 S = E / (C(k+1)/C(1) + k · c_draft/C(1))
+
+Two measured facts the bare model leaves out are added as `coverage`: a proposer that finds
+nothing to draft (n-gram lookup without a match) turns a pass into a plain one, costing C(1)
+and yielding one token. With coverage 1 the formula is exactly DESIGN §3's.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from speculant.models.llama import Transformer
+
+# A verify pass "costs nothing extra" while C(T)/C(1) stays under this; beyond, drafts cost real time.
+MEMORY_BOUND_RATIO = 1.3
+
+
+def expected_tokens_per_pass(alpha: float, k: float) -> float:
+    """E = (1 − α^(k+1)) / (1 − α): tokens a target pass yields when each of k drafts is accepted
+    with probability α given its predecessors were; E → k + 1 as α → 1."""
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"acceptance rate must be in [0, 1], got {alpha}")
+    if 1 - alpha < 1e-9:
+        return k + 1.0
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def predicted_speedup(alpha: float, k: float, cost_ratio: float, draft_cost_ratio: float = 0.0,
+                      coverage: float = 1.0, pass_coverage: float | None = None) -> float:
+    """S = E / (C(k+1)/C(1) + k·c_draft/C(1)), DESIGN §3, with cost_ratio = C(k+1)/C(1) and
+    draft_cost_ratio = c_draft/C(1).
+
+    coverage: the share of sequence-steps that carried a draft (1 for a draft model); the others
+    yield one token. pass_coverage: the share of target passes that were widened to k + 1 tokens
+    (default: coverage; in a batch, one drafting row widens the whole pass).
+    """
+    if k == 0:
+        return 1.0
+    widened = coverage if pass_coverage is None else pass_coverage
+    tokens = 1 - coverage + coverage * expected_tokens_per_pass(alpha, k)
+    cost = 1 - widened + widened * cost_ratio + coverage * k * draft_cost_ratio
+    return tokens / cost
+
+
+def fit_alpha(mean_acceptance_length: float, k: float) -> float:
+    """The α whose E(α, k) equals a measured mean acceptance length (tokens per drafting pass):
+    E is increasing in α, so bisect."""
+    target = min(max(mean_acceptance_length, 1.0), k + 1.0)
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if expected_tokens_per_pass(mid, k) < target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+# -- the cost curve ------------------------------------------------------------------------------
+
+
+@dataclass
+class CostCurve:
+    """C_B(T): median seconds of one target pass over T new tokens per row at batch size B, after
+    `context` tokens already cached, logits included for every position (as a verify pass)."""
+
+    context: int
+    seconds: dict[int, list[float]] = field(default_factory=dict)  # B → [C(1), C(2), …]
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return sorted(self.seconds)
+
+    @property
+    def max_width(self) -> int:
+        return min(len(c) for c in self.seconds.values())
+
+    def _row(self, batch_size: int) -> list[float]:
+        """The curve measured at the nearest batch size (geometrically) to the one asked."""
+        nearest = min(self.seconds, key=lambda b: abs(math.log2(b) - math.log2(batch_size)))
+        return self.seconds[nearest]
+
+    def cost(self, batch_size: int, width: float) -> float:
+        """C_B(T) in seconds, linear between measured widths, extrapolated by the last slope."""
+        row = self._row(batch_size)
+        if width <= 1:
+            return row[0]
+        lo = min(int(width), len(row) - 1)
+        slope = row[lo] - row[lo - 1]
+        return row[lo - 1] + slope * (width - lo)
+
+    def ratio(self, batch_size: int, width: float) -> float:
+        """C_B(T)/C_B(1)."""
+        return self.cost(batch_size, width) / self.cost(batch_size, 1)
+
+    def free_width(self, batch_size: int) -> int:
+        """The widest pass that costs at most MEMORY_BOUND_RATIO × C(1) at this batch size."""
+        row = self.seconds[batch_size]
+        return max(t for t in range(1, len(row) + 1) if row[t - 1] <= MEMORY_BOUND_RATIO * row[0])
+
+    def as_dict(self) -> dict:
+        return {"context": self.context, "seconds": {str(b): row for b, row in self.seconds.items()},
+                "ratio": {str(b): [c / row[0] for c in row] for b, row in self.seconds.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostCurve:
+        return cls(d["context"], {int(b): list(c) for b, c in d["seconds"].items()})
+
+
+@torch.inference_mode()
+def measure_cost_curve(model: Transformer, batch_sizes: list[int], max_width: int = 16, context: int = 256,
+                       reps: int = 5, tick: Callable[[], None] | None = None) -> CostCurve:
+    """Time one pass over T = 1..max_width new tokens at each batch size, widths interleaved within
+    each repetition so machine drift hits them alike; the median of `reps` after a warm-up."""
+    curve = CostCurve(context)
+    vocab = model.cfg.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    for b in batch_sizes:
+        cache = model.new_cache(b, context + max_width + 1)
+        slots = torch.arange(b, device=model.device)
+        # Cached keys are never read for their values here: a length is all the timing needs.
+        cache.lengths[:] = context
+        times: list[list[float]] = [[] for _ in range(max_width)]
+        for rep in range(reps + 1):
+            for t in range(1, max_width + 1):
+                tokens = torch.randint(vocab, (b, t), generator=gen).to(model.device)
+                start = time.perf_counter()
+                model.logits(model(tokens, cache, slots))
+                if model.device.type == "cuda":
+                    torch.cuda.synchronize()
+                elapsed = time.perf_counter() - start
+                cache.lengths[:] = context
+                if rep:  # the first round warms kernels and allocator up
+                    times[t - 1].append(elapsed)
+                if tick:
+                    tick()
+        curve.seconds[b] = [statistics.median(ts) for ts in times]
+        del cache
+    return curve

@@ -1,0 +1,72 @@
+"""Adaptive k: the speed-up model picks k from the cost curve and acceptance, 0 where it loses;
+whatever k it picks, greedy output stays identical."""
+
+from __future__ import annotations
+
+import pytest
+
+from speculant.adaptive import AdaptiveK, cost_curve_for
+from speculant.config import SamplingParams
+from speculant.engine import Engine
+from speculant.models.loader import load_model
+from speculant.proposers.ngram import NgramProposer
+from speculant.speedup import CostCurve
+
+
+def curve(flat_until_batch: int) -> CostCurve:
+    """Memory-bound (a pass over 9 tokens costs 1.1× one token) up to a batch size, then
+    compute-bound (cost grows with the tokens of the pass)."""
+    rows = {}
+    for b in (1, 2, 4, 8, 16, 32):
+        if b <= flat_until_batch:
+            rows[b] = [1.0 + 0.0125 * (t - 1) for t in range(1, 10)]
+        else:
+            rows[b] = [float(t) for t in range(1, 10)]
+    return CostCurve(context=128, seconds=rows)
+
+
+def test_memory_bound_high_acceptance_drafts_long():
+    policy = AdaptiveK(curve(4), k_max=8, alpha=0.9)
+    assert policy.choose(1) == 8
+    assert policy.best(1, 0.9)[1] == pytest.approx((1 - 0.9 ** 9) / 0.1 / 1.1, rel=1e-6)
+
+
+def test_compute_bound_batch_switches_speculation_off():
+    policy = AdaptiveK(curve(4), k_max=8, alpha=0.9)
+    assert policy.choose(16) == 0
+
+
+def test_low_acceptance_shortens_or_stops_drafting():
+    policy = AdaptiveK(curve(32), k_max=8, alpha=0.9)
+    long_k = policy.choose(1)
+    for _ in range(40):  # every draft rejected
+        policy.observe(k=4, rows_drafting=1, accepted=0, draft_s=0.0, batch_size=1)
+    assert policy.alpha < 0.05
+    assert policy.choose(1) < long_k
+
+
+def test_expensive_draft_lowers_k():
+    cheap = AdaptiveK(curve(32), k_max=8, alpha=0.7)
+    costly = AdaptiveK(curve(32), k_max=8, alpha=0.7, draft_ratio=0.3)
+    assert costly.choose(1) < cheap.choose(1)
+
+
+def test_off_policy_probes_now_and_then():
+    policy = AdaptiveK(curve(32), k_max=8, alpha=0.0, probe_every=4)
+    chosen = [policy.choose(1) for _ in range(8)]
+    assert chosen.count(0) == 6 and chosen[3] == chosen[7] == 2
+
+
+def test_adaptive_engine_stays_greedy_identical(tiny_pair, tmp_path):
+    target = load_model(tiny_pair[0])
+    measured = cost_curve_for(target.model, 4, 5, cache_dir=tmp_path)
+    assert cost_curve_for(target.model, 4, 5, cache_dir=tmp_path).seconds == measured.seconds  # cached
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 12, 13], [9]]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain = Engine(target, max_batch_size=4, max_model_len=128)
+    expected = [s.output_ids for s in plain.generate([plain.add_request(p, params) for p in prompts])]
+    for flat in (32, 0):  # speculation on / off by the curve
+        engine = Engine(target, NgramProposer(1, 3), 4, max_batch_size=4, max_model_len=128,
+                        adaptive=AdaptiveK(curve(flat), k_max=4))
+        got = [s.output_ids for s in engine.generate([engine.add_request(p, params) for p in prompts])]
+        assert got == expected
