@@ -9,6 +9,7 @@ from pathlib import Path
 from speculant.errors import SpeculantError
 
 MAX_SPECULATIVE_TOKENS = 32
+MAX_LOGPROBS = 20
 METHODS = ("draft_model", "ngram", "eagle")
 
 
@@ -24,6 +25,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None  # None: none; n: the chosen token's log-probability and the top n
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -44,6 +46,8 @@ class SamplingParams:
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"must be in [0, {MAX_LOGPROBS}]"),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -23,7 +23,7 @@ from speculant.models.loader import LoadedModel
 from speculant.models.tokenizer import Detokenizer
 from speculant.proposers import Proposal, Proposer, TargetHidden
 from speculant.sampling import SamplingBatch, make_generator, probabilities
-from speculant.sequence import Sequence, SpecStats
+from speculant.sequence import Sequence, SpecStats, TokenLogprob
 from speculant.verify import verify
 
 log = logging.getLogger("speculant")
@@ -39,11 +39,23 @@ def resolve_max_model_len(cfg: ModelConfig, requested: int | None) -> int:
     return min(requested or DEFAULT_MAX_MODEL_LEN, cfg.max_position_embeddings)
 
 
+def token_logprobs(logits: torch.Tensor, tokens: list[int], n_top: int) -> list[TokenLogprob]:
+    """logits [N, V] at the positions that produced `tokens` [N] → each token's log-probability
+    and the n_top most likely alternatives."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
+    if not n_top:
+        return [TokenLogprob(lp, []) for lp in chosen]
+    top_lp, top_ids = logp.topk(n_top, dim=-1)
+    return [TokenLogprob(lp, list(zip(ids, lps))) for lp, ids, lps in zip(chosen, top_ids.tolist(), top_lp.tolist())]
+
+
 @dataclass
 class StepOutput:
     seq: Sequence
     new_token_ids: list[int]
     new_text: str
+    new_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -150,7 +162,7 @@ class Engine:
         else:
             proposal = Proposal.from_lists([[] for _ in batch], self.device)
         t1 = time.perf_counter()
-        p, hidden = self.score(batch, proposal, sb)
+        p, hidden, logits = self.score(batch, proposal, sb)
         t2 = time.perf_counter()
         n_accepted, next_tokens = verify(proposal.tokens, proposal.n_draft, p, proposal.q, sb.generators)
         n_accepted = n_accepted.tolist()
@@ -159,7 +171,7 @@ class Engine:
             self.adaptive.observe(max(ks), sum(n > 0 for n in n_draft), sum(n_accepted), t1 - t0, len(batch))
         start = [s.num_cached for s in batch]
         n_valid = [len(s.tokens) - s.num_cached + n for s, n in zip(batch, n_accepted)]
-        outputs = self.commit(batch, proposal, n_accepted, next_tokens.tolist())
+        outputs = self.commit(batch, proposal, n_accepted, next_tokens.tolist(), logits)
         if self.proposer is not None:
             self.proposer.commit(batch, TargetHidden(hidden, start, n_valid))
         self._release_finished()
@@ -173,9 +185,9 @@ class Engine:
         return outputs
 
     def score(self, batch: list[Sequence], proposal: Proposal,
-              sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+              sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One target pass over each row's unseen tokens plus its drafts → (p [B, k+1, V], the
-        final hidden states of every fed token [B, T, D])."""
+        final hidden states of every fed token [B, T, D], the raw logits [B, k+1, V])."""
         n_draft = proposal.n_draft.tolist()
         drafts = proposal.tokens.tolist()
         rows = [s.tokens[s.num_cached:] + d[:n] for s, d, n in zip(batch, drafts, n_draft)]
@@ -190,10 +202,11 @@ class Engine:
         first = n_new - proposal.n_draft - 1
         at = (first[:, None] + torch.arange(k + 1, device=self.device)).minimum(n_new[:, None] - 1)
         scored = hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, k+1, D]
-        return probabilities(self.model.logits(scored), sb), hidden
+        logits = self.model.logits(scored)
+        return probabilities(logits, sb), hidden, logits
 
     def commit(self, batch: list[Sequence], proposal: Proposal, n_accepted: list[int],
-               next_tokens: list[int]) -> list[StepOutput]:
+               next_tokens: list[int], logits: torch.Tensor) -> list[StepOutput]:
         outputs = []
         drafts = proposal.tokens.tolist()
         n_draft = proposal.n_draft.tolist()
@@ -201,7 +214,9 @@ class Engine:
             new = drafts[b][:n_accepted[b]] + [next_tokens[b]]
             seq.stats.record(n_draft[b], n_accepted[b])
             self.stats.record(n_draft[b], n_accepted[b])
-            outputs.append(self._append(seq, new))
+            lps = None if seq.params.logprobs is None else token_logprobs(logits[b, :len(new)], new,
+                                                                          seq.params.logprobs)
+            outputs.append(self._append(seq, new, lps))
             # The target has seen every token but the newest (it is the next pass's input).
             seq.num_cached = len(seq.tokens) - 1
         self.cache.lengths[torch.tensor([s.slot for s in batch], device=self.device)] = torch.tensor(
@@ -224,7 +239,7 @@ class Engine:
                 self.proposer.add(seq)
             self.running.append(seq)
 
-    def _append(self, seq: Sequence, new_ids: list[int]) -> StepOutput:
+    def _append(self, seq: Sequence, new_ids: list[int], logprobs: list[TokenLogprob] | None) -> StepOutput:
         kept = []
         stop_ids = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_ids)
         for tok in new_ids:
@@ -243,7 +258,10 @@ class Engine:
             if seq.num_generated >= seq.max_tokens:
                 self._finish(seq, "length")
                 break
-        return StepOutput(seq, kept, self._release_text(seq))
+        if logprobs is not None:
+            logprobs = logprobs[:len(kept)]
+            seq.logprobs += logprobs
+        return StepOutput(seq, kept, self._release_text(seq), logprobs)
 
     def _cut_at_stop_string(self, seq: Sequence, searched: int) -> bool:
         """If a stop string completed, cut the text before it and finish the sequence."""

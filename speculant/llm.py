@@ -10,7 +10,7 @@ from speculant.engine import Engine, resolve_max_model_len
 from speculant.errors import SpeculantError
 from speculant.models.loader import load_model
 from speculant.proposers import build_proposer
-from speculant.sequence import Sequence
+from speculant.sequence import Sequence, TokenLogprob
 
 Prompt = str | dict
 
@@ -21,6 +21,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -45,7 +46,8 @@ class RequestOutput:
 
     @classmethod
     def from_sequence(cls, seq: Sequence, prompt: str | None) -> RequestOutput:
-        out = CompletionOutput(0, seq.text, seq.output_ids, seq.finish_reason)
+        out = CompletionOutput(0, seq.text, seq.output_ids, seq.finish_reason,
+                               seq.logprobs if seq.params.logprobs is not None else None)
         return cls(seq.request_id, prompt, seq.prompt_ids, [out], seq.metrics())
 
 

@@ -83,6 +83,15 @@ class SpecStats:
 
 
 @dataclass
+class TokenLogprob:
+    """log p(token) under the target's raw distribution (before the sampling transforms, as
+    vLLM and the OpenAI API report it), and the `n` most likely alternatives."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class Sequence:
     request_id: str
     prompt_ids: list[int]
@@ -95,6 +104,7 @@ class Sequence:
     num_cached: int = 0  # tokens the target's cache holds for this sequence
     text: str = ""
     emitted: int = 0  # characters of text already streamed out
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if asked
     finish_reason: str | None = None
     stats: SpecStats = field(default_factory=SpecStats)
     arrival: float = field(default_factory=time.perf_counter)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.engine import Engine
@@ -72,3 +73,29 @@ def test_int8_target_speculation_equals_its_own_plain_output(tiny_pair):
     for spec in ({"method": "ngram", "num_speculative_tokens": 4},
                  {"method": "draft_model", "model": str(tiny_pair[1]), "num_speculative_tokens": 3}):
         assert run(target, spec, PROMPTS)[0] == plain_int8
+
+
+def test_logprobs_are_the_targets_and_unchanged_by_speculation(target, tiny_pair):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    prompt = PROMPTS[0]
+    engines = []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 4},
+                 {"method": "draft_model", "model": str(tiny_pair[1]), "num_speculative_tokens": 3}):
+        cfg = SpeculativeConfig.parse(spec)
+        k = cfg.num_speculative_tokens if cfg else 0
+        engine = Engine(target, build_proposer(cfg, target, 1, 64 + k + 1) if cfg else None, k, 1, 64)
+        engines.append(engine.generate([engine.add_request(prompt, params)])[0])
+    plain = engines[0]
+    model = target.model
+    with torch.no_grad():
+        full = torch.log_softmax(model.logits(model(torch.tensor([plain.tokens[:-1]]), model.new_cache(1, 64),
+                                                     torch.tensor([0])))[0], -1)
+    for i, (tok, lp) in enumerate(zip(plain.output_ids, plain.logprobs)):
+        row = full[len(prompt) - 1 + i]
+        assert lp.logprob == pytest.approx(row[tok].item(), abs=1e-4)
+        assert [t for t, _ in lp.top] == row.topk(3).indices.tolist()
+    for seq in engines[1:]:
+        assert seq.output_ids == plain.output_ids and len(seq.logprobs) == len(plain.logprobs)
+        for a, b in zip(seq.logprobs, plain.logprobs):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]

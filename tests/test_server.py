@@ -214,7 +214,9 @@ BAD_INPUT = [
     ("min_p above one", COMPLETIONS, {"prompt": "hi", "min_p": 2}, 400, "min_p", None),
     ("n zero", COMPLETIONS, {"prompt": "hi", "n": 0}, 400, "n", None),
     ("empty stop string", COMPLETIONS, {"prompt": "hi", "stop": [""]}, 400, "stop", None),
-    ("logprobs unsupported", COMPLETIONS, {"prompt": "hi", "logprobs": 2}, 400, "logprobs", None),
+    ("logprobs too many", COMPLETIONS, {"prompt": "hi", "logprobs": 21}, 400, "logprobs", None),
+    ("chat top_logprobs negative", CHAT, {"messages": HELLO, "logprobs": True, "top_logprobs": -1}, 400,
+     "top_logprobs", None),
     ("penalty unsupported", COMPLETIONS, {"prompt": "hi", "frequency_penalty": 0.5}, 400, "frequency_penalty",
      None),
     ("stream_options without stream", COMPLETIONS, {"prompt": "hi", "stream_options": {}}, 400,
@@ -379,3 +381,25 @@ def test_sigterm_ends_in_flight_requests_cleanly(tmp_path):
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert error["type"] == "service_unavailable" and "shutting down" in error["message"]
+
+
+def test_logprobs_in_completions_and_chat(client):
+    c = client.completions.create(model="smollm", prompt="The capital of France is", max_tokens=6, logprobs=2,
+                                  **GREEDY)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) > 0
+    assert "".join(lp.tokens) == c.choices[0].text
+    # greedy: the chosen token is the most likely one, its logprob the top one
+    for tok, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0 and len(top) == 2 and max(top.values()) == pytest.approx(logprob, abs=1e-5)
+    chat = client.chat.completions.create(model="smollm", messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=5, logprobs=True, top_logprobs=3, **GREEDY)
+    content = chat.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    assert all(len(t.top_logprobs) == 3 and t.logprob == pytest.approx(t.top_logprobs[0].logprob, abs=1e-5)
+               for t in content)
+    streamed = client.chat.completions.create(model="smollm", messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=5, logprobs=True, stream=True, **GREEDY)
+    tokens = [t.token for chunk in streamed for choice in chunk.choices if choice.logprobs
+              for t in choice.logprobs.content]
+    assert tokens == [t.token for t in content]

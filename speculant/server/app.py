@@ -12,7 +12,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -33,8 +33,10 @@ from speculant.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     ChatStreamChoice,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
@@ -44,6 +46,8 @@ from speculant.server.protocol import (
     ModelList,
     SamplingRequest,
     SpeculativeStats,
+    TokenLogprobInfo,
+    TopLogprob,
     UsageInfo,
 )
 from speculant.server.worker import Delta, EngineFailure, EngineWorker, RequestStream, ShuttingDown
@@ -106,33 +110,66 @@ def sum_stats(seqs: list[Sequence]) -> SpecStats:
 
 
 class CompletionFormat:
+    """Completions' shapes. One instance serves one request (it counts text offsets per choice)."""
+
     id_prefix = "cmpl"
 
-    def response(self, rid: str, model: str, texts: list[str], ids: list[list[int]], reasons: list[str],
-                 with_ids: bool, **extra) -> BaseModel:
-        choices = [CompletionChoice(index=i, text=t, finish_reason=r, token_ids=d if with_ids else None)
-                   for i, (t, d, r) in enumerate(zip(texts, ids, reasons, strict=True))]
-        return CompletionResponse(id=rid, model=model, choices=choices, **extra)
+    def __init__(self, token_text: Callable[[int], str]):
+        self.token_text = token_text
+        self.offsets: dict[int, int] = {}
+
+    def logprobs(self, d: Delta) -> CompletionLogprobs | None:
+        if d.logprobs is None:
+            return None
+        tokens = [self.token_text(t) for t in d.token_ids]
+        offsets = []
+        for tok in tokens:
+            offsets.append(self.offsets.get(d.index, 0))
+            self.offsets[d.index] = offsets[-1] + len(tok)
+        return CompletionLogprobs(tokens=tokens, token_logprobs=[lp.logprob for lp in d.logprobs],
+                                  top_logprobs=[{self.token_text(t): v for t, v in lp.top} for lp in d.logprobs],
+                                  text_offset=offsets)
+
+    def response(self, rid: str, model: str, choices: list[Delta], with_ids: bool, **extra) -> BaseModel:
+        return CompletionResponse(id=rid, model=model, choices=self.choices(choices, with_ids), **extra)
 
     def opening(self, rid: str, created: int, model: str, n: int) -> list[BaseModel]:
         return []
 
     def chunk(self, rid: str, created: int, model: str, deltas: list[Delta], with_ids: bool,
               **extra) -> BaseModel:
-        choices = [CompletionChoice(index=d.index, text=d.text, finish_reason=d.finish_reason,
-                                    token_ids=d.token_ids if with_ids else None) for d in deltas]
-        return CompletionResponse(id=rid, created=created, model=model, choices=choices, **extra)
+        return CompletionResponse(id=rid, created=created, model=model, choices=self.choices(deltas, with_ids),
+                                  **extra)
+
+    def choices(self, deltas: list[Delta], with_ids: bool) -> list[CompletionChoice]:
+        return [CompletionChoice(index=d.index, text=d.text, finish_reason=d.finish_reason,
+                                 logprobs=self.logprobs(d), token_ids=d.token_ids if with_ids else None)
+                for d in deltas]
 
 
 class ChatFormat:
     id_prefix = "chatcmpl"
 
-    def response(self, rid: str, model: str, texts: list[str], ids: list[list[int]], reasons: list[str],
-                 with_ids: bool, **extra) -> BaseModel:
-        choices = [ChatChoice(index=i, message=AssistantMessage(content=t), finish_reason=r,
-                              token_ids=d if with_ids else None)
-                   for i, (t, d, r) in enumerate(zip(texts, ids, reasons, strict=True))]
-        return ChatCompletionResponse(id=rid, model=model, choices=choices, **extra)
+    def __init__(self, token_text: Callable[[int], str]):
+        self.token_text = token_text
+
+    def logprobs(self, d: Delta) -> ChatLogprobs | None:
+        if d.logprobs is None:
+            return None
+
+        def top(token: int, logprob: float) -> TopLogprob:
+            text = self.token_text(token)
+            return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+        return ChatLogprobs(content=[
+            TokenLogprobInfo(**top(t, lp.logprob).model_dump(), top_logprobs=[top(a, v) for a, v in lp.top])
+            for t, lp in zip(d.token_ids, d.logprobs, strict=True)])
+
+    def response(self, rid: str, model: str, choices: list[Delta], with_ids: bool, **extra) -> BaseModel:
+        out = [ChatChoice(index=d.index, message=AssistantMessage(content=d.text), finish_reason=d.finish_reason,
+                          logprobs=self.logprobs(d), token_ids=d.token_ids if with_ids else None)
+               for d in choices]
+        return ChatCompletionResponse(id=rid, model=model, choices=out, **extra)
 
     def opening(self, rid: str, created: int, model: str, n: int) -> list[BaseModel]:
         # As OpenAI does: each choice's first chunk names the role, with empty content.
@@ -142,7 +179,7 @@ class ChatFormat:
     def chunk(self, rid: str, created: int, model: str, deltas: list[Delta], with_ids: bool,
               **extra) -> BaseModel:
         choices = [ChatStreamChoice(index=d.index, delta=DeltaMessage(content=d.text or None),
-                                    finish_reason=d.finish_reason,
+                                    finish_reason=d.finish_reason, logprobs=self.logprobs(d),
                                     token_ids=d.token_ids if with_ids else None) for d in deltas]
         return ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, **extra)
 
@@ -168,7 +205,7 @@ class OpenAIServer:
         prompts = self.completion_prompts(req.prompt)
         for ids in prompts:
             self.check_context(ids, req.max_new_tokens(), "prompt")
-        return await self.generate(request, req, prompts, CompletionFormat())
+        return await self.generate(request, req, prompts, CompletionFormat(self.token_text))
 
     async def chat_completions(self, request: Request) -> Response:
         req = await parse_body(request, ChatCompletionRequest)
@@ -179,7 +216,7 @@ class OpenAIServer:
         except SpeculantError as e:
             raise APIError(400, str(e), param="messages") from None
         self.check_context(ids, req.max_new_tokens(), "messages")
-        return await self.generate(request, req, [ids], ChatFormat())
+        return await self.generate(request, req, [ids], ChatFormat(self.token_text))
 
     def models(self) -> ModelList:
         cards = [ModelCard(id=name, root=self.engine.target.source, max_model_len=self.engine.max_model_len)
@@ -209,6 +246,11 @@ class OpenAIServer:
             raise APIError(404, f"the model '{name}' does not exist; this server serves "
                                 f"{', '.join(repr(n) for n in self.model_names)}",
                            param="model", code="model_not_found")
+
+    def token_text(self, token: int) -> str:
+        if self.tokenizer is None:
+            return str(token)
+        return self.tokenizer.decode([token], skip_special_tokens=False)
 
     def need_tokenizer(self, param: str) -> None:
         if self.tokenizer is None:
@@ -267,13 +309,17 @@ class OpenAIServer:
     async def complete(self, request: Request, stream: RequestStream, req: SamplingRequest,
                        fmt: CompletionFormat | ChatFormat, prompt_tokens: int) -> Response:
         n = len(stream.prompts)
-        texts, ids, reasons = [""] * n, [[] for _ in range(n)], [""] * n
+        wants_logprobs = req.top_logprobs_wanted() is not None
+        choices = [Delta(i, [], "", None, [] if wants_logprobs else None) for i in range(n)]
 
         async def collect() -> None:
             async for d in stream:
-                texts[d.index] += d.text
-                ids[d.index] += d.token_ids
-                reasons[d.index] = d.finish_reason
+                choice = choices[d.index]
+                choice.text += d.text
+                choice.token_ids += d.token_ids
+                choice.finish_reason = d.finish_reason
+                if wants_logprobs:
+                    choice.logprobs += d.logprobs
 
         # A client that hangs up must free its batch slots now, not when generation would end.
         work, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(wait_for_disconnect(request))
@@ -287,7 +333,8 @@ class OpenAIServer:
             return Response(status_code=499)  # nobody is listening any more
         if work.exception() is not None:
             raise api_error(work.exception())
-        return JSONResponse(fmt.response(stream.request_id, self.model_name, texts, ids, reasons,
+        ids = [c.token_ids for c in choices]
+        return JSONResponse(fmt.response(stream.request_id, self.model_name, choices,
                                          req.return_token_ids, usage=self.usage(prompt_tokens, ids),
                                          speculative_stats=self.speculative_stats(stream.seqs)).model_dump())
 

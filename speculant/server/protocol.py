@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from speculant.config import SamplingParams
+from speculant.config import MAX_LOGPROBS, SamplingParams
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 
@@ -74,12 +74,17 @@ class SamplingRequest(BaseModel):
             return "logit_bias"
         return None
 
+    def top_logprobs_wanted(self) -> int | None:
+        """None: no logprobs; n: the chosen token's and the n most likely alternatives'."""
+        return None
+
     def sampling_params(self, choice: int) -> SamplingParams:
         # n choices with one seed must differ yet stay reproducible: choice i uses seed + i.
         return SamplingParams(
             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
             seed=None if self.seed is None else self.seed + choice, max_tokens=self.max_new_tokens(),
-            stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
+            stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            logprobs=self.top_logprobs_wanted())
 
     @property
     def include_usage(self) -> bool:
@@ -89,14 +94,15 @@ class SamplingRequest(BaseModel):
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)  # the OpenAI API's default for completions
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
 
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
     def unsupported(self) -> str | None:
-        if self.logprobs is not None:
-            return "logprobs"
         if self.echo:
             return "echo"
         if self.suffix:
@@ -130,17 +136,16 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict] | None = None
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def unsupported(self) -> str | None:
-        if self.logprobs:
-            return "logprobs"
-        if self.top_logprobs:
-            return "top_logprobs"
         if self.tools:
             return "tools"
         return super().unsupported()
@@ -169,10 +174,33 @@ class SpeculativeStats(BaseModel):
     target_passes: int
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, one entry per generated token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprobInfo(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobInfo]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = None
 
@@ -195,7 +223,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = None
 
@@ -223,7 +251,7 @@ class DeltaMessage(BaseModel):
 class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = None
 

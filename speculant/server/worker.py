@@ -21,7 +21,7 @@ from speculant.config import SamplingParams
 from speculant.engine import Engine
 from speculant.errors import SpeculantError
 from speculant.metrics import ServerMetrics
-from speculant.sequence import Sequence
+from speculant.sequence import Sequence, TokenLogprob
 
 log = logging.getLogger("speculant.server")
 
@@ -42,6 +42,7 @@ class Delta:
     token_ids: list[int]
     text: str
     finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -243,7 +244,8 @@ class EngineWorker:
         for out in outputs:
             seq = out.seq
             entry = self._entries[seq.request_id]
-            entry.stream.put(Delta(entry.index, list(out.new_token_ids), out.new_text, seq.finish_reason))
+            entry.stream.put(Delta(entry.index, list(out.new_token_ids), out.new_text, seq.finish_reason,
+                                   out.new_logprobs))
             if entry.last_emit is None:
                 self.metrics.observe_first_tokens(len(out.new_token_ids), now - entry.stream.arrival)
             else:
