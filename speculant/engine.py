@@ -230,6 +230,7 @@ class Engine:
         return max(0, min(k, seq.max_tokens - seq.num_generated - 1))
 
     def _admit(self) -> None:
+        admitted = []
         while self.waiting and self.free_slots:
             seq = self.waiting.popleft()
             seq.slot = self.free_slots.pop(0)
@@ -238,6 +239,28 @@ class Engine:
             if self.proposer is not None:
                 self.proposer.add(seq)
             self.running.append(seq)
+            admitted.append(seq)
+        if admitted:
+            self.prefill(admitted)
+
+    def prefill(self, seqs: list[Sequence]) -> None:
+        """Feed new sequences' prompts but the last token, apart from the running batch: a step then
+        carries one unseen token per row plus drafts, and a long prompt joining does not widen the
+        pass of every running sequence."""
+        t0 = time.perf_counter()
+        n_new = torch.tensor([len(s.tokens) - 1 for s in seqs], device=self.device)
+        hidden = torch.zeros(len(seqs), 0, self.model.cfg.dim, device=self.device, dtype=self.model.dtype)
+        if int(n_new.max()) > 0:
+            tokens = torch.zeros(len(seqs), int(n_new.max()), dtype=torch.long)
+            for b, s in enumerate(seqs):
+                tokens[b, :len(s.tokens) - 1] = torch.tensor(s.tokens[:-1], dtype=torch.long)
+            slots = torch.tensor([s.slot for s in seqs], device=self.device)
+            hidden = self.model(tokens.to(self.device), self.cache, slots, n_new)
+        for s in seqs:
+            s.num_cached = len(s.tokens) - 1
+        if self.proposer is not None:
+            self.proposer.prefill(seqs, TargetHidden(hidden, [0] * len(seqs), n_new.tolist()))
+        self.timing.target_s += time.perf_counter() - t0
 
     def _append(self, seq: Sequence, new_ids: list[int], logprobs: list[TokenLogprob] | None) -> StepOutput:
         kept = []

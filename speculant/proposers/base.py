@@ -50,6 +50,10 @@ class Proposer:
     def remove(self, seq: Sequence) -> None:
         """A sequence leaves (finished or aborted): free its state."""
 
+    def prefill(self, seqs: list[Sequence], target: TargetHidden) -> None:
+        """New sequences' prompts, all but the last token, went through the target."""
+        self.commit(seqs, target)
+
     def propose(self, seqs: list[Sequence], ks: list[int], sb: SamplingBatch) -> Proposal:
         """Up to ks[b] draft tokens continuing seqs[b].tokens."""
         raise NotImplementedError

@@ -56,17 +56,31 @@ class DraftModelProposer(Proposer):
         self.free.append(self.slot.pop(seq.request_id))
         del self.fed[seq.request_id]
 
+    def prefill(self, seqs: list[Sequence], target: TargetHidden) -> None:
+        prompts = [s.tokens[:-1] for s in seqs if len(s.tokens) > 1]
+        if prompts:
+            self._feed([s for s in seqs if len(s.tokens) > 1], prompts)
+
+    def _feed(self, seqs: list[Sequence], rows: list[list[int]]) -> torch.Tensor:
+        """Append each row's tokens to its sequence's draft cache → final hidden states [B, T, D]."""
+        device = self.model.device
+        slots = torch.tensor([self.slot[s.request_id] for s in seqs], device=device)
+        n_new = torch.tensor([len(r) for r in rows], device=device)
+        tokens = torch.zeros(len(rows), int(n_new.max()), dtype=torch.long)
+        for b, r in enumerate(rows):
+            tokens[b, :len(r)] = torch.tensor(r)
+        for s, r in zip(seqs, rows):
+            self.fed[s.request_id] += len(r)
+        return self.model(tokens.to(device), self.cache, slots, n_new)
+
     def propose(self, seqs: list[Sequence], ks: list[int], sb: SamplingBatch) -> Proposal:
         device = self.model.device
         slots = torch.tensor([self.slot[s.request_id] for s in seqs], device=device)
-        # Catch up on what the draft has not seen yet (the prompt, the verifier's last tokens).
+        # Catch up on what the draft has not seen yet: the verifier's last tokens.
         unseen = [s.tokens[self.fed[s.request_id]:] for s in seqs]
-        n_new = torch.tensor([len(u) for u in unseen], device=device)
-        tokens = torch.zeros(len(seqs), int(n_new.max()), dtype=torch.long)
-        for b, u in enumerate(unseen):
-            tokens[b, :len(u)] = torch.tensor(u)
-        hidden = self.model(tokens.to(device), self.cache, slots, n_new)
-        hidden = hidden[torch.arange(len(seqs), device=device), n_new - 1][:, None]  # [B, 1, D]
+        hidden = self._feed(seqs, unseen)
+        last = torch.tensor([len(u) - 1 for u in unseen], device=device)
+        hidden = hidden[torch.arange(len(seqs), device=device), last][:, None]  # [B, 1, D]
         k = max(ks)
         drafts, qs = [], []
         for i in range(k):
@@ -75,8 +89,8 @@ class DraftModelProposer(Proposer):
             qs.append(q)
             if i < k - 1:
                 hidden = self.model(drafts[-1][:, None], self.cache, slots)
-        for s, u in zip(seqs, unseen):
-            self.fed[s.request_id] += len(u) + k - 1
+        for s in seqs:
+            self.fed[s.request_id] += k - 1
         q = None if sb.all_greedy else torch.stack(qs, dim=1)  # greedy q is one-hot: deterministic
         return Proposal(torch.stack(drafts, dim=1), torch.tensor(ks, device=device), q)
 
