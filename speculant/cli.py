@@ -38,7 +38,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-model", default=None, help="shortcut: a draft model path (method draft_model)")
     s.add_argument("--ngram", action="store_true", help="shortcut: prompt-lookup proposer (method ngram)")
     s.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="draft length k (default 4)")
-    s.add_argument("--no-speculation", action="store_true", help="plain decoding (k = 0)")
+    s.add_argument("--adaptive", action="store_true",
+                   help="choose k per step from the measured cost curve and acceptance (0 where it loses)")
+    s.add_argument("--no-speculation", action="store_true",
+                   help="plain decoding (k = 0); without any speculation flag the bundled model uses its "
+                        "shipped draft, adaptively")
 
 
 def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
@@ -48,14 +52,20 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig 
         cfg = SpeculativeConfig.parse(args.speculative_config)
         if args.num_speculative_tokens is not None:
             cfg.num_speculative_tokens = args.num_speculative_tokens
+        cfg.adaptive = cfg.adaptive or args.adaptive
         return cfg
     k = args.num_speculative_tokens if args.num_speculative_tokens is not None else 4
     if args.draft_model:
         return SpeculativeConfig.parse({"method": "draft_model", "model": args.draft_model,
-                                        "num_speculative_tokens": k})
+                                        "num_speculative_tokens": k, "adaptive": args.adaptive})
     if args.ngram or args.num_speculative_tokens is not None:
-        return SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": k})
-    return None
+        return SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": k, "adaptive": args.adaptive})
+    # No flags: the bundled model speculates with its shipped draft, adaptively (k per step, off
+    # where it would lose); other models decode plainly.
+    from speculant.training.shipped import default_speculative_config
+
+    shipped = default_speculative_config(args.model)
+    return SpeculativeConfig.parse(shipped and {**shipped, "adaptive": True})
 
 
 def engine_from_args(args: argparse.Namespace):

@@ -390,7 +390,7 @@ def test_logprobs_in_completions_and_chat(client):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) > 0
     assert "".join(lp.tokens) == c.choices[0].text
     # greedy: the chosen token is the most likely one, its logprob the top one
-    for tok, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for logprob, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert logprob <= 0 and len(top) == 2 and max(top.values()) == pytest.approx(logprob, abs=1e-5)
     chat = client.chat.completions.create(model="smollm", messages=[{"role": "user", "content": "Hi"}],
                                           max_tokens=5, logprobs=True, top_logprobs=3, **GREEDY)

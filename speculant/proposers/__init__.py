@@ -17,7 +17,12 @@ def build_proposer(cfg: SpeculativeConfig, target: LoadedModel, max_batch_size: 
     if cfg.method == "draft_model":
         from speculant.proposers.draft_model import DraftModelProposer, check_vocab
 
-        draft = load_model(cfg.model, dtype=target.model.dtype, device=target.model.device)
+        draft = load_model(cfg.model, dtype=target.model.dtype, device=target.model.device,
+                           quantization=target.quantization)
         check_vocab(target, draft)
         return DraftModelProposer(draft, target.config.vocab_size, max_batch_size, max_len)
+    if cfg.method == "eagle":
+        from speculant.proposers.eagle import EagleProposer, load_eagle
+
+        return EagleProposer(load_eagle(cfg.model, target), target.model, max_batch_size, max_len)
     raise NotImplementedError(f"method {cfg.method!r} is not available yet")

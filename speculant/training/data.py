@@ -44,7 +44,8 @@ class Item:
 
 def stdlib_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py") if not SKIPPED_STDLIB_DIRS & set(p.relative_to(root).parts[:-1]))
+    return sorted(p for p in root.rglob("*.py")
+                  if not SKIPPED_STDLIB_DIRS & set(p.relative_to(root).parts[:-1]))
 
 
 def documented_functions(source: str) -> list[tuple[str, str]]:
@@ -102,7 +103,7 @@ def build_items(n_text_chars: int, n_prompts: int, seed: int = 0) -> list[Item]:
             chunk = "".join(lines[i:i + 60])
             if len(chunk) > 400:
                 code_chunks.append(chunk)
-        if len(code_chunks) > 20 * n_prompts and sum(map(len, code_chunks)) > n_text_chars:
+        if len(functions) > 4 * n_prompts and sum(map(len, code_chunks)) > n_text_chars:
             break
     descriptions = package_descriptions()
     prose = [p for _, text in descriptions for p in paragraphs(text)]
@@ -171,7 +172,8 @@ def answer(prompts: list[list[int]], target: LoadedModel, max_tokens: int, seed:
     sequences prompt + answer."""
     from speculant.engine import Engine
 
-    engine = Engine(target, max_batch_size=len(prompts), max_model_len=max(map(len, prompts)) + max_tokens + 1)
+    longest = max(map(len, prompts)) + max_tokens + 1
+    engine = Engine(target, max_batch_size=len(prompts), max_model_len=longest)
     seqs = [engine.add_request(p, SamplingParams(temperature=0.0 if i % 2 == 0 else 0.7, seed=seed + i,
                                                  max_tokens=max_tokens))
             for i, p in enumerate(prompts)]
@@ -188,8 +190,11 @@ def tokenize(item: Item, target: LoadedModel, max_len: int) -> list[int]:
 
 def build_dataset(target: LoadedModel, out: Path, n_text_chars: int = 600_000, n_prompts: int = 160,
                   answer_tokens: int = 160, top_k: int = 32, max_len: int = 512, shard_items: int = 16,
-                  seed: int = 0) -> dict:
-    """Record the data set into `out`, resuming after the last complete shard; returns the manifest."""
+                  seed: int = 0, worker: int = 0, workers: int = 1) -> dict:
+    """Record the data set into `out`, skipping the shards already complete; returns the manifest.
+
+    `workers` processes may record one data set together, worker i taking every workers-th shard;
+    each writes the manifest of what is there when it finishes (the last one: everything)."""
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     items = build_items(n_text_chars, n_prompts, seed)
@@ -199,7 +204,7 @@ def build_dataset(target: LoadedModel, out: Path, n_text_chars: int = 600_000, n
     shards = [group[i:i + shard_items] for group in (texts, chats) for i in range(0, len(group), shard_items)]
     for i, shard in enumerate(tqdm(shards, desc="recording", unit="shard")):
         path = out / f"shard-{i:05d}.safetensors"
-        if path.exists():
+        if path.exists() or i % workers != worker:
             continue
         seqs = [tokenize(it, target, max_len) for it in shard]
         chats = [j for j, it in enumerate(shard) if it.kind.startswith("chat:")]
@@ -209,11 +214,13 @@ def build_dataset(target: LoadedModel, out: Path, n_text_chars: int = 600_000, n
                 seqs[j] = full
         data = record(seqs, target, top_k)
         data["kinds"] = torch.tensor([_KINDS.index(it.kind) for it in shard], dtype=torch.int32)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".tmp{worker}")
         save_file(data, str(tmp))
         tmp.rename(path)  # a shard exists only once complete: resume never reads half a file
-    manifest = describe(out, target, dict(n_text_chars=n_text_chars, n_prompts=n_prompts,
-                                          answer_tokens=answer_tokens, top_k=top_k, max_len=max_len, seed=seed))
+    settings = dict(n_text_chars=n_text_chars, n_prompts=n_prompts, answer_tokens=answer_tokens, top_k=top_k,
+                    max_len=max_len, seed=seed)
+    manifest = describe(out, target, settings)
+    manifest["complete"] = len(list(out.glob("shard-*.safetensors"))) == len(shards)
     manifest["wall_time_s_this_run"] = round(time.perf_counter() - t0, 1)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest
@@ -238,7 +245,8 @@ def describe(folder: Path, target: LoadedModel, settings: dict) -> dict:
         "sequences": sum(e["sequences"] for e in make_up.values()),
         "make_up": make_up,
         "settings": settings,
-        "recorded": ["tokens", "hidden (final-norm output, bf16)", f"top-{settings['top_k']} log-probs (fp16) + ids"],
+        "recorded": ["tokens", "hidden (final-norm output, bf16)",
+                     f"top-{settings['top_k']} log-probs (fp16) + ids"],
     }
 
 

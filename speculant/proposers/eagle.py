@@ -1,0 +1,248 @@
+"""EAGLE-style head (Li et al., 2024): one decoder layer that drafts from the target's features.
+
+The head reads (the target's last hidden state at position t, the embedding of token t+1) and
+predicts the hidden state at t+1; the target's own frozen lm_head turns it into next-token
+logits. Drafting runs the head on its own predictions. The features here are the target's final
+hidden states *after* its final norm (what lm_head reads), not the pre-norm ones of the paper:
+the head ends with its own RMSNorm so its output lives in the same space.
+
+A head is saved as eagle.safetensors + eagle_config.json, which names the target it was trained
+for; loading it for another target is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from speculant.errors import SpeculantError
+from speculant.models.kv_cache import KVCache
+from speculant.models.llama import Block, ModelConfig, RMSNorm, Transformer, rope_inv_freq
+from speculant.models.loader import LoadedModel
+from speculant.proposers.base import Proposal, Proposer, TargetHidden
+from speculant.sampling import SamplingBatch, probabilities, sample
+from speculant.sequence import Sequence
+
+WEIGHTS = "eagle.safetensors"
+CONFIG = "eagle_config.json"
+PROBE_ROWS, PROBE_DIMS = 32, 16
+MIN_PROBE_COSINE = 0.9  # the same weights, even 4-bit quantized, stay above 0.98; another model is near 0
+
+
+class EagleHead(nn.Module):
+    """fc([embedding of token t+1, feature t]) → one Llama decoder layer → RMSNorm → feature t+1."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.fc = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
+        self.layer = Block(cfg, 0)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def new_cache(self, max_batch: int, max_len: int) -> KVCache:
+        c, w = self.cfg, self.fc.weight
+        return KVCache(1, max_batch, c.n_kv_heads, max_len, c.head_dim, w.dtype, w.device)
+
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor, cache: KVCache, slots: torch.Tensor,
+                n_new: torch.Tensor | None = None) -> torch.Tensor:
+        """embeds, features [B, T, D] → predicted next features [B, T, D]; appends to the cache
+        rows `slots` like Transformer.forward (only the first n_new[b] inputs of row b are real)."""
+        B, T, _ = embeds.shape
+        if n_new is None:
+            n_new = torch.full((B,), T, dtype=torch.long, device=embeds.device)
+        start = cache.lengths[slots]
+        positions = start[:, None] + torch.arange(T, device=embeds.device)
+        cache.check_capacity(int((start + T).max()))
+        span = int((start + n_new).max())
+        mask = (torch.arange(span, device=embeds.device)[None, None, :] <= positions[..., None])[:, None]
+        angles = positions[..., None].float() * self.inv_freq
+        angles = torch.cat((angles, angles), dim=-1)[:, None]
+        dtype = self.fc.weight.dtype
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        x = self.fc(torch.cat((embeds, features), dim=-1).to(dtype))
+        x = self.layer(x, cos, sin, cache, slots, cache.read_rows(slots), positions, mask)
+        cache.lengths[slots] = start + n_new
+        return self.norm(x)
+
+
+def head_config(target_cfg: ModelConfig) -> ModelConfig:
+    """The head's layer is shaped like one of the target's layers."""
+    return replace(target_cfg, n_layers=1, sliding_window=None)
+
+
+# -- which target a head belongs to -------------------------------------------------------------
+
+
+def target_fingerprint(target: LoadedModel) -> dict:
+    """What identifies the target: its architecture and a probe of its embedding matrix (a few
+    rows and columns, compared by cosine so a dtype or quantization change still matches)."""
+    c = target.config
+    emb = target.model.model.embed_tokens.weight
+    rows = torch.linspace(0, c.vocab_size - 1, PROBE_ROWS).long()
+    probe = emb[rows.to(emb.device), :PROBE_DIMS].float().flatten().cpu()
+    return {
+        "name": Path(target.source).name,
+        "architecture": {k: getattr(c, k) for k in ("model_type", "vocab_size", "dim", "n_layers", "n_heads",
+                                                   "n_kv_heads", "head_dim")},
+        "embedding_probe": [round(v, 6) for v in probe.tolist()],
+    }
+
+
+def check_target(trained_for: dict, target: LoadedModel, where: Path) -> None:
+    mine = target_fingerprint(target)
+    same = trained_for["architecture"] == mine["architecture"]
+    if same:
+        a, b = torch.tensor(trained_for["embedding_probe"]), torch.tensor(mine["embedding_probe"])
+        same = float(torch.nn.functional.cosine_similarity(a, b, dim=0)) >= MIN_PROBE_COSINE
+    if not same:
+        raise SpeculantError(
+            f"{where}: this EAGLE head was trained for target '{trained_for['name']}' "
+            f"({_describe(trained_for['architecture'])}), not for the loaded target '{mine['name']}' "
+            f"({_describe(mine['architecture'])}); train one for it with "
+            "`speculant train-draft --kind eagle`")
+
+
+def _describe(arch: dict) -> str:
+    return f"{arch['model_type']}, {arch['n_layers']} layers, dim {arch['dim']}, vocab {arch['vocab_size']}"
+
+
+def save_eagle(head: EagleHead, folder: Path, target: LoadedModel, dtype: torch.dtype = torch.bfloat16,
+               training: dict | None = None) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in head.state_dict().items()}
+    save_file(state, str(folder / WEIGHTS))
+    config = {"architecture": "EagleHead", "head": asdict(head.cfg), "target": target_fingerprint(target),
+              "training": training or {}}
+    (folder / CONFIG).write_text(json.dumps(config, indent=2))
+
+
+def load_eagle(folder: str | Path, target: LoadedModel) -> EagleHead:
+    folder = Path(folder).expanduser()
+    if not (folder / CONFIG).exists() or not (folder / WEIGHTS).exists():
+        raise SpeculantError(f"{folder}: an EAGLE head folder needs {WEIGHTS} and {CONFIG}")
+    config = json.loads((folder / CONFIG).read_text())
+    check_target(config["target"], target, folder)
+    with torch.device("meta"):
+        head = EagleHead(ModelConfig(**config["head"]))
+    head.load_state_dict(load_file(str(folder / WEIGHTS)), assign=True)
+    head.inv_freq = rope_inv_freq(head.cfg)
+    model = target.model
+    return head.to(device=model.device, dtype=model.dtype).eval().requires_grad_(False)
+
+
+# -- the proposer -------------------------------------------------------------------------------
+
+
+class EagleProposer(Proposer):
+    """Per sequence: the head's KV cache row, holding entries built from the target's real
+    features, and the features the verifier returned that the head has not read yet."""
+
+    name = "eagle"
+
+    def __init__(self, head: EagleHead, target: Transformer, max_batch_size: int, max_len: int):
+        self.head, self.target = head, target
+        self.cache = head.new_cache(max_batch_size, max_len)
+        self.free = list(range(max_batch_size))
+        self.slot: dict[str, int] = {}
+        self.fed: dict[str, int] = {}  # head entries from real features: positions 0 .. fed-1
+        self.pending: dict[str, torch.Tensor] = {}  # target features of positions fed, fed+1, …
+
+    def add(self, seq: Sequence) -> None:
+        rid = seq.request_id
+        self.slot[rid] = self.free.pop(0)
+        self.fed[rid] = 0
+        self.pending[rid] = torch.zeros(0, self.head.cfg.dim, dtype=self.target.dtype,
+                                        device=self.target.device)
+        self.cache.rollback(self.slot[rid], 0)
+
+    def remove(self, seq: Sequence) -> None:
+        rid = seq.request_id
+        self.free.append(self.slot.pop(rid))
+        del self.fed[rid], self.pending[rid]
+
+    def propose(self, seqs: list[Sequence], ks: list[int], sb: SamplingBatch) -> Proposal:
+        device = self.target.device
+        k = max(ks)
+        # Head entry t reads (feature t, token t+1): a row drafts once the target has returned the
+        # features of every token but the newest (not before the first verify pass: no features).
+        ready = [b for b, s in enumerate(seqs)
+                 if ks[b] and self._unread(s) == len(self.pending[s.request_id]) > 0]
+        tokens = torch.zeros(len(seqs), k, dtype=torch.long, device=device)
+        n_draft = torch.zeros(len(seqs), dtype=torch.long, device=device)
+        q = None if sb.all_greedy else torch.zeros(len(seqs), k, self.target.cfg.vocab_size, device=device)
+        if not ready:
+            return Proposal(tokens, n_draft, q)
+        rows = [seqs[b] for b in ready]
+        sub = _rows(sb, ready)
+        feature = self._catch_up(rows)
+        slots = torch.tensor([self.slot[s.request_id] for s in rows], device=device)
+        drafts, qs = [], []
+        for i in range(k):
+            token, q_i = self.draw(self.target.logits(feature), sub)
+            drafts.append(token)
+            qs.append(q_i)
+            if i < k - 1:
+                embeds = self.target.model.embed_tokens(token[:, None])
+                feature = self.head(embeds, feature, self.cache, slots)
+        at = torch.tensor(ready, device=device)
+        tokens[at] = torch.stack(drafts, dim=1)
+        n_draft[at] = torch.tensor([ks[b] for b in ready], device=device)
+        if q is not None:
+            q[at] = torch.stack(qs, dim=1)
+        return Proposal(tokens, n_draft, q)
+
+    def _unread(self, seq: Sequence) -> int:
+        """Head entries still to build: one per token of the sequence but the newest."""
+        return len(seq.tokens) - 1 - self.fed[seq.request_id]
+
+    def draw(self, logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [B, 1, V] → a token per row [B] and q [B, V], the distribution it was drawn from:
+        the request's transforms applied to the head's logits, exactly as to the target's."""
+        q = probabilities(logits, sb)[:, 0]
+        return sample(q, sb.generators), q
+
+    def _catch_up(self, rows: list[Sequence]) -> torch.Tensor:
+        """Feed the head every pending (feature, next token) pair; → the predicted feature of each
+        row's newest token [B, 1, D]."""
+        device = self.target.device
+        pending = [self.pending[s.request_id] for s in rows]
+        n_new = torch.tensor([len(p) for p in pending], device=device)
+        T = int(n_new.max())
+        features = torch.zeros(len(rows), T, self.head.cfg.dim, dtype=self.target.dtype, device=device)
+        next_tokens = torch.zeros(len(rows), T, dtype=torch.long, device=device)
+        for b, (s, p) in enumerate(zip(rows, pending)):
+            fed = self.fed[s.request_id]
+            features[b, :len(p)] = p
+            next_tokens[b, :len(p)] = torch.tensor(s.tokens[fed + 1:fed + 1 + len(p)], device=device)
+            self.fed[s.request_id] = fed + len(p)
+            self.pending[s.request_id] = p[:0]
+        slots = torch.tensor([self.slot[s.request_id] for s in rows], device=device)
+        out = self.head(self.target.model.embed_tokens(next_tokens), features, self.cache, slots, n_new)
+        return out[torch.arange(len(rows), device=device), n_new - 1][:, None]
+
+    def commit(self, seqs: list[Sequence], target: TargetHidden) -> None:
+        for b, s in enumerate(seqs):
+            rid = s.request_id
+            if rid not in self.slot:
+                continue
+            # The head's drafted entries were guesses: keep only those built from real features.
+            self.cache.rollback(self.slot[rid], self.fed[rid])
+            known = self.fed[rid] + len(self.pending[rid])  # positions whose feature we hold
+            skip = known - target.start[b]
+            new = target.hidden[b, max(skip, 0):target.n_valid[b]]
+            self.pending[rid] = torch.cat((self.pending[rid], new.to(self.target.dtype)))
+
+
+def _rows(sb: SamplingBatch, rows: list[int]) -> SamplingBatch:
+    """The sampling batch restricted to `rows` (the ones that draft this step)."""
+    if len(rows) == len(sb.generators):
+        return sb
+    at = torch.tensor(rows, device=sb.temperature.device)
+    return SamplingBatch(sb.temperature[at], sb.top_k[at], sb.top_p[at], sb.min_p[at], sb.greedy[at],
+                         [sb.generators[b] for b in rows], sb.all_greedy)

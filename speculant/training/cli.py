@@ -1,0 +1,91 @@
+"""`speculant train-draft`: record self-distillation data (resumable), then train a draft."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+
+from speculant.errors import SpeculantError
+from speculant.training.train import KINDS, TrainConfig
+
+log = logging.getLogger("speculant")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None,
+                   help="the target: HF folder or .gguf (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--kind", choices=KINDS, required=True,
+                   help="eagle: a one-layer head on the target's features; "
+                        "draft_model: a small standalone model")
+    p.add_argument("--out", type=Path, required=True, help="folder the trained draft is written to")
+    p.add_argument("--data", type=Path, default=None,
+                   help="self-distillation data folder, shared between kinds; recorded there when missing or "
+                        "incomplete (default: OUT/data)")
+    d = p.add_argument_group("data")
+    d.add_argument("--text-chars", type=int, default=600_000, help="characters of teacher-forced text")
+    d.add_argument("--prompts", type=int, default=160, help="prompts the target answers itself")
+    d.add_argument("--answer-tokens", type=int, default=160, help="longest self-written answer")
+    d.add_argument("--top-k", type=int, default=32, help="target log-probabilities kept per token")
+    d.add_argument("--record-only", action="store_true", help="record the data, do not train")
+    d.add_argument("--worker", type=int, default=0,
+                   help="with --workers N: record every N-th shard from this one")
+    d.add_argument("--workers", type=int, default=1, help="processes recording one data set together")
+    t = p.add_argument_group("training")
+    defaults = TrainConfig()
+    t.add_argument("--epochs", type=float, default=defaults.epochs)
+    t.add_argument("--max-minutes", type=float, default=defaults.max_minutes,
+                   help="training stops (and its schedule ends) at this wall time if the epochs take longer")
+    t.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    t.add_argument("--window", type=int, default=defaults.window, help="tokens per training window")
+    t.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (default: 1e-3 eagle, 2e-3 draft)")
+    t.add_argument("--kl-weight", type=float, default=defaults.kl_weight,
+                   help="eagle: weight of the KL to the target's distribution next to feature regression")
+    t.add_argument("--kl-fraction", type=float, default=defaults.kl_fraction,
+                   help="eagle: fraction of positions that pay for the full-vocabulary softmax")
+    t.add_argument("--draft-dim", type=int, default=defaults.draft_dim, help="draft_model hidden size")
+    t.add_argument("--draft-layers", type=int, default=defaults.draft_layers, help="draft_model layers")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 is fastest on a busy machine)")
+    t.add_argument("--dtype", default="float32", help="dtype the target runs in while recording")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from speculant.models.loader import load_model
+    from speculant.training.data import build_dataset, load_dataset
+    from speculant.training.train import train
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    target = load_model(args.target, dtype=args.dtype)
+    data_dir = args.data or args.out / "data"
+    manifest = build_dataset(target, data_dir, n_text_chars=args.text_chars, n_prompts=args.prompts,
+                             answer_tokens=args.answer_tokens, top_k=args.top_k, seed=args.seed,
+                             worker=args.worker, workers=args.workers)
+    if args.record_only:
+        print(json.dumps(manifest, indent=2))
+        return 0
+    if not manifest["complete"]:
+        raise SpeculantError(f"{data_dir}: the data set is incomplete (other workers still recording?)")
+    log.info("data: %d tokens in %d sequences (%s)", manifest["tokens"], manifest["sequences"], data_dir)
+    if target.model.dtype != torch.float32:
+        target = load_model(args.target)  # training runs in fp32 against the frozen target
+    cfg = TrainConfig(kind=args.kind, epochs=args.epochs, max_minutes=args.max_minutes,
+                      batch_size=args.batch_size, window=args.window,
+                      lr=args.lr or (1e-3 if args.kind == "eagle" else 2e-3),
+                      kl_weight=args.kl_weight, kl_fraction=args.kl_fraction, draft_dim=args.draft_dim,
+                      draft_layers=args.draft_layers, seed=args.seed)
+    summary = train(target, load_dataset(data_dir), cfg, args.out)
+    summary["data"] = {"folder": str(data_dir), "tokens": manifest["tokens"],
+                       "sequences": manifest["sequences"]}
+    summary["total_wall_time_s"] = round(time.perf_counter() - t0, 1)
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
+    return 0

@@ -1,0 +1,134 @@
+"""The EAGLE proposer: lossless (greedy and sampled), exact cache bookkeeping, target check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import save_tiny
+from test_distribution import ALPHA, N_SAMPLES, N_TOKENS, PROMPT, SETTINGS, exact_joint, g_test, sampled_joint
+
+from speculant.config import SamplingParams, SpeculativeConfig
+from speculant.engine import Engine
+from speculant.errors import SpeculantError
+from speculant.models.loader import load_model
+from speculant.proposers import build_proposer
+from speculant.proposers.eagle import EagleHead, EagleProposer, head_config, load_eagle, save_eagle
+from speculant.sampling import probabilities
+
+BATCH = 400
+
+
+def random_head(target, seed: int = 0, std: float = 0.3) -> EagleHead:
+    """An untrained head with large weights: its drafts are sometimes right, often wrong, and its
+    q clearly differs from p, which is what the losslessness tests need."""
+    torch.manual_seed(seed)
+    head = EagleHead(head_config(target.config))
+    for p in head.parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=std)
+    return head.eval().requires_grad_(False)
+
+
+def saved_head(target, folder, seed: int = 0):
+    save_eagle(random_head(target, seed), folder, target, dtype=torch.float32)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def small(small_vocab_pair, tmp_path_factory):
+    target = load_model(small_vocab_pair[0])
+    return target, load_eagle(saved_head(target, tmp_path_factory.mktemp("head")), target)
+
+
+def eagle_engine(target, head, k: int, batch: int, proposer_cls=EagleProposer, max_len: int = 32) -> Engine:
+    return Engine(target, proposer_cls(head, target.model, batch, max_len + k + 1), k,
+                  max_batch_size=batch, max_model_len=max_len)
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_output_is_plain_greedy(tiny_pair, tmp_path, k):
+    target = load_model(tiny_pair[0])
+    spec = SpeculativeConfig.parse({"method": "eagle", "model": str(saved_head(target, tmp_path)),
+                                    "num_speculative_tokens": k})
+    prompts = [[1, 5, 9, 14], [1, 33, 2, 7, 7, 7, 7, 40, 41], [1, 60], [3, 4, 5, 3, 4, 5, 3]]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = Engine(target, max_batch_size=4, max_model_len=64)
+    expected = [s.output_ids for s in plain.generate([plain.add_request(p, params) for p in prompts])]
+    # Three slots for four requests: one joins mid-way, as in continuous batching.
+    proposer = build_proposer(spec, target, 3, 64 + k + 1)
+    engine = Engine(target, proposer, k, max_batch_size=3, max_model_len=64)
+    got = [s.output_ids for s in engine.generate([engine.add_request(p, params) for p in prompts])]
+    assert got == expected
+    assert engine.stats.num_draft_tokens > 0
+
+
+def test_head_cache_matches_a_fresh_run(small):
+    """At every step the first draft equals what the head predicts when run from scratch on the
+    target's features of the whole sequence: rollback and catch-up lose nothing."""
+    target, head = small
+    model = target.model
+    engine = eagle_engine(target, head, 3, 1)
+    proposer = engine.proposer
+    checked = []
+    original = proposer.propose
+
+    def spy(seqs, ks, sb):
+        out = original(seqs, ks, sb)
+        tokens = seqs[0].tokens
+        if out.n_draft[0] and len(tokens) > 1:
+            ids = torch.tensor([tokens[:-1]])
+            features = model(ids, model.new_cache(1, len(tokens)), torch.tensor([0]))
+            embeds = model.model.embed_tokens(torch.tensor([tokens[1:]]))
+            pred = head(embeds, features, head.new_cache(1, len(tokens)), torch.tensor([0]))[:, -1:]
+            checked.append(int(model.logits(pred).argmax(-1)) == int(out.tokens[0, 0]))
+        return out
+
+    proposer.propose = spy
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    engine.generate([engine.add_request(PROMPT, params)])
+    assert len(checked) > 3 and all(checked)
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_eagle_sampling_matches_target(small, setting):
+    target, head = small
+    params = SETTINGS[setting]
+    engine = eagle_engine(target, head, 2, BATCH)
+    p = g_test(sampled_joint(engine, params, N_SAMPLES), exact_joint(target.model, params, N_TOKENS))
+    print(f"eagle {setting}: G-test p = {p:.4f}")
+    assert engine.stats.num_accepted_tokens > 0
+    assert p > ALPHA
+
+
+class GreedyHeadSoftmaxQ(EagleProposer):
+    """Drafts the head's argmax but reports the softmax as q: the classic lossy bug."""
+
+    def draw(self, logits, sb):
+        q = probabilities(logits, sb)[:, 0]
+        return q.argmax(dim=-1), q
+
+
+def test_eagle_mutant_is_caught(small):
+    target, head = small
+    params = SETTINGS["t0.7_topk"]
+    engine = eagle_engine(target, head, 2, BATCH, proposer_cls=GreedyHeadSoftmaxQ)
+    p = g_test(sampled_joint(engine, params, N_SAMPLES), exact_joint(target.model, params, N_TOKENS))
+    assert p < ALPHA
+
+
+def test_head_for_another_target_is_refused(tiny_pair, tmp_path):
+    target = load_model(tiny_pair[0])
+    head = saved_head(target, tmp_path / "head")
+    same_shape = load_model(save_tiny(tmp_path / "other", seed=7, num_hidden_layers=3))
+    other_shape = load_model(tiny_pair[1])
+    for other in (same_shape, other_shape):
+        spec = SpeculativeConfig.parse({"method": "eagle", "model": str(head), "num_speculative_tokens": 2})
+        with pytest.raises(SpeculantError, match="trained for target 'target'.*not for the loaded target"):
+            build_proposer(spec, other, 1, 32)
+    load_eagle(head, load_model(tiny_pair[0], dtype="bfloat16"))  # the same target in another dtype is fine
+
+
+def test_missing_files_are_reported(tiny_pair, tmp_path):
+    target = load_model(tiny_pair[0])
+    with pytest.raises(SpeculantError, match="eagle.safetensors and eagle_config.json"):
+        load_eagle(tmp_path, target)

@@ -1,0 +1,144 @@
+"""`speculant train-draft` on tiny models: data recording, both kinds of draft, reload."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import save_tiny
+from safetensors.torch import save_file
+
+from speculant.config import SamplingParams, SpeculativeConfig
+from speculant.engine import Engine
+from speculant.models.loader import load_model
+from speculant.proposers import build_proposer
+from speculant.sampling import SamplingBatch
+from speculant.training.data import build_dataset, describe, load_dataset, record
+from speculant.training.train import TrainConfig, split_windows, train
+
+
+def repetitive_sequences(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Sequences with structure a draft can learn quickly: short cycles of tokens."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        cycle = torch.randint(3, vocab, (int(torch.randint(2, 5, (1,), generator=g)),), generator=g).tolist()
+        out.append((cycle * 40)[:int(torch.randint(40, 90, (1,), generator=g))])
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("train") / "target", seed=0, num_hidden_layers=2, init_std=0.1)
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tiny_target, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("data")
+    target = load_model(tiny_target)
+    data = record(repetitive_sequences(48, target.config.vocab_size), target, top_k=8)
+    data["kinds"] = torch.zeros(48, dtype=torch.int32)
+    save_file(data, str(folder / "shard-00000.safetensors"))
+    return folder
+
+
+def quick(kind: str, **overrides) -> TrainConfig:
+    base = dict(kind=kind, epochs=4, batch_size=8, window=64, lr=3e-3, warmup_steps=3, log_every=2,
+                eval_every=4, draft_dim=32, draft_layers=1, draft_heads=2, draft_kv_heads=1,
+                draft_intermediate=64)
+    base.update(overrides)
+    return TrainConfig(**base)
+
+
+def test_record_matches_the_target(tiny_target):
+    target = load_model(tiny_target)
+    seqs = [[1, 5, 7, 9], [1, 4, 4]]
+    data = record(seqs, target, top_k=4)
+    assert data["tokens"].tolist() == [1, 5, 7, 9, 1, 4, 4]
+    assert data["offsets"].tolist() == [0, 4, 7]
+    cache = target.model.new_cache(1, 4)
+    hidden = target.model(torch.tensor([seqs[0]]), cache, torch.tensor([0]))[0]
+    top = torch.log_softmax(target.model.logits(hidden), -1).topk(4)
+    assert torch.equal(data["topk_ids"][:4], top.indices.int())
+    torch.testing.assert_close(data["hidden"][:4].float(), hidden, atol=2e-2, rtol=2e-2)
+
+
+def test_windows_never_mix_train_and_validation():
+    offsets = torch.tensor([0, 100, 150, 400, 410])
+    train_w, val_w = split_windows(offsets, 64, 0.25, seed=0)
+    covered = sorted(train_w + val_w)
+    assert sum(n for _, n in covered) == 410
+    assert all(n <= 64 for _, n in covered)
+    seq_of = lambda start: int(torch.searchsorted(offsets, start, right=True)) - 1  # noqa: E731
+    assert not {seq_of(s) for s, _ in train_w} & {seq_of(s) for s, _ in val_w}
+
+
+@pytest.mark.parametrize("kind", ["eagle", "draft_model"])
+def test_training_lowers_the_loss_and_reloads(kind, tiny_target, tiny_data, tmp_path):
+    target = load_model(tiny_target)
+    summary = train(target, load_dataset(tiny_data), quick(kind), tmp_path / kind, progress_bar=False)
+    log = [json.loads(line) for line in (tmp_path / kind / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["loss"] < 0.8 * log[0]["loss"], (log[0], log[-1])
+    assert (tmp_path / kind / "loss.png").stat().st_size > 1000
+    first_val = next(row["val_loss"] for row in log if "val_loss" in row)
+    assert summary["val_loss"] < first_val
+    # Reload through the engine's own path and draft the same tokens twice.
+    spec = SpeculativeConfig.parse({"method": kind, "model": str(tmp_path / kind),
+                                    "num_speculative_tokens": 4})
+    assert proposals(spec, target) == proposals(spec, target)
+
+
+def proposals(spec: SpeculativeConfig, target) -> list[list[int]]:
+    """Greedy drafts at every step of a short generation with a freshly loaded proposer."""
+    proposer = build_proposer(spec, target, 1, 64)
+    engine = Engine(target, proposer, spec.num_speculative_tokens, max_batch_size=1, max_model_len=48)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    seq = engine.add_request([1, 7, 9, 7, 9, 7], params)
+    seen = []
+    original = proposer.propose
+
+    def spy(seqs, ks, sb: SamplingBatch):
+        out = original(seqs, ks, sb)
+        seen.append(out.tokens[0, :int(out.n_draft[0])].tolist())
+        return out
+
+    proposer.propose = spy
+    engine.generate([seq])
+    return seen
+
+
+def test_distilled_draft_loads_in_transformers(tiny_target, tiny_data, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    target = load_model(tiny_target)
+    train(target, load_dataset(tiny_data), quick("draft_model", epochs=1), tmp_path, progress_bar=False)
+    ours = load_model(tmp_path)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    ids = torch.tensor([[1, 5, 9, 12, 5, 9]])
+    cache = ours.model.new_cache(1, 6)
+    mine = ours.model.logits(ours.model(ids, cache, torch.tensor([0])))
+    torch.testing.assert_close(mine, ref(ids).logits.float(), atol=1e-3, rtol=1e-3)
+
+
+def test_dataset_from_the_standard_library(smollm_path, tmp_path):
+    """The full recording path (pools, chat template, self-written answers, resume, manifest) on
+    a tiny random model that uses SmolLM2's tokenizer."""
+    from speculant.models.gguf import convert_gguf
+
+    folder = save_tiny(tmp_path / "tiny", vocab_size=49152, hidden_size=32, intermediate_size=64,
+                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(convert_gguf(smollm_path)[0] / name, folder / name)
+    target = load_model(folder)
+    settings = dict(n_text_chars=6000, n_prompts=3, answer_tokens=4, top_k=4, max_len=64, shard_items=4)
+    manifest = build_dataset(target, tmp_path / "data", **settings)
+    assert set(manifest["make_up"]) >= {"code", "prose", "chat:complete", "chat:explain", "chat:write"}
+    assert manifest["tokens"] == len(load_dataset(tmp_path / "data")["tokens"])
+    assert json.loads((tmp_path / "data" / "manifest.json").read_text())["tokens"] == manifest["tokens"]
+    # Resuming records nothing again: the shards are kept as they are.
+    shards = sorted((tmp_path / "data").glob("shard-*"))
+    stamps = [p.stat().st_mtime_ns for p in shards]
+    build_dataset(target, tmp_path / "data", **settings)
+    assert [p.stat().st_mtime_ns for p in shards] == stamps
+    assert describe(tmp_path / "data", target, manifest["settings"])["tokens"] == manifest["tokens"]
