@@ -41,8 +41,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--adaptive", action="store_true",
                    help="choose k per step from the measured cost curve and acceptance (0 where it loses)")
     s.add_argument("--no-speculation", action="store_true",
-                   help="plain decoding (k = 0); without any speculation flag the bundled model uses its "
-                        "shipped draft, adaptively")
+                   help="plain decoding (k = 0); without any speculation flag the bundled model uses "
+                        "its best measured proposer (n-gram lookup, k up to 6), adaptively")
 
 
 def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
@@ -60,12 +60,11 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig 
                                         "num_speculative_tokens": k, "adaptive": args.adaptive})
     if args.ngram or args.num_speculative_tokens is not None:
         return SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": k, "adaptive": args.adaptive})
-    # No flags: the bundled model speculates with its shipped draft, adaptively (k per step, off
-    # where it would lose); other models decode plainly.
+    # No flags: the bundled model speculates with its best measured proposer, adaptively (k per step,
+    # off where it would lose); other models decode plainly.
     from speculant.training.shipped import default_speculative_config
 
-    shipped = default_speculative_config(args.model)
-    return SpeculativeConfig.parse(shipped and {**shipped, "adaptive": True})
+    return SpeculativeConfig.parse(default_speculative_config(args.model))
 
 
 def engine_from_args(args: argparse.Namespace):

@@ -7,8 +7,8 @@ For every token we record what a draft learns from: the token, the target's top-
 for the next token, and the target's last hidden state (after the final norm: what lm_head reads).
 
 The data set is a folder of numbered safetensors shards plus manifest.json (size and make-up).
-Items are a deterministic function of the seed, so an interrupted run resumes at the first
-missing shard.
+Items are a deterministic function of the settings and seed, and a shard file appears only once
+complete, so an interrupted run resumes by skipping the shards already there.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from speculant.models.loader import LoadedModel
 
 SKIPPED_STDLIB_DIRS = {"test", "tests", "idlelib", "turtledemo", "site-packages", "lib2to3", "ensurepip"}
 MANIFEST = "manifest.json"
+_KINDS = ["code", "prose", "chat:complete", "chat:explain", "chat:write", "chat:rewrite", "chat:chat"]
 
 
 @dataclass
@@ -225,8 +226,6 @@ def build_dataset(target: LoadedModel, out: Path, n_text_chars: int = 600_000, n
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest
 
-
-_KINDS = ["code", "prose", "chat:complete", "chat:explain", "chat:write", "chat:rewrite", "chat:chat"]
 
 
 def describe(folder: Path, target: LoadedModel, settings: dict) -> dict:
