@@ -1,0 +1,151 @@
+"""`speculant advise [MODEL] [--draft PATH]`: a short run that says whether speculation pays here.
+
+It measures the target's cost curve at several batch sizes and each available proposer's acceptance
+on a few prompts at batch 1, fits the speed-up model of DESIGN §3 to them, and prints the regime,
+the best k per batch size (0 where speculation would lose) and a ready --speculative-config line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from speculant.bench.cli import int_list
+from speculant.bench.prompts import PROMPT_CLASSES, load_prompts
+from speculant.bench.regime import AcceptanceFit, regime_verdict
+from speculant.bench.runner import engine_runner, run_jobs, warm_up
+from speculant.bench.suite import BenchPlan, Progress, machine_facts, make_jobs, proposer_configs, try_runner
+from speculant.bench.summary import ALL, summarize
+from speculant.errors import SpeculantError
+from speculant.models.loader import default_model_path, load_model
+from speculant.speedup import CostCurve, measure_cost_curve
+
+PROBE_K = 4  # the k acceptance is measured at; the model extrapolates to 1..MAX_K
+MAX_K = 8
+
+
+@dataclass
+class Advice:
+    batch_size: int
+    method: str | None  # None: do not speculate
+    k: int
+    speedup: float  # predicted
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = ("A short run (about 2 minutes on 2 CPU cores for the bundled model): is this setup "
+                     "memory-bound, which num_speculative_tokens to use per batch size, and what speed-up "
+                     "to expect.")
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF model folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", default=None, help="a draft model path: also consider method draft_model")
+    p.add_argument("--eagle", default=None, help="an EAGLE head path: also consider method eagle")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="PyTorch CPU threads (default: PyTorch's choice; 1 suits a machine shared with "
+                        "other work)")
+    p.add_argument("--batch-sizes", type=int_list, default=[1, 2, 4, 8, 16, 32],
+                   help="batch sizes to advise for (default 1,2,4,8,16,32)")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="the batch size you serve at, for the --speculative-config line (default 1)")
+    p.add_argument("--prompts", nargs="+", default=list(PROMPT_CLASSES),
+                   help="shipped classes and/or JSONL files, as for `speculant bench` (default: one of each "
+                        "class)")
+    p.add_argument("--per-class", type=int, default=1, help="prompts per class (default 1)")
+    p.add_argument("--max-tokens", type=int, default=48, help="output tokens per prompt (default 48)")
+    p.add_argument("--json", default=None, help="also write the measurements and advice to this JSON file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def advise(curve: CostCurve, fits: dict[str, AcceptanceFit], batch_sizes: list[int]) -> list[Advice]:
+    """Per batch size, the proposer and k with the best predicted speed-up, or no speculation."""
+    out = []
+    for b in batch_sizes:
+        best = Advice(b, None, 0, 1.0)
+        for method, fit in fits.items():
+            k, s = fit.best_k(curve, b, MAX_K)
+            if k and s > best.speedup:
+                best = Advice(b, method, k, s)
+        out.append(best)
+    return out
+
+
+def speculative_config_line(advice: Advice, paths: dict[str, str]) -> str:
+    if advice.method is None:
+        return f"no speculation at batch {advice.batch_size}: leave --speculative-config out"
+    config = {"method": advice.method, "num_speculative_tokens": advice.k}
+    if advice.method in paths:
+        config["model"] = paths[advice.method]
+    return f"--speculative-config '{json.dumps(config)}'"
+
+
+def run(args: argparse.Namespace) -> None:
+    started = time.perf_counter()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    progress = Progress(not args.no_progress)
+    model_path = Path(args.model).expanduser() if args.model else default_model_path()
+    target = load_model(model_path, dtype=args.dtype, device=args.device)
+    plan = BenchPlan(model=args.model, dtype=args.dtype, device=args.device, draft_model=args.draft,
+                     eagle=args.eagle)
+    prompts = load_prompts(args.prompts, target.tokenizer, target.config.vocab_size,
+                           per_class=args.per_class, max_prompt_tokens=plan.max_prompt_tokens)
+    if not prompts:
+        raise SpeculantError("no prompts to run")
+    max_len = max(len(p.token_ids) for p in prompts) + args.max_tokens + 1
+
+    sizes = sorted(set(args.batch_sizes) | {1})
+    tick = progress.phase("cost curve", len(sizes) * 3 * (MAX_K + 1))
+    curve = measure_cost_curve(target.model, sizes, MAX_K + 1, min(256, max_len), reps=2, tick=lambda: tick())
+
+    notes: list[str] = []
+    configs, skipped = proposer_configs(plan, PROBE_K)
+    notes += skipped
+    runners = [engine_runner(target, None, 1, max_len)]
+    runners += [r for spec in configs if (r := try_runner(target, spec, 1, max_len, notes))]
+    jobs = make_jobs(prompts, 1, 0.0, args.max_tokens, 1, 0)
+    warm_up(runners, jobs[0])
+    measurements = run_jobs(runners, jobs, progress.phase("acceptance", len(jobs) * len(runners)))
+    rows = [r for r in summarize(measurements, [r.descriptor() for r in runners], curve, by_class=False)
+            if r.prompt_class == ALL and r.method and r.fit]
+    fits = {r.method: AcceptanceFit(**r.fit) for r in rows}
+    advice = advise(curve, fits, args.batch_sizes)
+    paths = {c.method: c.model for c in configs if c.model}
+
+    facts = machine_facts()
+    lines = [f"{model_path.name} on {facts['cpu']} ({facts['cpu_count']} cores, {facts['torch_threads']} "
+             f"threads), {args.device}, {args.dtype}: measured in {time.perf_counter() - started:.0f} s",
+             f"regime: {regime_verdict(curve)}"]
+    for r in rows:
+        fit = fits[r.method]
+        lines.append(f"{r.method}: at batch 1, k={r.k}: measured {r.speedup or 0:.2f}×, model "
+                     f"{r.predicted_speedup or 0:.2f}×; per-token acceptance α={fit.alpha:.2f}, drafts on "
+                     f"{100 * fit.coverage:.0f}% of steps")
+    lines += notes
+    lines.append(_advice_table(advice))
+    serve = min(advice, key=lambda a: abs(a.batch_size - args.batch_size))
+    lines.append(f"at batch {serve.batch_size}: {speculative_config_line(serve, paths)}")
+    print("\n".join(lines))
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "machine": facts, "model": str(model_path), "cost_curve": curve.as_dict(),
+            "regime": regime_verdict(curve), "fits": {m: f.as_dict() for m, f in fits.items()},
+            "measured": [r.as_dict() for r in rows], "advice": [a.__dict__ for a in advice], "notes": notes,
+        }, indent=1) + "\n")
+        print(f"details: {args.json}", file=sys.stderr)
+
+
+def _advice_table(advice: list[Advice]) -> str:
+    cells = [("batch size", [str(a.batch_size) for a in advice]),
+             ("method", [a.method or "–" for a in advice]),
+             ("k", [str(a.k) for a in advice]),
+             ("expected speed-up", [f"{a.speedup:.2f}×" for a in advice])]
+    width = max(len(c) for _, row in cells for c in row) + 2
+    return "\n".join(f"{label:<18}" + "".join(c.rjust(width) for c in row) for label, row in cells)

@@ -1,0 +1,136 @@
+"""`speculant bench`: the side-by-side benchmark, written as Markdown, JSON and PNG plots."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from speculant.bench.prompts import PROMPT_CLASSES
+from speculant.bench.suite import PEERS, PROPOSERS, BenchPlan
+from speculant.errors import SpeculantError
+
+# What --quick changes; flags given explicitly still win.
+QUICK = dict(per_class=1, max_tokens=24, ks=[2, 4], batch_sizes=[1, 4], temperatures=[0.0, 0.7],
+             cost_batch_sizes=[1, 4, 16], max_width=8, cost_reps=2)
+
+
+def int_list(text: str) -> list[int]:
+    """"2,4,6" or a range "1..8"."""
+    try:
+        if ".." in text:
+            lo, hi = text.split("..")
+            return list(range(int(lo), int(hi) + 1))
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 2,4,6 or 1..8, got {text!r}") from None
+
+
+def float_list(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 0,0.7, got {text!r}") from None
+
+
+def name_list(choices: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        names = [] if text == "none" else [x.strip() for x in text.split(",") if x.strip()]
+        bad = [n for n in names if n not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(bad)}; choose from {', '.join(choices)} "
+                                             "or none")
+        return names
+    return parse
+
+
+def add_target_arguments(p: argparse.ArgumentParser) -> None:
+    """The model flags of `speculant generate`, without the speculation ones a sweep replaces."""
+    g = p.add_argument_group("model")
+    g.add_argument("--model", "-m", default=None,
+                   help="HF model folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    g.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="PyTorch CPU threads (default: PyTorch's choice); on a machine shared with other "
+                        "work, 1 avoids threads waiting on each other at every operation")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = ("Interleaved side-by-side benchmark: plain decoding vs every proposer over k, batch "
+                     "size and temperature, peers on the same weights, the target's cost curve and the "
+                     "speed-up model's prediction. Writes report.md, report.json and PNG plots.")
+    add_target_arguments(p)
+    s = p.add_argument_group("sweeps")
+    s.add_argument("--draft-model", default=None, help="a draft model path: adds the draft_model proposer "
+                   "(and transformers' assistant_model)")
+    s.add_argument("--eagle", default=None, help="an EAGLE head path: adds the eagle proposer")
+    s.add_argument("--proposers", type=name_list(PROPOSERS), default=list(PROPOSERS),
+                   help="comma list of ngram, draft_model, eagle (default: all that are available)")
+    s.add_argument("--ks", type=int_list, default=None, help="k values, 2,4,6,8 (default) or 1..8")
+    s.add_argument("--batch-k", type=int, default=None,
+                   help="k for the batch and temperature sweeps (default: each proposer's best k at batch 1)")
+    s.add_argument("--batch-sizes", type=int_list, default=None, help="default 1,2,4,8,16,32")
+    s.add_argument("--temperatures", type=float_list, default=None, help="default 0,0.7")
+    s.add_argument("--peers", type=name_list(PEERS), default=list(PEERS),
+                   help="comma list of transformers, llama.cpp, or none (default: both, when installed)")
+    s.add_argument("--peer-k", type=int, default=4, help="the peers' prompt lookup / assistant k (default 4)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--prompts", nargs="+", default=list(PROMPT_CLASSES),
+                   help=f"shipped classes ({', '.join(PROMPT_CLASSES)}) and/or JSONL files with \"prompt\", "
+                        "\"messages\" or \"prompt_token_ids\" per line (optional \"class\", \"id\")")
+    w.add_argument("--per-class", type=int, default=None, help="prompts per class (default 6; 0: all)")
+    w.add_argument("--max-tokens", type=int, default=None, help="output tokens per prompt (default 128)")
+    w.add_argument("--reps", type=int, default=1, help="repetitions of every prompt (default 1)")
+    w.add_argument("--no-chat", action="store_true", help="raw prompts, no chat template")
+    w.add_argument("--seed", type=int, default=0, help="base seed of sampled requests (default 0)")
+    c = p.add_argument_group("regime and cost")
+    c.add_argument("--max-width", type=int, default=None,
+                   help="cost curve up to T tokens per pass (default 16)")
+    c.add_argument("--cost-reps", type=int, default=None, help="timed passes per point (median; default 3)")
+    c.add_argument("--price-per-hour", type=float, default=None,
+                   help="machine price per hour: adds cost per million output tokens")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", "-o", default="speculant-bench", help="report folder (default ./speculant-bench)")
+    o.add_argument("--quick", action="store_true",
+                   help="a short run: 1 prompt per class, 24 tokens, k 2,4, batch 1,4, cost curve to T = 8")
+    o.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def plan_from_args(args: argparse.Namespace) -> BenchPlan:
+    plan = BenchPlan(model=args.model, dtype=args.dtype, device=args.device, threads=args.threads,
+                     draft_model=args.draft_model,
+                     eagle=args.eagle, proposers=args.proposers, batch_k=args.batch_k, prompts=args.prompts,
+                     reps=args.reps, chat=not args.no_chat, peers=args.peers, peer_k=args.peer_k,
+                     price_per_hour=args.price_per_hour, seed=args.seed, progress=not args.no_progress,
+                     command=" ".join(["speculant", *map(shlex.quote, sys.argv[1:])]))
+    if args.quick:
+        for name, value in QUICK.items():
+            setattr(plan, name, value)
+    given = dict(per_class=args.per_class, max_tokens=args.max_tokens, ks=args.ks,
+                 batch_sizes=args.batch_sizes, temperatures=args.temperatures, max_width=args.max_width,
+                 cost_reps=args.cost_reps)
+    for name, value in given.items():
+        if value is not None:
+            setattr(plan, name, value)
+    if plan.per_class == 0:
+        plan.per_class = None
+    if not plan.ks or min(plan.ks) < 1 or not plan.batch_sizes or min(plan.batch_sizes) < 1:
+        raise SpeculantError("--ks and --batch-sizes need positive integers")
+    if plan.max_tokens < 2 or plan.max_width < 2:
+        raise SpeculantError("--max-tokens and --max-width need at least 2")
+    return plan
+
+
+def run(args: argparse.Namespace) -> None:
+    from speculant.bench.report import headline_table, write_report
+    from speculant.bench.suite import run_bench
+
+    result = run_bench(plan_from_args(args))
+    files = write_report(result, Path(args.out))
+    print(headline_table(result))
+    print(f"regime: {result.regime()['verdict']}")
+    for note in result.notes:
+        print(note)
+    print(f"report: {files['markdown']} (and {files['json'].name}, {len(files) - 2} plots)")

@@ -1,0 +1,163 @@
+"""Peers on the same weights, the same prompts and in the same run: Hugging Face `transformers`
+generate (plain, prompt lookup, assistant model) and llama.cpp through `llama-cpp-python` (plain,
+prompt lookup). Each is optional: a missing one is skipped with a one-line reason.
+
+Peers decode one prompt at a time (batch 1) and greedily: that is where their speculative modes
+apply. Their time to first token is the time to their first streamed token.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speculant.bench.runner import Measurement, Runner
+from speculant.config import SamplingParams
+
+LLAMA_CPP_MISSING = ("llama.cpp peer skipped: llama-cpp-python is not installed "
+                     "(pip install 'speculant[peers]')")
+
+
+def hf_folder_for(model_path: Path) -> Path:
+    """A folder transformers can load: the model's own, or the cached conversion of a GGUF file."""
+    if model_path.is_file():
+        from speculant.models.gguf import convert_gguf
+
+        return convert_gguf(model_path)[0]
+    return model_path
+
+
+class _FirstTokenClock:
+    """A transformers streamer that notes when the first generated tokens arrive and how many
+    came in that first chunk (assisted decoding may emit several at once)."""
+
+    def __init__(self):
+        self.calls = 0
+        self.first_time: float | None = None
+        self.first_count = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls += 1
+        if self.calls == 2:  # the first call carries the prompt
+            self.first_time = time.perf_counter()
+            self.first_count = value.numel()
+
+    def end(self) -> None:
+        pass
+
+
+@dataclass
+class TransformersRunner(Runner):
+    model: Any = None
+    assistant: Any = None
+    eos_ids: tuple[int, ...] = ()
+
+    def run(self, prompts: list[list[int]], params: list[SamplingParams]) -> Measurement:
+        (prompt,), (sp,) = prompts, params
+        clock = _FirstTokenClock()
+        kwargs: dict = dict(max_new_tokens=sp.max_tokens, do_sample=False, temperature=None, top_p=None,
+                            top_k=None, eos_token_id=list(self.eos_ids), pad_token_id=self.eos_ids[0],
+                            streamer=clock)
+        if self.method == "prompt_lookup":
+            kwargs["prompt_lookup_num_tokens"] = self.k
+        if self.method == "assistant":
+            kwargs["assistant_model"] = self.assistant
+            # A fixed k, as the other configurations: transformers would otherwise adapt it per step.
+            self.assistant.generation_config.num_assistant_tokens = self.k
+            self.assistant.generation_config.num_assistant_tokens_schedule = "constant"
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(torch.tensor([prompt], device=self.model.device),
+                                      attention_mask=torch.ones(1, len(prompt), dtype=torch.long,
+                                                                device=self.model.device), **kwargs)
+        t2 = time.perf_counter()
+        output = out[0, len(prompt):].tolist()
+        t1 = clock.first_time or t2
+        return Measurement(self.name, [], "", 1, sp.temperature, 0, [output], ttft_s=t1 - t0,
+                           decode_s=t2 - t1, decode_tokens=len(output) - clock.first_count)
+
+
+def transformers_peers(model_path: Path, draft_path: Path | None, ks: list[int], eos_ids: list[int],
+                       dtype: torch.dtype, device: torch.device) -> tuple[list[Runner], list[str]]:
+    """transformers plain, prompt lookup at each k, and assistant_model at each k when a draft exists."""
+    if importlib.util.find_spec("transformers") is None:
+        return [], ["transformers peer skipped: transformers is not installed"]
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+    def load(path: Path):
+        model = transformers.AutoModelForCausalLM.from_pretrained(hf_folder_for(path), dtype=dtype)
+        return model.to(device).eval()
+
+    model = load(model_path)
+    common = dict(family="transformers", reference="transformers plain", model=model, eos_ids=tuple(eos_ids))
+    runners: list[Runner] = [TransformersRunner("transformers plain", method=None, k=0, **common)]
+    runners += [TransformersRunner(f"transformers prompt_lookup k={k}", method="prompt_lookup", k=k, **common)
+                for k in ks]
+    skipped = []
+    if draft_path is None:
+        skipped.append("transformers assistant_model skipped: no draft model (pass --draft-model)")
+    else:
+        assistant = load(draft_path)
+        runners += [TransformersRunner(f"transformers assistant k={k}", method="assistant", k=k,
+                                       assistant=assistant, **common) for k in ks]
+    return runners, skipped
+
+
+@dataclass
+class LlamaCppRunner(Runner):
+    llm: Any = None
+    eos_ids: tuple[int, ...] = ()
+
+    def run(self, prompts: list[list[int]], params: list[SamplingParams]) -> Measurement:
+        (prompt,), (sp,) = prompts, params
+        # llama-cpp-python reuses the cached prefix of the previous call: start cold, as the others.
+        self.llm.reset()
+        output: list[int] = []
+        t0 = time.perf_counter()
+        t1 = t0
+        for token in self.llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
+                                       reset=True):
+            if not output:
+                t1 = time.perf_counter()
+            output.append(token)
+            if token in self.eos_ids or len(output) >= sp.max_tokens:
+                break
+        t2 = time.perf_counter()
+        return Measurement(self.name, [], "", 1, sp.temperature, 0, [output], ttft_s=t1 - t0,
+                           decode_s=t2 - t1, decode_tokens=max(len(output) - 1, 0))
+
+
+def llama_cpp_peers(model_path: Path, ks: list[int], eos_ids: list[int],
+                    n_ctx: int) -> tuple[list[Runner], list[str]]:
+    """llama.cpp plain and prompt lookup at each k, on the GGUF file itself (its own quantized kernels)."""
+    try:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError:
+        return [], [LLAMA_CPP_MISSING]
+    if not (model_path.is_file() and model_path.suffix.lower() == ".gguf"):
+        return [], [f"llama.cpp peer skipped: it needs a .gguf model, got {model_path}"]
+    threads = torch.get_num_threads()
+
+    def load(k: int):
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=k) if k else None
+        return Llama(model_path=str(model_path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                     draft_model=draft, seed=0, verbose=False)
+
+    common = dict(family="llama.cpp", reference="llama.cpp plain")
+    eos = tuple(eos_ids)
+    runners: list[Runner] = [LlamaCppRunner("llama.cpp plain", method=None, k=0, llm=load(0), eos_ids=eos,
+                                            **common)]
+    runners += [LlamaCppRunner(f"llama.cpp prompt_lookup k={k}", method="prompt_lookup", k=k, llm=load(k),
+                               eos_ids=eos, **common) for k in ks]
+    return runners, []

@@ -1,0 +1,345 @@
+"""A whole benchmark: the cost curve, then the sweeps, each interleaved on one loaded target.
+
+Sweeps are slices through one default point (batch 1, greedy), not a full product that no
+2-core machine could finish:
+  k          batch 1, greedy: plain vs every proposer at every k, and the peers
+  batch      greedy: plain vs each proposer at its best k from the k sweep, at every batch size
+  temperature  batch 1: the same at each temperature above 0 (a fixed seed per request)
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from speculant.bench.peers import llama_cpp_peers, transformers_peers
+from speculant.bench.prompts import PROMPT_CLASSES, BenchPrompt, load_prompts
+from speculant.bench.regime import memory_bound_limit, regime_rule, regime_verdict
+from speculant.bench.runner import EngineRunner, Job, Measurement, Runner, engine_runner, run_jobs, warm_up
+from speculant.bench.summary import ALL, Row, summarize
+from speculant.config import SamplingParams, SpeculativeConfig
+from speculant.errors import SpeculantError
+from speculant.models.loader import LoadedModel, default_model_path, load_model
+from speculant.speedup import CostCurve, measure_cost_curve
+
+PROPOSERS = ("ngram", "draft_model", "eagle")
+PEERS = ("transformers", "llama.cpp")
+DRAFTS_DIR = Path(__file__).resolve().parents[1] / "data" / "drafts"
+
+
+@dataclass
+class BenchPlan:
+    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct GGUF
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int | None = None  # PyTorch CPU threads; None: PyTorch's default
+    draft_model: str | None = None
+    eagle: str | None = None
+    proposers: list[str] = field(default_factory=lambda: list(PROPOSERS))
+    ks: list[int] = field(default_factory=lambda: [2, 4, 6, 8])
+    batch_k: int | None = None  # None: each proposer's best k from the k sweep
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 0.7])
+    prompts: list[str] = field(default_factory=lambda: list(PROMPT_CLASSES))
+    per_class: int | None = 6
+    max_tokens: int = 128
+    max_prompt_tokens: int = 384
+    chat: bool = True
+    reps: int = 1
+    peers: list[str] = field(default_factory=lambda: list(PEERS))
+    peer_k: int = 4
+    cost_batch_sizes: list[int] | None = None  # None: the batch sweep's sizes
+    max_width: int = 16
+    cost_reps: int = 3
+    price_per_hour: float | None = None
+    seed: int = 0
+    progress: bool = True
+    command: str = ""  # as typed, for the report
+
+
+@dataclass
+class Experiment:
+    name: str
+    description: str
+    runners: list[Runner]
+    measurements: list[Measurement] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"description": self.description, "runners": [r.describe() for r in self.runners],
+                "summary": [r.as_dict() for r in self.rows],
+                "measurements": [m.as_dict() for m in self.measurements]}
+
+
+@dataclass
+class BenchResult:
+    plan: BenchPlan
+    meta: dict
+    curve: CostCurve
+    experiments: dict[str, Experiment]
+    notes: list[str]  # skipped proposers and peers, one line each
+
+    def regime(self) -> dict:
+        return {"verdict": regime_verdict(self.curve), "rule": regime_rule(),
+                "memory_bound_up_to": memory_bound_limit(self.curve),
+                "free_width": {b: self.curve.free_width(b) for b in self.curve.batch_sizes}}
+
+    def as_dict(self) -> dict:
+        return {"meta": self.meta, "plan": asdict(self.plan), "notes": self.notes, "regime": self.regime(),
+                "cost_curve": self.curve.as_dict(), "cost": cost_table(self),
+                "experiments": {n: e.as_dict() for n, e in self.experiments.items()}}
+
+
+def machine_facts() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    facts = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch": torch.__version__,
+             "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+             "platform": platform.platform(), "load_average_start": _load_average()}
+    if torch.cuda.is_available():
+        facts["gpu"] = torch.cuda.get_device_name()
+    return facts
+
+
+def _load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def shipped_drafts() -> dict[str, Path]:
+    """Drafts shipped for the bundled model under speculant/data/drafts/, found by their files: an
+    EAGLE head has eagle_config.json, a draft model config.json, each beside its safetensors."""
+    found: dict[str, Path] = {}
+    if DRAFTS_DIR.is_dir():
+        for config in sorted(DRAFTS_DIR.rglob("*config.json")):
+            folder = config.parent
+            if config.name == "eagle_config.json" and (folder / "eagle.safetensors").exists():
+                found.setdefault("eagle", folder)
+            elif config.name == "config.json" and (folder / "model.safetensors").exists():
+                found.setdefault("draft_model", folder)
+    return found
+
+
+def draft_paths(plan: BenchPlan) -> dict[str, Path | None]:
+    """The draft model and EAGLE head to use: the user's, else those shipped for the bundled model."""
+    drafts = shipped_drafts() if plan.model is None else {}
+    return {"draft_model": Path(plan.draft_model) if plan.draft_model else drafts.get("draft_model"),
+            "eagle": Path(plan.eagle) if plan.eagle else drafts.get("eagle")}
+
+
+def proposer_configs(plan: BenchPlan, k: int) -> tuple[list[SpeculativeConfig], list[str]]:
+    """The speculative configurations the plan asks for at this k, and why any is left out."""
+    paths = draft_paths(plan)
+    configs, notes = [], []
+    for method in plan.proposers:
+        if method == "ngram":
+            configs.append(SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": k}))
+        elif paths.get(method):
+            configs.append(SpeculativeConfig.parse({"method": method, "model": str(paths[method]),
+                                                    "num_speculative_tokens": k}))
+        else:
+            flag = "--draft-model" if method == "draft_model" else "--eagle"
+            notes.append(f"{method} skipped: no {method.replace('_', ' ')} given ({flag} PATH) or shipped "
+                         f"under speculant/data/drafts/")
+    return configs, notes
+
+
+def try_runner(target: LoadedModel, spec: SpeculativeConfig | None, batch: int, max_len: int,
+               notes: list[str]) -> EngineRunner | None:
+    """An engine runner, or None with a note when this build cannot run the proposer."""
+    try:
+        return engine_runner(target, spec, batch, max_len)
+    except NotImplementedError as e:
+        notes.append(f"{spec.method} skipped: {e}")
+    except SpeculantError as e:
+        notes.append(f"{spec.method} skipped: {e}")
+    return None
+
+
+def make_jobs(prompts: list[BenchPrompt], batch: int, temperature: float, max_tokens: int, reps: int,
+              seed: int) -> list[Job]:
+    """Batches of `batch` prompts, cycling through the set so every size decodes at least every prompt
+    once; sampled requests get a fixed seed each, the same for every configuration."""
+    n_jobs = max(1, -(-len(prompts) // batch))
+    jobs = []
+    for rep in range(reps):
+        for j in range(n_jobs):
+            chosen = [prompts[(j * batch + i) % len(prompts)] for i in range(batch)]
+            classes = {p.prompt_class for p in chosen}
+            params = [SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                                     seed=seed + 1000 * rep + j * batch + i if temperature > 0 else None)
+                      for i in range(batch)]
+            jobs.append(Job([p.id for p in chosen], classes.pop() if len(classes) == 1 else ALL,
+                            [p.token_ids for p in chosen], params, rep))
+    return jobs
+
+
+class Progress:
+    """One progress bar per phase, on stderr; silent when disabled."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    def phase(self, desc: str, total: int) -> Callable[[str], None]:
+        bar = tqdm(total=total, desc=desc, file=sys.stderr, disable=not self.enabled, leave=True,
+                   dynamic_ncols=True)
+
+        def tick(label: str = "") -> None:
+            if label:
+                bar.set_postfix_str(label, refresh=False)
+            bar.update()
+            if bar.n >= bar.total:
+                bar.close()
+
+        return tick
+
+
+def run_bench(plan: BenchPlan) -> BenchResult:
+    started = time.time()
+    if plan.threads:
+        torch.set_num_threads(plan.threads)
+    meta = machine_facts()
+    progress = Progress(plan.progress)
+    model_path = Path(plan.model).expanduser() if plan.model else default_model_path()
+    target = load_model(model_path, dtype=plan.dtype, device=plan.device)
+    prompts = load_prompts(plan.prompts, target.tokenizer, target.config.vocab_size, plan.chat,
+                           plan.per_class, plan.max_prompt_tokens)
+    if not prompts:
+        raise SpeculantError("no prompts to run")
+    max_len = max(len(p.token_ids) for p in prompts) + plan.max_tokens + 1
+    meta.update(model=str(model_path), params=sum(p.numel() for p in target.model.parameters()),
+                dtype=plan.dtype, device=plan.device, prompts=len(prompts),
+                prompt_classes=list(dict.fromkeys(p.prompt_class for p in prompts)), command=plan.command)
+
+    cost_sizes = plan.cost_batch_sizes or plan.batch_sizes
+    tick = progress.phase("cost curve C(T)", len(cost_sizes) * (plan.cost_reps + 1) * plan.max_width)
+    curve = measure_cost_curve(target.model, cost_sizes, plan.max_width, min(256, max_len),
+                               plan.cost_reps, lambda: tick())
+
+    notes: list[str] = []
+    experiments = {"k": k_sweep(plan, target, model_path, prompts, max_len, notes, progress)}
+    experiments["k"].rows = summarize(experiments["k"].measurements, experiments["k"].runners, curve)
+    best = best_k_per_method(experiments["k"].rows) if plan.batch_k is None else {}
+    experiments["batch"] = batch_sweep(plan, target, prompts, max_len, best, experiments["k"], progress)
+    hot = [t for t in plan.temperatures if t > 0]
+    if hot:
+        experiments["temperature"] = temperature_sweep(plan, target, prompts, max_len, best, hot, progress)
+    for e in list(experiments.values())[1:]:
+        e.rows = summarize(e.measurements, e.runners, curve)
+    meta.update(duration_s=time.time() - started, load_average_end=_load_average(),
+                started=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)))
+    return BenchResult(plan, meta, curve, experiments, list(dict.fromkeys(notes)))
+
+
+def k_sweep(plan: BenchPlan, target: LoadedModel, model_path: Path, prompts: list[BenchPrompt], max_len: int,
+            notes: list[str], progress: Progress) -> Experiment:
+    runners: list[Runner] = [engine_runner(target, None, 1, max_len)]
+    for k in plan.ks:
+        configs, skipped = proposer_configs(plan, k)
+        notes += skipped
+        runners += [r for spec in configs if (r := try_runner(target, spec, 1, max_len, notes))]
+    runners += peer_runners(plan, target, model_path, max_len, notes)
+    jobs = make_jobs(prompts, 1, 0.0, plan.max_tokens, plan.reps, plan.seed)
+    warm_up(runners, jobs[0])
+    measurements = run_jobs(runners, jobs, progress.phase("k sweep (batch 1)", len(jobs) * len(runners)))
+    return Experiment("k", "batch 1, greedy: plain decoding vs every proposer at every k, and the peers",
+                      [r.descriptor() for r in runners], measurements)
+
+
+def peer_runners(plan: BenchPlan, target: LoadedModel, model_path: Path, max_len: int,
+                 notes: list[str]) -> list[Runner]:
+    runners: list[Runner] = []
+    eos = list(target.eos_token_ids)
+    if "transformers" in plan.peers:
+        found, skipped = transformers_peers(model_path, draft_paths(plan)["draft_model"], [plan.peer_k], eos,
+                                            target.model.dtype, target.model.device)
+        runners += found
+        notes += skipped
+    if "llama.cpp" in plan.peers:
+        found, skipped = llama_cpp_peers(model_path, [plan.peer_k], eos, max_len + plan.peer_k + 8)
+        runners += found
+        notes += skipped
+    return runners
+
+
+def best_k_per_method(rows: list[Row]) -> dict[str, int]:
+    """Each proposer's k with the best measured speed-up over all prompts of the k sweep."""
+    best: dict[str, tuple[float, int]] = {}
+    for r in rows:
+        if r.family == "speculant" and r.method and r.prompt_class == ALL and r.speedup:
+            if r.speedup > best.get(r.method, (0.0, 0))[0]:
+                best[r.method] = (r.speedup, r.k)
+    return {m: k for m, (_, k) in best.items()}
+
+
+def chosen_configs(plan: BenchPlan, best: dict[str, int]) -> list[SpeculativeConfig]:
+    """Each proposer at the plan's batch_k, else at its best k from the k sweep."""
+    configs = []
+    for method in plan.proposers:
+        k = plan.batch_k or best.get(method)
+        if k:
+            configs += [c for c in proposer_configs(plan, k)[0] if c.method == method]
+    return configs
+
+
+def batch_sweep(plan: BenchPlan, target: LoadedModel, prompts: list[BenchPrompt], max_len: int,
+                best: dict[str, int], k_exp: Experiment, progress: Progress) -> Experiment:
+    """Batch 1 comes from the k sweep (same prompts, same settings); every larger size gets its own
+    engines, built, run interleaved and freed before the next size."""
+    configs = chosen_configs(plan, best)
+    names = {"speculant k=0"} | {f"speculant {c.method} k={c.num_speculative_tokens}" for c in configs}
+    exp = Experiment("batch", "greedy: plain vs each proposer at its best k, every batch size",
+                     [r for r in k_exp.runners if r.name in names])
+    reuse = 1 in plan.batch_sizes and names <= {r.name for r in exp.runners}
+    if reuse:
+        exp.measurements = [m for m in k_exp.measurements if m.runner in names]
+    sizes = [b for b in plan.batch_sizes if b > 1 or not reuse]
+    plan_jobs = {b: make_jobs(prompts, b, 0.0, plan.max_tokens, plan.reps, plan.seed) for b in sizes}
+    tick = progress.phase("batch sweep", sum(len(j) for j in plan_jobs.values()) * len(names))
+    for b in sizes:
+        runners = [engine_runner(target, spec, b, max_len) for spec in [None, *configs]]
+        warm_up(runners, plan_jobs[b][0])
+        exp.measurements += run_jobs(runners, plan_jobs[b], tick)
+        exp.runners = [r.descriptor() for r in runners]
+    return exp
+
+
+def temperature_sweep(plan: BenchPlan, target: LoadedModel, prompts: list[BenchPrompt], max_len: int,
+                      best: dict[str, int], temperatures: list[float], progress: Progress) -> Experiment:
+    configs = chosen_configs(plan, best)
+    runners: list[Runner] = [engine_runner(target, spec, 1, max_len) for spec in [None, *configs]]
+    jobs = [j for t in temperatures for j in make_jobs(prompts, 1, t, plan.max_tokens, plan.reps, plan.seed)]
+    warm_up(runners, jobs[0])
+    measurements = run_jobs(runners, jobs, progress.phase("temperature sweep", len(jobs) * len(runners)))
+    return Experiment("temperature", "batch 1, sampled: plain vs each proposer at its best k",
+                      [r.descriptor() for r in runners], measurements)
+
+
+def cost_table(result: BenchResult) -> list[dict]:
+    """Cost per million output tokens at each batch size, plain and speculating, at the plan's price."""
+    price = result.plan.price_per_hour
+    if not price or "batch" not in result.experiments:
+        return []
+    table = []
+    for row in result.experiments["batch"].rows:
+        if row.prompt_class == ALL and row.tokens_per_s:
+            table.append({"runner": row.runner, "batch_size": row.batch_size,
+                          "tokens_per_s": row.tokens_per_s,
+                          "usd_per_million_tokens": price / 3600 / row.tokens_per_s * 1e6})
+    return table

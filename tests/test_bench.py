@@ -1,0 +1,196 @@
+"""`speculant bench` and `speculant advise`: the speed-up model against hand-computed values, the
+regime verdict, prompt loading, a missing peer, and both commands end to end on tiny models."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from speculant.bench.advise import advise
+from speculant.bench.cli import int_list
+from speculant.bench.peers import LLAMA_CPP_MISSING, llama_cpp_peers
+from speculant.bench.prompts import load_prompts
+from speculant.bench.regime import AcceptanceFit, memory_bound_limit, regime_verdict
+from speculant.cli import main
+from speculant.errors import SpeculantError
+from speculant.speedup import CostCurve, expected_tokens_per_pass, fit_alpha, predicted_speedup
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread, and the machine is shared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# -- the speed-up model, DESIGN §3 -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alpha, k, expected", [
+    (0.5, 3, 1.875),  # (1 - 0.5^4) / 0.5
+    (0.8, 4, 3.3616),  # (1 - 0.8^5) / 0.2 = (1 - 0.32768) / 0.2
+    (0.0, 6, 1.0),  # nothing accepted: the pass yields its one token
+    (1.0, 4, 5.0),  # the α → 1 limit: every draft plus the bonus token
+    (1 - 1e-12, 7, 8.0),
+])
+def test_expected_tokens_per_pass(alpha, k, expected):
+    assert expected_tokens_per_pass(alpha, k) == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    # S = E / (C(k+1)/C(1) + k c_draft/C(1)) = 3.3616 / (1.2 + 4 * 0.05) = 3.3616 / 1.4
+    (dict(alpha=0.8, k=4, cost_ratio=1.2, draft_cost_ratio=0.05), 2.401142857),
+    (dict(alpha=1.0, k=3, cost_ratio=1.0), 4.0),  # free verify, perfect drafts: k + 1
+    (dict(alpha=0.5, k=3, cost_ratio=2.5), 0.75),  # compute-bound: 1.875 / 2.5, speculation loses
+    (dict(alpha=0.9, k=0, cost_ratio=1.0), 1.0),  # k = 0 is plain decoding
+    # Half the steps draft: (0.5 + 0.5 * 3.3616) / (0.5 + 0.5 * 1.2) = 2.1808 / 1.1
+    (dict(alpha=0.8, k=4, cost_ratio=1.2, coverage=0.5), 1.982545455),
+    # In a batch every pass is widened although half the rows draft: 2.1808 / 1.2
+    (dict(alpha=0.8, k=4, cost_ratio=1.2, coverage=0.5, pass_coverage=1.0), 1.817333333),
+])
+def test_predicted_speedup(kwargs, expected):
+    assert predicted_speedup(**kwargs) == pytest.approx(expected, rel=1e-6)
+
+
+def test_fit_alpha_inverts_expected_tokens():
+    assert fit_alpha(1.875, 3) == pytest.approx(0.5, abs=1e-9)
+    assert fit_alpha(1.0, 4) == pytest.approx(0.0, abs=1e-9)
+    assert fit_alpha(5.0, 4) == pytest.approx(1.0, abs=1e-6)
+    with pytest.raises(ValueError):
+        expected_tokens_per_pass(1.5, 2)
+
+
+def test_acceptance_fit_from_stats():
+    # 10 drafting steps of k = 4, 25 accepted: mean acceptance length 3.5; 20 passes, half drafted;
+    # 0.4 s of drafting over 20 steps at C(1) = 0.1 s: 0.02 s per pass, per 0.5 * 4 drafted positions.
+    stats = {"num_drafts": 10, "num_draft_tokens": 40, "num_accepted_tokens": 25, "target_passes": 20}
+    fit = AcceptanceFit.from_stats(stats, 4, draft_s=0.4, steps=20, c1_s=0.1)
+    assert expected_tokens_per_pass(fit.alpha, 4) == pytest.approx(3.5, rel=1e-6)
+    assert fit.coverage == 0.5 and fit.k_mean == 4
+    assert fit.draft_cost_ratio == pytest.approx(0.1)
+    flat = CostCurve(0, {1: [1.0] * 9})
+    assert fit.predict(flat, 1) == pytest.approx(predicted_speedup(fit.alpha, 4, 1.0, 0.1, 0.5))
+
+
+# -- the cost curve and the regime ---------------------------------------------------------------
+
+
+def _curve() -> CostCurve:
+    """Memory-bound at batch 1 and 4 (verifying is nearly free), compute-bound at 16 (cost ∝ T)."""
+    return CostCurve(128, {1: [1.0 + 0.02 * t for t in range(9)],
+                           4: [2.0 + 0.1 * t for t in range(9)],
+                           16: [4.0 * (t + 1) for t in range(9)]})
+
+
+def test_cost_curve_ratio_and_verdict():
+    curve = _curve()
+    assert curve.ratio(4, 5) == pytest.approx(2.4 / 2.0)
+    assert curve.ratio(4, 2.5) == pytest.approx(2.15 / 2.0)  # linear between measured widths
+    assert curve.ratio(2, 5) == pytest.approx(curve.ratio(1, 5))  # nearest measured batch (log scale)
+    assert curve.free_width(1) == 9 and curve.free_width(4) == 7 and curve.free_width(16) == 1
+    assert memory_bound_limit(curve) == 4
+    verdict = regime_verdict(curve)
+    assert verdict.startswith("memory-bound up to batch 4") and "B=16: 5.00" in verdict
+    assert regime_verdict(CostCurve(0, {1: [1.0, 3.0, 5.0, 7.0, 9.0]})).startswith("compute-bound already")
+
+
+def test_advise_switches_speculation_off_where_it_loses():
+    fit = AcceptanceFit(alpha=0.7, coverage=1.0, k_mean=4.0, k=4, draft_cost_ratio=0.0)
+    advice = advise(_curve(), {"ngram": fit}, [1, 4, 16])
+    assert [a.batch_size for a in advice] == [1, 4, 16]
+    assert advice[0].method == "ngram" and advice[0].k >= 4 and advice[0].speedup > 2
+    assert 0 < advice[1].k <= advice[0].k  # verify costs more at batch 4: shorter drafts
+    assert advice[2].method is None and advice[2].k == 0 and advice[2].speedup == 1.0
+
+
+# -- prompts -----------------------------------------------------------------------------------
+
+
+def test_prompts_without_tokenizer_and_user_jsonl(tmp_path):
+    prompts = load_prompts(["code", "chat", "rewrite"], None, vocab_size=96, per_class=2)
+    assert [p.prompt_class for p in prompts] == ["code", "chat", "rewrite"] * 2
+    assert all(0 <= t < 96 for p in prompts for t in p.token_ids)
+    assert prompts[0].token_ids == [b % 96 for b in prompts[0].text.encode()]
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"prompt_token_ids": [5, 6, 7]}\n\n{"prompt": "hello", "class": "greet", "id": "h"}\n')
+    got = load_prompts([str(mine)], None, vocab_size=96)
+    assert [(p.prompt_class, p.id, p.token_ids) for p in got] == [
+        ("mine", "mine-0", [5, 6, 7]), ("greet", "h", [b % 96 for b in b"hello"])]
+    mine.write_text('{"text": "no prompt key"}\n')
+    with pytest.raises(SpeculantError, match="mine.jsonl:1"):
+        load_prompts([str(mine)], None, vocab_size=96)
+    with pytest.raises(SpeculantError, match="neither a shipped class"):
+        load_prompts(["poetry"], None, vocab_size=96)
+
+
+def test_int_list():
+    assert int_list("1..4") == [1, 2, 3, 4]
+    assert int_list("2,4,8") == [2, 4, 8]
+
+
+# -- peers ---------------------------------------------------------------------------------------
+
+
+def test_missing_llama_cpp_is_skipped_with_its_message(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp now raises ImportError
+    runners, notes = llama_cpp_peers(tmp_path / "model.gguf", [4], [2], 256)
+    assert runners == [] and notes == [LLAMA_CPP_MISSING]
+
+
+# -- end to end ----------------------------------------------------------------------------------
+
+
+def test_bench_quick_end_to_end(tiny_pair, tmp_path, monkeypatch, capsys, one_thread):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    target, draft = tiny_pair
+    out = tmp_path / "report"
+    rc = main(["bench", "--model", str(target), "--draft-model", str(draft), "--quick", "--per-class", "1",
+               "--max-tokens", "12", "--price-per-hour", "2.5", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    written = {p.name for p in out.iterdir()}
+    assert written == {"report.md", "report.json", "speedup_vs_batch.png", "speedup_vs_k.png",
+                       "per_position_acceptance.png", "cost_curve.png"}
+    assert all((out / name).stat().st_size > 0 for name in written)
+    printed = capsys.readouterr().out
+    assert LLAMA_CPP_MISSING in printed and "regime:" in printed
+
+    report = json.loads((out / "report.json").read_text())
+    assert set(report["experiments"]) == {"k", "batch", "temperature"}
+    assert report["cost_curve"]["seconds"].keys() == {"1", "4", "16"}
+    assert LLAMA_CPP_MISSING in report["notes"]
+    k_rows = report["experiments"]["k"]["summary"]
+    names = {r["runner"] for r in k_rows}
+    assert {"speculant k=0", "speculant ngram k=2", "speculant ngram k=4", "speculant draft_model k=4",
+            "transformers plain", "transformers prompt_lookup k=4", "transformers assistant k=4"} <= names
+    # Greedy speculation is lossless: every configuration wrote the plain output, token for token.
+    assert all(r["identical"] == 1.0 for r in k_rows if r["family"] == "speculant" and r["method"])
+    spec = [r for r in k_rows if r["method"] and r["family"] == "speculant" and r["prompt_class"] == "all"]
+    assert all(r["speedup"] and r["predicted_speedup"] and r["acceptance_rate"] is not None for r in spec)
+    batch_sizes = {r["batch_size"] for r in report["experiments"]["batch"]["summary"] if r["method"]}
+    assert batch_sizes == {1, 4}
+    assert {r["batch_size"] for r in report["cost"]} == {1, 4}
+
+    md = (out / "report.md").read_text()
+    for heading in ("## Headline", "## Regime", "## Speed-up vs k", "## Speed-up vs batch size",
+                    "## Sampling", "## Peers", "## Cost per million output tokens at $2.5/hour"):
+        assert heading in md
+    assert "![speed-up vs batch size](speedup_vs_batch.png)" in md
+
+
+def test_advise_end_to_end(tiny_pair, tmp_path, capsys, one_thread):
+    target, draft = tiny_pair
+    details = tmp_path / "advice.json"
+    rc = main(["advise", str(target), "--draft", str(draft), "--batch-sizes", "1,2", "--max-tokens", "12",
+               "--json", str(details), "--no-progress"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "regime:" in printed and "expected speed-up" in printed
+    assert "--speculative-config '{" in printed or "no speculation at batch 1" in printed
+    advice = json.loads(details.read_text())["advice"]
+    assert [a["batch_size"] for a in advice] == [1, 2]
+    assert set(json.loads(details.read_text())["fits"]) == {"ngram", "draft_model"}
