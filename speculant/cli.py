@@ -20,8 +20,8 @@ FEATURE_COMMANDS = {
 }
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """Model and speculation flags shared by every subcommand that runs the engine."""
+def add_target_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The target model's flags, shared by every subcommand that loads one."""
     g = p.add_argument_group("model")
     g.add_argument("--model", "-m", default=None,
                    help="HF model folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
@@ -29,6 +29,15 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
     g.add_argument("--quantization", "-q", default=None, choices=["none", "int8"],
                    help="weight-only int8 (per channel) for target and draft; default none")
+    g.add_argument("--threads", type=int, default=None,
+                   help="PyTorch CPU threads (default: PyTorch's choice); on a machine shared with other "
+                        "work, 1 avoids threads waiting on each other at every operation")
+    return g
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """Target, context and speculation flags shared by every subcommand that runs the engine."""
+    g = add_target_arguments(p)
     g.add_argument("--max-model-len", type=int, default=None, help="context length served (default 2048)")
     g.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together (default 8)")
     s = p.add_argument_group("speculation")
@@ -157,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
     if not getattr(args, "run", None):
         parser.print_help()
         return 2

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from speculant.bench.prompts import PROMPT_CLASSES
 from speculant.bench.suite import PEERS, PROPOSERS, BenchPlan
+from speculant.cli import add_target_arguments
 from speculant.errors import SpeculantError
 
 # What --quick changes; flags given explicitly still win.
@@ -43,18 +44,6 @@ def name_list(choices: tuple[str, ...]):
                                              "or none")
         return names
     return parse
-
-
-def add_target_arguments(p: argparse.ArgumentParser) -> None:
-    """The model flags of `speculant generate`, without the speculation ones a sweep replaces."""
-    g = p.add_argument_group("model")
-    g.add_argument("--model", "-m", default=None,
-                   help="HF model folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
-    g.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
-    g.add_argument("--threads", type=int, default=None,
-                   help="PyTorch CPU threads (default: PyTorch's choice); on a machine shared with other "
-                        "work, 1 avoids threads waiting on each other at every operation")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -100,6 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     plan = BenchPlan(model=args.model, dtype=args.dtype, device=args.device, threads=args.threads,
+                     quantization=args.quantization,
                      draft_model=args.draft_model,
                      eagle=args.eagle, proposers=args.proposers, batch_k=args.batch_k, prompts=args.prompts,
                      reps=args.reps, chat=not args.no_chat, peers=args.peers, peer_k=args.peer_k,

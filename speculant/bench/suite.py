@@ -41,6 +41,7 @@ class BenchPlan:
     dtype: str = "float32"
     device: str = "cpu"
     threads: int | None = None  # PyTorch CPU threads; None: PyTorch's default
+    quantization: str | None = None  # "int8": weight-only int8 target and drafts
     draft_model: str | None = None
     eagle: str | None = None
     proposers: list[str] = field(default_factory=lambda: list(PROPOSERS))
@@ -217,7 +218,7 @@ def run_bench(plan: BenchPlan) -> BenchResult:
     meta = machine_facts()
     progress = Progress(plan.progress)
     model_path = Path(plan.model).expanduser() if plan.model else default_model_path()
-    target = load_model(model_path, dtype=plan.dtype, device=plan.device)
+    target = load_model(model_path, dtype=plan.dtype, device=plan.device, quantization=plan.quantization)
     prompts = load_prompts(plan.prompts, target.tokenizer, target.config.vocab_size, plan.chat,
                            plan.per_class, plan.max_prompt_tokens)
     if not prompts:
