@@ -181,6 +181,13 @@ def test_bench_quick_end_to_end(tiny_pair, tmp_path, monkeypatch, capsys, one_th
         assert heading in md
     assert "![speed-up vs batch size](speedup_vs_batch.png)" in md
 
+    # The report renders again from its JSON alone, at another price, measuring nothing.
+    again = tmp_path / "again"
+    rc = main(["bench", "--render", str(out / "report.json"), "--price-per-hour", "4", "--out", str(again)])
+    assert rc == 0
+    assert "## Cost per million output tokens at $4/hour" in (again / "report.md").read_text()
+    assert {p.name for p in again.iterdir()} == written - {"report.json"}
+
 
 def test_advise_end_to_end(tiny_pair, tmp_path, capsys, one_thread):
     target, draft = tiny_pair

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -81,7 +82,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--price-per-hour", type=float, default=None,
                    help="machine price per hour: adds cost per million output tokens")
     o = p.add_argument_group("output")
-    o.add_argument("--out", "-o", default="speculant-bench", help="report folder (default ./speculant-bench)")
+    o.add_argument("--out", "-o", default=None,
+                   help="report folder (default ./speculant-bench; with --render, the JSON's folder)")
+    o.add_argument("--render", metavar="REPORT_JSON", default=None,
+                   help="measure nothing: rewrite report.md and the plots from a report.json (e.g. with "
+                        "another --price-per-hour)")
     o.add_argument("--quick", action="store_true",
                    help="a short run: 1 prompt per class, 24 tokens, k 2,4, batch 1,4, cost curve to T = 8")
     o.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -115,10 +120,17 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
 
 def run(args: argparse.Namespace) -> None:
     from speculant.bench.report import headline_table, write_report
-    from speculant.bench.suite import run_bench
+    from speculant.bench.suite import BenchResult, run_bench
 
+    if args.render:
+        result = BenchResult.from_dict(json.loads(Path(args.render).read_text()))
+        if args.price_per_hour is not None:
+            result.plan.price_per_hour = args.price_per_hour
+        files = write_report(result, Path(args.out or Path(args.render).parent), with_json=False)
+        print(f"report: {files['markdown']} ({len(files) - 1} plots)")
+        return
     result = run_bench(plan_from_args(args))
-    files = write_report(result, Path(args.out))
+    files = write_report(result, Path(args.out or "speculant-bench"))
     print(headline_table(result))
     print(f"regime: {result.regime()['verdict']}")
     for note in result.notes:

@@ -17,11 +17,13 @@ PLOTS = {
 }
 
 
-def write_report(result: BenchResult, out: Path) -> dict[str, Path]:
+def write_report(result: BenchResult, out: Path, with_json: bool = True) -> dict[str, Path]:
     """report.md, report.json and one PNG per plot under `out`; returns the paths written."""
     out.mkdir(parents=True, exist_ok=True)
-    files = {"json": out / "report.json", "markdown": out / "report.md"}
-    files["json"].write_text(json.dumps(result.as_dict(), indent=1, default=_jsonable) + "\n")
+    files = {"markdown": out / "report.md"}
+    if with_json:
+        files["json"] = out / "report.json"
+        files["json"].write_text(json.dumps(result.as_dict(), indent=1, default=_jsonable) + "\n")
     for name, path in write_plots(result, out).items():
         files[name] = path
     files["markdown"].write_text(markdown(result))
@@ -63,6 +65,10 @@ def _speedup_cell(r: Row) -> str:
     return f"{r.speedup:.2f}×"
 
 
+def _threads(n: int) -> str:
+    return f"{n} thread" + ("s" if n != 1 else "")
+
+
 def _ms(seconds: float | None) -> str:
     return f"{1000 * seconds:.0f}" if seconds is not None else "–"
 
@@ -81,13 +87,16 @@ def markdown(result: BenchResult) -> str:
     parts = [
         f"# Speculant benchmark: {model}\n",
         f"{m['started']}, {m['duration_s'] / 60:.1f} min. Machine: {m['cpu']}, {m['cpu_count']} cores, "
-        f"PyTorch {m['torch']} ({m['torch_threads']} threads), {m['device']}, {m['dtype']}, "
+        f"PyTorch {m['torch']} ({_threads(m['torch_threads'])}), {m['device']}, {m['dtype']}, "
         f"{m['params'] / 1e6:.3g}M parameters. Load average {m['load_average_start']} at the start, "
         f"{m['load_average_end']} at the end.\n",
         "> Measured on a shared machine: other work competes for the same cores, so absolute tokens/s "
         "move from minute to minute. Every configuration runs the same prompts interleaved "
         "(A B C, B C A, …) in one process and is reported as a ratio to the plain run of the same "
-        "prompts; the range after a speed-up is the interquartile range of the per-prompt paired ratios.\n",
+        "prompts; the range after a speed-up is the interquartile range of the per-prompt paired ratios."
+        + (" PyTorch ran on fewer threads than the machine has cores: with other jobs on the same cores, "
+           "the threads of one process would wait for each other at every operation."
+           if m["torch_threads"] < (m["cpu_count"] or 1) else "") + "\n",
         f"Command: `{m['command']}`  \n{m['prompts']} prompts ({', '.join(m['prompt_classes'])}), up to "
         f"{plan.max_tokens} output tokens each, stopping at end of sequence.\n",
     ]
@@ -269,11 +278,10 @@ def write_plots(result: BenchResult, out: Path) -> dict[str, Path]:
         draw(result, ax)
         ax.grid(alpha=0.3)
         ax.set_title(PLOTS[name])
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-        fig.tight_layout()
+        if ax.get_legend_handles_labels()[0]:  # beside the axes: inside, it hides the lines
+            ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
         paths[name] = out / f"{name}.png"
-        fig.savefig(paths[name])
+        fig.savefig(paths[name], bbox_inches="tight")
         plt.close(fig)
     return paths
 

@@ -98,6 +98,18 @@ class BenchResult:
                 "cost_curve": self.curve.as_dict(), "cost": cost_table(self),
                 "experiments": {n: e.as_dict() for n, e in self.experiments.items()}}
 
+    @classmethod
+    def from_dict(cls, d: dict) -> BenchResult:
+        """Back from report.json, summaries only (the raw runs are not needed to render a report)."""
+        experiments = {
+            name: Experiment(name, e["description"],
+                             [Runner(r["name"], r["family"], r["method"], r["k"], r["reference"])
+                              for r in e["runners"]],
+                             rows=[Row(**row) for row in e["summary"]])
+            for name, e in d["experiments"].items()}
+        return cls(BenchPlan(**d["plan"]), d["meta"], CostCurve.from_dict(d["cost_curve"]), experiments,
+                   d["notes"])
+
 
 def machine_facts() -> dict:
     cpu = platform.processor() or platform.machine()
