@@ -120,8 +120,10 @@ def run(args: argparse.Namespace) -> None:
     paths = {c.method: c.model for c in configs if c.model}
 
     facts = machine_facts()
-    lines = [f"{model_path.name} on {facts['cpu']} ({facts['cpu_count']} cores, {facts['torch_threads']} "
-             f"threads), {args.device}, {args.dtype}: measured in {time.perf_counter() - started:.0f} s",
+    threads = facts["torch_threads"]
+    lines = [f"{model_path.name} on {facts['cpu']} ({facts['cpu_count']} cores, {threads} "
+             f"thread{'s' if threads != 1 else ''}), {args.device}, {args.dtype}: "
+             f"measured in {time.perf_counter() - started:.0f} s",
              f"regime: {regime_verdict(curve)}"]
     for r in rows:
         fit = fits[r.method]
