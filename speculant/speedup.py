@@ -11,7 +11,6 @@ and yielding one token. With coverage 1 the formula is exactly DESIGN §3's.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -70,7 +69,7 @@ def fit_alpha(mean_acceptance_length: float, k: float) -> float:
 
 @dataclass
 class CostCurve:
-    """C_B(T): median seconds of one target pass over T new tokens per row at batch size B, after
+    """C_B(T): the fastest seconds of one target pass over T new tokens per row at batch size B, after
     `context` tokens already cached, logits included for every position (as a verify pass)."""
 
     context: int
@@ -120,7 +119,8 @@ class CostCurve:
 def measure_cost_curve(model: Transformer, batch_sizes: list[int], max_width: int = 16, context: int = 256,
                        reps: int = 5, tick: Callable[[], None] | None = None) -> CostCurve:
     """Time one pass over T = 1..max_width new tokens at each batch size, widths interleaved within
-    each repetition so machine drift hits them alike; the median of `reps` after a warm-up."""
+    each repetition so machine drift hits them alike; the fastest of `reps` after a warm-up (other
+    work on a shared machine only ever adds time)."""
     curve = CostCurve(context)
     vocab = model.cfg.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -143,6 +143,6 @@ def measure_cost_curve(model: Transformer, batch_sizes: list[int], max_width: in
                     times[t - 1].append(elapsed)
                 if tick:
                     tick()
-        curve.seconds[b] = [statistics.median(ts) for ts in times]
+        curve.seconds[b] = [min(ts) for ts in times]
         del cache
     return curve
