@@ -22,6 +22,7 @@ from speculant.models.llama import ModelConfig
 from speculant.models.loader import LoadedModel
 from speculant.models.tokenizer import Detokenizer
 from speculant.proposers import Proposal, Proposer, TargetHidden
+from speculant.proposers.base import pad_rows
 from speculant.sampling import SamplingBatch, make_generator, probabilities
 from speculant.sequence import Sequence, SpecStats, TokenLogprob
 from speculant.verify import verify
@@ -191,12 +192,9 @@ class Engine:
         n_draft = proposal.n_draft.tolist()
         drafts = proposal.tokens.tolist()
         rows = [s.tokens[s.num_cached:] + d[:n] for s, d, n in zip(batch, drafts, n_draft)]
-        n_new = torch.tensor([len(r) for r in rows], device=self.device)
-        tokens = torch.zeros(len(rows), int(n_new.max()), dtype=torch.long)
-        for b, r in enumerate(rows):
-            tokens[b, :len(r)] = torch.tensor(r)
+        tokens, n_new = pad_rows(rows, self.device)
         slots = torch.tensor([s.slot for s in batch], device=self.device)
-        hidden = self.model(tokens.to(self.device), self.cache, slots, n_new)  # [B, T, D]
+        hidden = self.model(tokens, self.cache, slots, n_new)  # [B, T, D]
         # Row b's last unseen token predicts its first draft: positions n_unseen-1 .. n_new-1.
         k = proposal.tokens.shape[1]
         first = n_new - proposal.n_draft - 1
@@ -248,14 +246,11 @@ class Engine:
         carries one unseen token per row plus drafts, and a long prompt joining does not widen the
         pass of every running sequence."""
         t0 = time.perf_counter()
-        n_new = torch.tensor([len(s.tokens) - 1 for s in seqs], device=self.device)
+        tokens, n_new = pad_rows([s.tokens[:-1] for s in seqs], self.device)
         hidden = torch.zeros(len(seqs), 0, self.model.cfg.dim, device=self.device, dtype=self.model.dtype)
-        if int(n_new.max()) > 0:
-            tokens = torch.zeros(len(seqs), int(n_new.max()), dtype=torch.long)
-            for b, s in enumerate(seqs):
-                tokens[b, :len(s.tokens) - 1] = torch.tensor(s.tokens[:-1], dtype=torch.long)
+        if tokens.shape[1] > 0:
             slots = torch.tensor([s.slot for s in seqs], device=self.device)
-            hidden = self.model(tokens.to(self.device), self.cache, slots, n_new)
+            hidden = self.model(tokens, self.cache, slots, n_new)
         for s in seqs:
             s.num_cached = len(s.tokens) - 1
         if self.proposer is not None:

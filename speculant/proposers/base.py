@@ -7,10 +7,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from speculant.sampling import SamplingBatch
+from speculant.sampling import SamplingBatch, probabilities, sample
 
 if TYPE_CHECKING:
     from speculant.sequence import Sequence
+
+
+def pad_rows(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged token rows → (tokens [B, T] padded with 0, lengths [B]), T the longest row."""
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    tokens = torch.zeros(len(rows), max((len(r) for r in rows), default=0), dtype=torch.long)
+    for b, r in enumerate(rows):
+        tokens[b, :len(r)] = torch.tensor(r, dtype=torch.long)
+    return tokens.to(device), lengths.to(device)
 
 
 @dataclass
@@ -21,12 +30,7 @@ class Proposal:
 
     @classmethod
     def from_lists(cls, drafts: list[list[int]], device: torch.device) -> Proposal:
-        k = max((len(d) for d in drafts), default=0)
-        tokens = torch.zeros(len(drafts), k, dtype=torch.long)
-        for row, d in enumerate(drafts):
-            tokens[row, :len(d)] = torch.tensor(d, dtype=torch.long)
-        n_draft = torch.tensor([len(d) for d in drafts], dtype=torch.long)
-        return cls(tokens.to(device), n_draft.to(device), None)
+        return cls(*pad_rows(drafts, device), None)
 
 
 @dataclass
@@ -57,6 +61,12 @@ class Proposer:
     def propose(self, seqs: list[Sequence], ks: list[int], sb: SamplingBatch) -> Proposal:
         """Up to ks[b] draft tokens continuing seqs[b].tokens."""
         raise NotImplementedError
+
+    def draw(self, logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """For proposers with a model: logits [B, 1, V] → a token per row [B] and q [B, V], the
+        distribution it was drawn from: the request's transforms applied exactly as to the target's."""
+        q = probabilities(logits, sb)[:, 0]
+        return sample(q, sb.generators), q
 
     def commit(self, seqs: list[Sequence], target: TargetHidden) -> None:
         """The sequences' tokens were extended by the verifier: drop state past the agreed prefix."""

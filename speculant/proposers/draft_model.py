@@ -7,8 +7,8 @@ import torch
 
 from speculant.errors import SpeculantError
 from speculant.models.loader import LoadedModel
-from speculant.proposers.base import Proposal, Proposer, TargetHidden
-from speculant.sampling import SamplingBatch, probabilities, sample
+from speculant.proposers.base import Proposal, Proposer, TargetHidden, pad_rows
+from speculant.sampling import SamplingBatch
 from speculant.sequence import Sequence
 
 
@@ -65,13 +65,10 @@ class DraftModelProposer(Proposer):
         """Append each row's tokens to its sequence's draft cache → final hidden states [B, T, D]."""
         device = self.model.device
         slots = torch.tensor([self.slot[s.request_id] for s in seqs], device=device)
-        n_new = torch.tensor([len(r) for r in rows], device=device)
-        tokens = torch.zeros(len(rows), int(n_new.max()), dtype=torch.long)
-        for b, r in enumerate(rows):
-            tokens[b, :len(r)] = torch.tensor(r)
+        tokens, n_new = pad_rows(rows, device)
         for s, r in zip(seqs, rows):
             self.fed[s.request_id] += len(r)
-        return self.model(tokens.to(device), self.cache, slots, n_new)
+        return self.model(tokens, self.cache, slots, n_new)
 
     def propose(self, seqs: list[Sequence], ks: list[int], sb: SamplingBatch) -> Proposal:
         device = self.model.device
@@ -93,12 +90,6 @@ class DraftModelProposer(Proposer):
             self.fed[s.request_id] += k - 1
         q = None if sb.all_greedy else torch.stack(qs, dim=1)  # greedy q is one-hot: deterministic
         return Proposal(torch.stack(drafts, dim=1), torch.tensor(ks, device=device), q)
-
-    def draw(self, logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits [B, 1, V] → a token per row [B] and q [B, V], the distribution it was drawn from:
-        the request's transforms applied to the draft's logits, exactly as to the target's."""
-        q = probabilities(logits, sb)[:, 0]
-        return sample(q, sb.generators), q
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Draft and target may pad their vocabularies differently: compare on the target's ids.

@@ -25,7 +25,7 @@ from speculant.models.kv_cache import KVCache
 from speculant.models.llama import Block, ModelConfig, RMSNorm, Transformer, rope_inv_freq
 from speculant.models.loader import LoadedModel
 from speculant.proposers.base import Proposal, Proposer, TargetHidden
-from speculant.sampling import SamplingBatch, probabilities, sample
+from speculant.sampling import SamplingBatch
 from speculant.sequence import Sequence
 
 WEIGHTS = "eagle.safetensors"
@@ -200,12 +200,6 @@ class EagleProposer(Proposer):
     def _unread(self, seq: Sequence) -> int:
         """Head entries still to build: one per token of the sequence but the newest."""
         return len(seq.tokens) - 1 - self.fed[seq.request_id]
-
-    def draw(self, logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits [B, 1, V] → a token per row [B] and q [B, V], the distribution it was drawn from:
-        the request's transforms applied to the head's logits, exactly as to the target's."""
-        q = probabilities(logits, sb)[:, 0]
-        return sample(q, sb.generators), q
 
     def _catch_up(self, rows: list[Sequence]) -> torch.Tensor:
         """Feed the head every pending (feature, next token) pair; → the predicted feature of each
