@@ -77,7 +77,7 @@ def test_windows_never_mix_train_and_validation():
 
 @pytest.mark.parametrize("kind", ["eagle", "draft_model"])
 def test_training_lowers_the_loss_and_reloads(kind, tiny_target, tiny_data, tmp_path):
-    target = load_model(tiny_target)
+    target = load_model(tiny_target, pack=False)
     summary = train(target, load_dataset(tiny_data), quick(kind), tmp_path / kind, progress_bar=False)
     log = [json.loads(line) for line in (tmp_path / kind / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["loss"] < 0.8 * log[0]["loss"], (log[0], log[-1])
@@ -111,7 +111,7 @@ def proposals(spec: SpeculativeConfig, target) -> list[list[int]]:
 
 def test_distilled_draft_loads_in_transformers(tiny_target, tiny_data, tmp_path):
     transformers = pytest.importorskip("transformers")
-    target = load_model(tiny_target)
+    target = load_model(tiny_target, pack=False)
     train(target, load_dataset(tiny_data), quick("draft_model", epochs=1), tmp_path, progress_bar=False)
     ours = load_model(tmp_path)
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)

@@ -6,6 +6,8 @@ mask stops at the length) and the next append overwrites them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from speculant.errors import SpeculantError
@@ -28,25 +30,37 @@ class KVCache:
         if end > self.max_len:
             raise SpeculantError(f"sequence needs {end} cache positions; the cache holds {self.max_len}")
 
-    @staticmethod
-    def read_rows(slots: torch.Tensor) -> slice | torch.Tensor:
-        """How to read the rows `slots`: a slice (a view, no copy) when they are contiguous, the
-        common case, batch 1 included; else the index tensor (a gather)."""
-        first = int(slots[0])
-        if bool((slots == torch.arange(first, first + len(slots), device=slots.device)).all()):
-            return slice(first, first + len(slots))
-        return slots
+    def index(self, slots: torch.Tensor, positions: torch.Tensor, span: int) -> CacheIndex:
+        """Where a pass writes its keys (rows `slots` [B] at `positions` [B, T]) and what it reads
+        back (those rows' first `span` positions). Plain slices, views without a copy, in the common
+        cases: one row, or contiguous rows for the read."""
+        ids = slots.tolist()
+        first, B = ids[0], len(ids)
+        if B == 1:
+            p = int(positions[0, 0])
+            return CacheIndex((first, slice(None), slice(p, p + positions.shape[1])),
+                              (slice(first, first + 1), slice(None), slice(0, span)), one_row=True)
+        heads = torch.arange(self.k.shape[2], device=slots.device)
+        write = (slots[:, None, None], heads[None, :, None], positions[:, None, :])
+        rows = slice(first, first + B) if ids == list(range(first, first + B)) else slots
+        return CacheIndex(write, (rows, slice(None), slice(0, span)))
 
-    def update(self, layer: int, slots: torch.Tensor, rows: slice | torch.Tensor, positions: torch.Tensor,
-               k: torch.Tensor, v: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [B, Hkv, T, Dh] at `positions` [B, T] of rows `slots` [B]; return keys and
-        values [B, Hkv, span, Dh] of those rows (`rows` from read_rows)."""
+    def update(self, layer: int, at: CacheIndex, k: torch.Tensor,
+               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [B, Hkv, T, Dh] where `at` says; return the rows' keys and values [B, Hkv, span, Dh]."""
         kc, vc = self.k[layer], self.v[layer]
-        at = (slots[:, None, None], torch.arange(kc.shape[1], device=kc.device)[None, :, None],
-              positions[:, None, :])
-        kc[at] = k
-        vc[at] = v
-        return kc[rows, :, :span], vc[rows, :, :span]
+        if at.one_row:
+            k, v = k[0], v[0]
+        kc[at.write] = k
+        vc[at.write] = v
+        return kc[at.read], vc[at.read]
 
     def rollback(self, slot: int, length: int) -> None:
         self.lengths[slot] = length
+
+
+@dataclass
+class CacheIndex:
+    write: tuple
+    read: tuple
+    one_row: bool = False  # the write index names a single row: what is written drops its batch dim

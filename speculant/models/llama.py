@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speculant.errors import SpeculantError
-from speculant.models.kv_cache import KVCache
+from speculant.models.kv_cache import CacheIndex, KVCache
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -101,9 +101,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 like the reference, then cast back.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -122,11 +120,39 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(mid, blended, out).float()
 
 
+def rope_tables(inv_freq: torch.Tensor, n_positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin [n_positions, Dh] for the rotate-half layout of HF checkpoints; the sign of
+    the first half is folded into sin so that apply_rope is a roll, two products and a sum."""
+    angles = torch.arange(n_positions, device=inv_freq.device, dtype=torch.float32)[:, None] * inv_freq
+    sin = angles.sin()
+    return torch.cat((angles.cos(),) * 2, -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, H, T, Dh]; cos/sin: [B, 1, T, Dh] (rotate-half layout, as in HF checkpoints)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    # x: [B, T, H, Dh]; cos/sin: [B, T, 1, Dh]
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+
+
+def fuse_on_load(module: nn.Module, fused: str, parts: dict[str, int]) -> None:
+    """Store the linear layers `parts` (name → output rows) as one, `fused`: one matmul reads all
+    their weights in a pass. Checkpoints keep the separate Hugging Face names both ways: they are
+    concatenated on load and split again in state_dict()."""
+
+    def merge(state, prefix, *_):
+        for suffix in ("weight", "bias"):
+            names = [f"{prefix}{p}.{suffix}" for p in parts]
+            if all(n in state for n in names):
+                state[f"{prefix}{fused}.{suffix}"] = torch.cat([state.pop(n) for n in names])
+
+    def split(_module, state, prefix, _meta):
+        for suffix in ("weight", "bias"):
+            key = f"{prefix}{fused}.{suffix}"
+            if key in state:
+                for p, piece in zip(parts, state.pop(key).split(list(parts.values()))):
+                    state[f"{prefix}{p}.{suffix}"] = piece
+
+    module.register_load_state_dict_pre_hook(lambda _m, state, prefix, *a: merge(state, prefix))
+    module.register_state_dict_post_hook(split)
 
 
 class Attention(nn.Module):
@@ -134,26 +160,27 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         d, hd = cfg.dim, cfg.head_dim
-        self.q_proj = nn.Linear(d, cfg.n_heads * hd, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(d, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(d, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
+        self.split = [cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads]
+        self.qkv_proj = nn.Linear(d, sum(self.split) * hd, bias=cfg.qkv_bias)
+        fuse_on_load(self, "qkv_proj", {"q_proj": cfg.n_heads * hd, "k_proj": cfg.n_kv_heads * hd,
+                                        "v_proj": cfg.n_kv_heads * hd})
         self.o_proj = nn.Linear(cfg.n_heads * hd, d, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.norm_eps)
             self.k_norm = RMSNorm(hd, cfg.norm_eps)
 
-    def forward(self, x, cos, sin, cache: KVCache, slots, rows, positions, mask) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache: KVCache, at: CacheIndex, mask) -> torch.Tensor:
         B, T, _ = x.shape
         cfg = self.cfg
-        q = self.q_proj(x).view(B, T, cfg.n_heads, cfg.head_dim)
-        k = self.k_proj(x).view(B, T, cfg.n_kv_heads, cfg.head_dim)
-        v = self.v_proj(x).view(B, T, cfg.n_kv_heads, cfg.head_dim)
+        qkv = self.qkv_proj(x).view(B, T, -1, cfg.head_dim)  # [B, T, Hq + 2 Hkv, Dh]
+        q, k, v = qkv.split(self.split, dim=2)
         if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = cache.update(self.layer, slots, rows, positions, k, v, span=mask.shape[-1])
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=2)
+        else:
+            qk = qkv[:, :, :cfg.n_heads + cfg.n_kv_heads]
+        q, k = apply_rope(qk, cos, sin).split(self.split[:2], dim=2)
+        keys, values = cache.update(self.layer, at, k.transpose(1, 2), v.transpose(1, 2))
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
                                              enable_gqa=cfg.n_kv_heads != cfg.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim))
 
@@ -161,12 +188,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.dim, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.dim, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.dim, bias=cfg.mlp_bias)
+        n = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.dim, 2 * n, bias=cfg.mlp_bias)
+        fuse_on_load(self, "gate_up_proj", {"gate_proj": n, "up_proj": n})
+        self.down_proj = nn.Linear(n, cfg.dim, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -177,8 +206,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache, slots, rows, positions, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, rows, positions, mask)
+    def forward(self, x, cos, sin, cache, at, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, at, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -188,6 +217,58 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+
+@dataclass
+class Pass:
+    """What every layer of one forward pass shares: where the cache is written and read, the
+    attention mask, the rotary tables at the new positions."""
+    at: CacheIndex
+    mask: torch.Tensor | None  # additive [B, 1, T, span]; None when every key is visible
+    cos: torch.Tensor  # [B, T, 1, Dh]
+    sin: torch.Tensor
+    end: torch.Tensor  # [B] the rows' cache lengths after the pass
+
+
+class Rope:
+    """Rotary tables for positions 0..n, grown on demand (a model's full context can be long)."""
+
+    def __init__(self):
+        self.cos = self.sin = None
+
+    def __call__(self, inv_freq: torch.Tensor, positions: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        need = int(positions.max()) + 1
+        have = 0 if self.cos is None else len(self.cos)
+        if have < need or self.cos.dtype != dtype or self.cos.device != positions.device:
+            self.cos, self.sin = rope_tables(inv_freq.to(positions.device), max(need, 2 * have), dtype)
+        return self.cos[positions][:, :, None], self.sin[positions][:, :, None]
+
+
+def prepare_pass(cache: KVCache, slots: torch.Tensor, T: int, n_new: torch.Tensor | None, rope: Rope,
+                 inv_freq: torch.Tensor, dtype: torch.dtype, window: int | None = None) -> Pass:
+    """Row b's T inputs go at positions cache.lengths[slots[b]] onward; only its first n_new[b]
+    (default T) are real, the rest is padding whose keys are never attended to and are overwritten
+    later."""
+    start = cache.lengths[slots]  # [B]
+    end = start + (T if n_new is None else n_new)
+    positions = start[:, None] + torch.arange(T, device=slots.device)  # [B, T]
+    cache.check_capacity(int(positions[:, -1].max()) + 1)
+    span = int(end.max())
+    cos, sin = rope(inv_freq, positions, dtype)
+    every_key_visible = len(slots) == 1 and T == 1 and (window is None or span <= window)
+    mask = None if every_key_visible else attention_mask(positions, span, window, dtype)
+    return Pass(cache.index(slots, positions, span), mask, cos, sin, end)
+
+
+def attention_mask(positions: torch.Tensor, span: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    # [B, 1, T, span]: query at position p sees keys 0..p (and no further back than the window).
+    keys = torch.arange(span, device=positions.device)
+    allowed = keys[None, None, :] <= positions[..., None]
+    if window:
+        allowed &= keys[None, None, :] > positions[..., None] - window
+    # Additive once here rather than a boolean mask converted by every layer's attention.
+    return torch.zeros(allowed.shape, dtype=dtype, device=positions.device).masked_fill_(~allowed, -math.inf)[:, None]
 
 
 class Transformer(nn.Module):
@@ -201,6 +282,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.rope = Rope()
 
     @property
     def device(self) -> torch.device:
@@ -219,35 +301,16 @@ class Transformer(nn.Module):
                 n_new: torch.Tensor | None = None) -> torch.Tensor:
         """Append `tokens` [B, T] to the cache rows `slots` [B] and return final hidden states [B, T, D].
 
-        Row b's tokens go at positions cache.lengths[slots[b]] onward; only its first n_new[b]
-        (default T) are real, the rest is padding whose keys are never attended to and are
-        overwritten later. The cache lengths advance by n_new.
+        Only row b's first n_new[b] tokens (default T) are real (see prepare_pass); the cache
+        lengths advance by n_new.
         """
-        B, T = tokens.shape
-        if n_new is None:
-            n_new = torch.full((B,), T, dtype=torch.long, device=tokens.device)
-        start = cache.lengths[slots]  # [B]
-        positions = start[:, None] + torch.arange(T, device=tokens.device)  # [B, T]
-        cache.check_capacity(int((start + T).max()))
-        span = int((start + n_new).max())
-        mask = self._mask(positions, span)
-        angles = positions[..., None].float() * self.inv_freq  # [B, T, Dh/2]
-        angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, T, Dh]
-        cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
-        rows = cache.read_rows(slots)
+        fwd = prepare_pass(cache, slots, tokens.shape[1], n_new, self.rope, self.inv_freq, self.dtype,
+                           self.cfg.sliding_window)
         x = self.model.embed_tokens(tokens)
         for block in self.model.layers:
-            x = block(x, cos, sin, cache, slots, rows, positions, mask)
-        cache.lengths[slots] = start + n_new
+            x = block(x, fwd.cos, fwd.sin, cache, fwd.at, fwd.mask)
+        cache.lengths[slots] = fwd.end
         return self.model.norm(x)
-
-    def _mask(self, positions: torch.Tensor, span: int) -> torch.Tensor:
-        # [B, 1, T, span]: query at position p sees keys 0..p (and no further back than the window).
-        keys = torch.arange(span, device=positions.device)
-        allowed = keys[None, None, :] <= positions[..., None]
-        if self.cfg.sliding_window:
-            allowed &= keys[None, None, :] > positions[..., None] - self.cfg.sliding_window
-        return allowed[:, None]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

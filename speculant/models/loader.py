@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from speculant.errors import SpeculantError
+from speculant.models.kernels import pack_linears
 from speculant.models.llama import ModelConfig, Transformer, rope_inv_freq
 from speculant.models.quantize import QUANTIZATIONS, quantize
 from speculant.models.tokenizer import Tokenizer
@@ -66,7 +67,10 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float32",
-               device: str | torch.device = "cpu", quantization: str | None = None) -> LoadedModel:
+               device: str | torch.device = "cpu", quantization: str | None = None,
+               pack: bool = True) -> LoadedModel:
+    """Load a Hugging Face folder or a GGUF file. `pack` lays the linear weights out for the fastest
+    inference kernels (models/kernels.py); training, which needs the plain layers, turns it off."""
     t0 = time.perf_counter()
     path = default_model_path() if path is None else Path(path).expanduser()
     torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
@@ -87,6 +91,8 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float
         folder = path
     model, eos_ids = _load_folder(folder, torch_dtype, torch_device)
     quantize(model, quantization)
+    if pack:
+        pack_linears(model)
     tokenizer = Tokenizer.from_folder(folder)
     if tokenizer is not None and tokenizer.eos_id is not None and tokenizer.eos_id not in eos_ids:
         eos_ids.append(tokenizer.eos_id)
@@ -147,7 +153,8 @@ def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> tupl
             raise SpeculantError(f"{file}: cannot read safetensors ({e})") from None
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
-    expected = {n for n, _ in model.named_parameters()}
+    # The checkpoint's names (state_dict() gives them even where layers are stored fused).
+    expected = set(model.state_dict()) - ({"lm_head.weight"} if cfg.tie_embeddings else set())
     missing = sorted(expected - state.keys())
     if missing:
         raise SpeculantError(f"{folder}: weights missing from the checkpoint: {', '.join(missing[:5])}"

@@ -21,8 +21,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from speculant.errors import SpeculantError
+from speculant.models.kernels import pack_linears
 from speculant.models.kv_cache import KVCache
-from speculant.models.llama import Block, ModelConfig, RMSNorm, Transformer, rope_inv_freq
+from speculant.models.llama import Block, ModelConfig, RMSNorm, Rope, Transformer, prepare_pass, rope_inv_freq
 from speculant.models.loader import LoadedModel
 from speculant.proposers.base import Proposal, Proposer, TargetHidden
 from speculant.sampling import SamplingBatch
@@ -44,6 +45,7 @@ class EagleHead(nn.Module):
         self.layer = Block(cfg, 0)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.rope = Rope()
 
     def new_cache(self, max_batch: int, max_len: int) -> KVCache:
         c, w = self.cfg, self.fc.weight
@@ -53,21 +55,11 @@ class EagleHead(nn.Module):
                 n_new: torch.Tensor | None = None) -> torch.Tensor:
         """embeds, features [B, T, D] → predicted next features [B, T, D]; appends to the cache
         rows `slots` like Transformer.forward (only the first n_new[b] inputs of row b are real)."""
-        B, T, _ = embeds.shape
-        if n_new is None:
-            n_new = torch.full((B,), T, dtype=torch.long, device=embeds.device)
-        start = cache.lengths[slots]
-        positions = start[:, None] + torch.arange(T, device=embeds.device)
-        cache.check_capacity(int((start + T).max()))
-        span = int((start + n_new).max())
-        mask = (torch.arange(span, device=embeds.device)[None, None, :] <= positions[..., None])[:, None]
-        angles = positions[..., None].float() * self.inv_freq
-        angles = torch.cat((angles, angles), dim=-1)[:, None]
         dtype = self.fc.weight.dtype
-        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        fwd = prepare_pass(cache, slots, embeds.shape[1], n_new, self.rope, self.inv_freq, dtype)
         x = self.fc(torch.cat((embeds, features), dim=-1).to(dtype))
-        x = self.layer(x, cos, sin, cache, slots, cache.read_rows(slots), positions, mask)
-        cache.lengths[slots] = start + n_new
+        x = self.layer(x, fwd.cos, fwd.sin, cache, fwd.at, fwd.mask)
+        cache.lengths[slots] = fwd.end
         return self.norm(x)
 
 
@@ -133,7 +125,7 @@ def load_eagle(folder: str | Path, target: LoadedModel) -> EagleHead:
     head.load_state_dict(load_file(str(folder / WEIGHTS)), assign=True)
     head.inv_freq = rope_inv_freq(head.cfg)
     model = target.model
-    return head.to(device=model.device, dtype=model.dtype).eval().requires_grad_(False)
+    return pack_linears(head.to(device=model.device, dtype=model.dtype).eval().requires_grad_(False))
 
 
 # -- the proposer -------------------------------------------------------------------------------

@@ -75,8 +75,9 @@ def run(args: argparse.Namespace) -> int:
     if not manifest["complete"]:
         raise SpeculantError(f"{data_dir}: the data set is incomplete (other workers still recording?)")
     log.info("data: %d tokens in %d sequences (%s)", manifest["tokens"], manifest["sequences"], data_dir)
-    if target.model.dtype != torch.float32:
-        target = load_model(args.target)  # training runs in fp32 against the frozen target
+    # Training runs in fp32 against the frozen target's plain layers (its last layer seeds the EAGLE
+    # head; gradients flow through its lm_head), not the inference layout.
+    target = load_model(args.target, pack=False)
     cfg = TrainConfig(kind=args.kind, epochs=args.epochs, max_minutes=args.max_minutes,
                       batch_size=args.batch_size, window=args.window,
                       lr=args.lr or (1e-3 if args.kind == "eagle" else 2e-3),

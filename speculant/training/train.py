@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from speculant.models.kv_cache import KVCache
 from speculant.models.llama import ModelConfig, Transformer
 from speculant.models.loader import LoadedModel
 from speculant.proposers.eagle import EagleHead, head_config, save_eagle
@@ -70,10 +69,12 @@ class WindowCache:
     def check_capacity(self, end: int) -> None:
         """Nothing is stored: any window fits."""
 
-    read_rows = staticmethod(KVCache.read_rows)
+    @staticmethod
+    def index(slots, positions, span) -> None:
+        return None
 
     @staticmethod
-    def update(layer, slots, rows, positions, k, v, span):
+    def update(layer, at, k, v):
         return k, v
 
 

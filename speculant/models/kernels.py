@@ -1,0 +1,61 @@
+"""Linear layers stored the way the fastest kernel of their device and dtype reads them.
+
+A verify pass multiplies T = k + 1 rows by every weight, and speculation pays only if that costs
+about what one row costs. On CPUs the default fp32 kernel (MKL, y = x Wᵀ) slows sharply from
+T = 4 on, while the same product with the weight stored transposed (y = x W', W' = Wᵀ
+contiguous) stays flatter, and oneDNN's bf16 kernel with a prepacked weight (AMX where the CPU has
+it) is flat up to T = 16 (numbers in docs/benchmarks/). The products are the same; only the
+weight's memory layout and the kernel differ.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+ONEDNN_BATCH_HINT = 8  # the row count oneDNN lays the packed weight out for: a typical verify pass
+
+
+def _onednn_usable(dtype: torch.dtype) -> bool:
+    return (dtype in (torch.bfloat16, torch.float16) and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+class PackedLinear(nn.Module):
+    """y = x Wᵀ + b (frozen, inference only) with W transposed (CPU fp32) or prepacked (CPU bf16/fp16)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        w = linear.weight.detach()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = None if linear.bias is None else linear.bias.detach()
+        if w.dtype == torch.float32:
+            self.kind, self.weight = "transposed", w.t().contiguous()  # [in, out]
+        else:
+            self.kind, self.weight = "onednn", torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_BATCH_HINT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        y = x @ self.weight
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
+
+
+def packable(linear: nn.Module) -> bool:
+    w = getattr(linear, "weight", None)
+    return (type(linear) is nn.Linear and w.device.type == "cpu"
+            and (w.dtype == torch.float32 or _onednn_usable(w.dtype)))
+
+
+def pack_linears(model: nn.Module) -> nn.Module:
+    """Replace, in place, every plain nn.Linear that has a faster CPU layout (others stay as they are:
+    CUDA's kernels take the weight as it is; quantized layers have their own kernel)."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if packable(child):
+                setattr(parent, name, PackedLinear(child))
+    return model
+
