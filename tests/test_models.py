@@ -83,3 +83,21 @@ def test_bfloat16_runs_close_to_float32(tiny_pair):
             out[dtype] = model.logits(model(ids, model.new_cache(1, 8), torch.tensor([0])))
     assert out["bfloat16"].dtype == torch.float32  # logits are always returned in fp32
     assert (out["bfloat16"] - out["float32"]).abs().max() < 0.1
+
+
+def test_bfloat16_verify_pass_equals_single_steps_bitwise(tmp_path):
+    """A k+1-wide verify pass must give each row the very logits plain decoding gives it, or bf16
+    speculation would flip near-ties. SmolLM2's attention shape (9 query heads, 3 key heads of 64)."""
+    folder = save_tiny(tmp_path, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+                       intermediate_size=256, init_std=0.05)
+    model = load_model(folder, dtype="bfloat16").model
+    ids = torch.randint(0, 96, (1, 72), generator=torch.Generator().manual_seed(0))
+    slot = torch.tensor([0])
+    for prefix in (30, 31, 60):  # key counts that fall differently on the kernel's vector blocks
+        with torch.no_grad():
+            cache = model.new_cache(1, 72)
+            model(ids[:, :prefix], cache, slot)
+            single = torch.cat([model.logits(model(ids[:, t:t + 1], cache, slot)) for t in range(prefix, prefix + 6)], 1)
+            cache.rollback(0, prefix)
+            wide = model.logits(model(ids[:, prefix:prefix + 6], cache, slot))
+        assert torch.equal(single, wide), f"prefix {prefix}: max |Δ| {(single - wide).abs().max():.3g}"

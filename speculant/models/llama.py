@@ -133,92 +133,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
-def fuse_on_load(module: nn.Module, fused: str, parts: dict[str, int]) -> None:
-    """Store the linear layers `parts` (name → output rows) as one, `fused`: one matmul reads all
-    their weights in a pass. Checkpoints keep the separate Hugging Face names both ways: they are
-    concatenated on load and split again in state_dict()."""
-
-    def merge(state, prefix, *_):
-        for suffix in ("weight", "bias"):
-            names = [f"{prefix}{p}.{suffix}" for p in parts]
-            if all(n in state for n in names):
-                state[f"{prefix}{fused}.{suffix}"] = torch.cat([state.pop(n) for n in names])
-
-    def split(_module, state, prefix, _meta):
-        for suffix in ("weight", "bias"):
-            key = f"{prefix}{fused}.{suffix}"
-            if key in state:
-                for p, piece in zip(parts, state.pop(key).split(list(parts.values()))):
-                    state[f"{prefix}{p}.{suffix}"] = piece
-
-    module.register_load_state_dict_pre_hook(lambda _m, state, prefix, *a: merge(state, prefix))
-    module.register_state_dict_post_hook(split)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
-        super().__init__()
-        self.cfg, self.layer = cfg, layer
-        d, hd = cfg.dim, cfg.head_dim
-        self.split = [cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads]
-        self.qkv_proj = nn.Linear(d, sum(self.split) * hd, bias=cfg.qkv_bias)
-        fuse_on_load(self, "qkv_proj", {"q_proj": cfg.n_heads * hd, "k_proj": cfg.n_kv_heads * hd,
-                                        "v_proj": cfg.n_kv_heads * hd})
-        self.o_proj = nn.Linear(cfg.n_heads * hd, d, bias=False)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(hd, cfg.norm_eps)
-            self.k_norm = RMSNorm(hd, cfg.norm_eps)
-
-    def forward(self, x, cos, sin, cache: KVCache, at: CacheIndex, mask) -> torch.Tensor:
-        B, T, _ = x.shape
-        cfg = self.cfg
-        qkv = self.qkv_proj(x).view(B, T, -1, cfg.head_dim)  # [B, T, Hq + 2 Hkv, Dh]
-        q, k, v = qkv.split(self.split, dim=2)
-        if cfg.qk_norm:
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=2)
-        else:
-            qk = qkv[:, :, :cfg.n_heads + cfg.n_kv_heads]
-        q, k = apply_rope(qk, cos, sin).split(self.split[:2], dim=2)
-        keys, values = cache.update(self.layer, at, k.transpose(1, 2), v.transpose(1, 2))
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                             enable_gqa=cfg.n_kv_heads != cfg.n_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        n = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.dim, 2 * n, bias=cfg.mlp_bias)
-        fuse_on_load(self, "gate_up_proj", {"gate_proj": n, "up_proj": n})
-        self.down_proj = nn.Linear(n, cfg.dim, bias=cfg.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.self_attn = Attention(cfg, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = MLP(cfg)
-
-    def forward(self, x, cos, sin, cache, at, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, at, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-
-
 @dataclass
 class Pass:
     """What every layer of one forward pass shares: where the cache is written and read, the
@@ -228,6 +142,7 @@ class Pass:
     cos: torch.Tensor  # [B, T, 1, Dh]
     sin: torch.Tensor
     end: torch.Tensor  # [B] the rows' cache lengths after the pass
+    row_spans: list[int] | None = None  # attend row by row over these key counts (see prepare_pass)
 
 
 class Rope:
@@ -258,7 +173,15 @@ def prepare_pass(cache: KVCache, slots: torch.Tensor, T: int, n_new: torch.Tenso
     cos, sin = rope(inv_freq, positions, dtype)
     every_key_visible = len(slots) == 1 and T == 1 and (window is None or span <= window)
     mask = None if every_key_visible else attention_mask(positions, span, window, dtype)
-    return Pass(cache.index(slots, positions, span), mask, cos, sin, end)
+    row_spans = None
+    if len(slots) == 1 and T > 1 and dtype != torch.float32 and window is None:
+        # In bf16/fp16 the CPU attention kernel's sums depend on the key count, and one rounding step
+        # makes that visible: a verify pass then attends row by row exactly as plain decoding does,
+        # so that speculative output stays token-identical to plain output (linear kernels are
+        # row-invariant already, models/kernels.py).
+        first = int(positions[0, 0])
+        row_spans = list(range(first + 1, first + T + 1))
+    return Pass(cache.index(slots, positions, span), mask, cos, sin, end, row_spans)
 
 
 def attention_mask(positions: torch.Tensor, span: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
@@ -269,6 +192,99 @@ def attention_mask(positions: torch.Tensor, span: int, window: int | None, dtype
         allowed &= keys[None, None, :] > positions[..., None] - window
     # Additive once here rather than a boolean mask converted by every layer's attention.
     return torch.zeros(allowed.shape, dtype=dtype, device=positions.device).masked_fill_(~allowed, -math.inf)[:, None]
+
+
+def fuse_on_load(module: nn.Module, fused: str, parts: dict[str, int]) -> None:
+    """Store the linear layers `parts` (name → output rows) as one, `fused`: one matmul reads all
+    their weights in a pass. Checkpoints keep the separate Hugging Face names both ways: they are
+    concatenated on load and split again in state_dict()."""
+
+    def merge(state, prefix, *_):
+        for suffix in ("weight", "bias"):
+            names = [f"{prefix}{p}.{suffix}" for p in parts]
+            if all(n in state for n in names):
+                state[f"{prefix}{fused}.{suffix}"] = torch.cat([state.pop(n) for n in names])
+
+    def split(_module, state, prefix, _meta):
+        for suffix in ("weight", "bias"):
+            key = f"{prefix}{fused}.{suffix}"
+            if key in state:
+                for p, piece in zip(parts, state.pop(key).split(list(parts.values()))):
+                    state[f"{prefix}{p}.{suffix}"] = piece
+
+    module.register_load_state_dict_pre_hook(lambda _m, state, prefix, *a: merge(state, prefix))
+    module.register_state_dict_post_hook(split)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, fwd: Pass, gqa: bool) -> torch.Tensor:
+    """q [B, Hq, T, Dh], keys/values [B, Hkv, span, Dh] → [B, Hq, T, Dh]."""
+    if fwd.row_spans is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=fwd.mask, enable_gqa=gqa)
+    return torch.cat([F.scaled_dot_product_attention(q[:, :, r:r + 1], keys[:, :, :n], values[:, :, :n], enable_gqa=gqa)
+                      for r, n in enumerate(fwd.row_spans)], dim=2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        d, hd = cfg.dim, cfg.head_dim
+        self.split = [cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads]
+        self.qkv_proj = nn.Linear(d, sum(self.split) * hd, bias=cfg.qkv_bias)
+        fuse_on_load(self, "qkv_proj", {"q_proj": cfg.n_heads * hd, "k_proj": cfg.n_kv_heads * hd,
+                                        "v_proj": cfg.n_kv_heads * hd})
+        self.o_proj = nn.Linear(cfg.n_heads * hd, d, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.norm_eps)
+
+    def forward(self, x: torch.Tensor, cache: KVCache, fwd: Pass) -> torch.Tensor:
+        B, T, _ = x.shape
+        cfg = self.cfg
+        qkv = self.qkv_proj(x).view(B, T, -1, cfg.head_dim)  # [B, T, Hq + 2 Hkv, Dh]
+        q, k, v = qkv.split(self.split, dim=2)
+        if cfg.qk_norm:
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=2)
+        else:
+            qk = qkv[:, :, :cfg.n_heads + cfg.n_kv_heads]
+        q, k = apply_rope(qk, fwd.cos, fwd.sin).split(self.split[:2], dim=2)
+        keys, values = cache.update(self.layer, fwd.at, k.transpose(1, 2), v.transpose(1, 2))
+        out = attend(q.transpose(1, 2), keys, values, fwd, cfg.n_kv_heads != cfg.n_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        n = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.dim, 2 * n, bias=cfg.mlp_bias)
+        fuse_on_load(self, "gate_up_proj", {"gate_proj": n, "up_proj": n})
+        self.down_proj = nn.Linear(n, cfg.dim, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cache: KVCache, fwd: Pass) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cache, fwd)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
 
 class Transformer(nn.Module):
@@ -308,7 +324,7 @@ class Transformer(nn.Module):
                            self.cfg.sliding_window)
         x = self.model.embed_tokens(tokens)
         for block in self.model.layers:
-            x = block(x, fwd.cos, fwd.sin, cache, fwd.at, fwd.mask)
+            x = block(x, cache, fwd)
         cache.lengths[slots] = fwd.end
         return self.model.norm(x)
 

@@ -58,7 +58,7 @@ class EagleHead(nn.Module):
         dtype = self.fc.weight.dtype
         fwd = prepare_pass(cache, slots, embeds.shape[1], n_new, self.rope, self.inv_freq, dtype)
         x = self.fc(torch.cat((embeds, features), dim=-1).to(dtype))
-        x = self.layer(x, fwd.cos, fwd.sin, cache, fwd.at, fwd.mask)
+        x = self.layer(x, cache, fwd)
         cache.lengths[slots] = fwd.end
         return self.norm(x)
 
