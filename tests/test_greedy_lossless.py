@@ -75,6 +75,16 @@ def test_int8_target_speculation_equals_its_own_plain_output(tiny_pair):
         assert run(target, spec, PROMPTS)[0] == plain_int8
 
 
+def test_bfloat16_speculation_equals_its_own_plain_output(tiny_pair):
+    """bf16 is the fast CPU path (flat verify cost): at batch 1 its speculative output is its own
+    plain output, token for token."""
+    target = load_model(tiny_pair[0], dtype="bfloat16")
+    plain_bf16 = [run(target, None, [p], max_batch_size=1)[0][0] for p in PROMPTS]
+    for spec in ({"method": "ngram", "num_speculative_tokens": 4},
+                 {"method": "draft_model", "model": str(tiny_pair[1]), "num_speculative_tokens": 3}):
+        assert [run(target, spec, [p], max_batch_size=1)[0][0] for p in PROMPTS] == plain_bf16
+
+
 def test_logprobs_are_the_targets_and_unchanged_by_speculation(target, tiny_pair):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     prompt = PROMPTS[0]

@@ -97,7 +97,8 @@ def test_bfloat16_verify_pass_equals_single_steps_bitwise(tmp_path):
         with torch.no_grad():
             cache = model.new_cache(1, 72)
             model(ids[:, :prefix], cache, slot)
-            single = torch.cat([model.logits(model(ids[:, t:t + 1], cache, slot)) for t in range(prefix, prefix + 6)], 1)
+            steps = range(prefix, prefix + 6)
+            single = torch.cat([model.logits(model(ids[:, t:t + 1], cache, slot)) for t in steps], 1)
             cache.rollback(0, prefix)
             wide = model.logits(model(ids[:, prefix:prefix + 6], cache, slot))
         assert torch.equal(single, wide), f"prefix {prefix}: max |Δ| {(single - wide).abs().max():.3g}"
