@@ -22,6 +22,7 @@ from speculant.speedup import CostCurve, fit_alpha, measure_cost_curve, predicte
 
 # Gains below this are noise on a shared CPU: not worth the risk of a loss.
 MIN_GAIN = 1.05
+MAX_PROBE_INTERVAL = 256
 
 
 @dataclass
@@ -31,17 +32,25 @@ class AdaptiveK:
     alpha: float = 0.6  # prior acceptance until drafts are seen
     draft_ratio: float = 0.0  # c_draft / C(1), per drafted position, tracked online
     smoothing: float = 0.15
-    probe_every: int = 16  # while off, draft every n-th step to keep α current
+    probe_every: int = 16  # while off, draft after n idle steps to keep α current
     _idle_steps: int = 0
+    _probe_interval: int = 0
+
+    def __post_init__(self):
+        self._probe_interval = self.probe_every
 
     def choose(self, batch_size: int) -> int:
         k, gain = self.best(batch_size, self.alpha)
         if k:
-            self._idle_steps = 0
+            self._idle_steps, self._probe_interval = 0, self.probe_every
             return k
         self._idle_steps += 1
-        if self._idle_steps % self.probe_every == 0 and self.best(batch_size, 1.0)[0]:
-            return min(2, self.k_max)  # speculation could pay if acceptance rose: measure it
+        if self._idle_steps >= self._probe_interval and self.best(batch_size, 1.0)[0]:
+            # Speculation could pay if acceptance rose: measure it. A probe that does not turn it back
+            # on doubles the wait, so a batch where it loses pays next to nothing for probing.
+            self._idle_steps = 0
+            self._probe_interval = min(2 * self._probe_interval, MAX_PROBE_INTERVAL)
+            return min(2, self.k_max)
         return 0
 
     def best(self, batch_size: int, alpha: float) -> tuple[int, float]:

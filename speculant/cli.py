@@ -25,7 +25,9 @@ def add_target_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g = p.add_argument_group("model")
     g.add_argument("--model", "-m", default=None,
                    help="HF model folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    g.add_argument("--dtype", default="auto",
+                   help="auto | float32 | bfloat16 | float16 (default auto: bfloat16 where the CPU has AMX or "
+                        "AVX512-BF16, or on CUDA; float32 elsewhere)")
     g.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
     g.add_argument("--quantization", "-q", default=None, choices=["none", "int8"],
                    help="weight-only int8 (per channel) for target and draft; default none")

@@ -8,7 +8,7 @@ from speculant.adaptive import AdaptiveK, cost_curve_for
 from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.engine import Engine, resolve_max_model_len
 from speculant.errors import SpeculantError
-from speculant.models.loader import load_model
+from speculant.models.loader import LoadedModel, load_model
 from speculant.proposers import build_proposer
 from speculant.sequence import Sequence, TokenLogprob
 
@@ -58,13 +58,18 @@ def build_engine(model: str | None = None, dtype: str = "float32", device: str =
     spec = speculative_config if isinstance(speculative_config, SpeculativeConfig) \
         else SpeculativeConfig.parse(speculative_config)
     target = load_model(model, dtype=dtype, device=device, quantization=quantization)
-    max_len = resolve_max_model_len(target.config, max_model_len)
+    return engine_for(target, spec, max_batch_size, resolve_max_model_len(target.config, max_model_len))
+
+
+def engine_for(target: LoadedModel, spec: SpeculativeConfig | None, max_batch_size: int,
+               max_model_len: int) -> Engine:
+    """An engine over an already-loaded target, with the proposer and adaptive policy `spec` asks for."""
     k = spec.num_speculative_tokens if spec else 0
-    proposer = build_proposer(spec, target, max_batch_size, max_len + k + 1) if spec else None
+    proposer = build_proposer(spec, target, max_batch_size, max_model_len + k + 1) if spec else None
     adaptive = None
     if spec is not None and spec.adaptive:
         adaptive = AdaptiveK(cost_curve_for(target.model, max_batch_size, k + 1), k)
-    return Engine(target, proposer, k, max_batch_size, max_len, adaptive=adaptive)
+    return Engine(target, proposer, k, max_batch_size, max_model_len, adaptive=adaptive)
 
 
 class LLM:

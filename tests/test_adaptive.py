@@ -51,10 +51,14 @@ def test_expensive_draft_lowers_k():
     assert costly.choose(1) < cheap.choose(1)
 
 
-def test_off_policy_probes_now_and_then():
+def test_off_policy_probes_less_and_less_while_probes_fail():
     policy = AdaptiveK(curve(32), k_max=8, alpha=0.0, probe_every=4)
-    chosen = [policy.choose(1) for _ in range(8)]
-    assert chosen.count(0) == 6 and chosen[3] == chosen[7] == 2
+    chosen = [policy.choose(1) for _ in range(4 + 8 + 16)]
+    assert [i for i, k in enumerate(chosen) if k] == [3, 11, 27] and set(chosen) == {0, 2}
+    policy.alpha = 0.9  # a probe found acceptance high: speculation is back on, the wait resets
+    assert policy.choose(1) == 8
+    policy.alpha = 0.0
+    assert [policy.choose(1) for _ in range(4)] == [0, 0, 0, 2]
 
 
 def test_adaptive_engine_stays_greedy_identical(tiny_pair, tmp_path):

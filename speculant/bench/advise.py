@@ -46,7 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="HF model folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--draft", default=None, help="a draft model path: also consider method draft_model")
     p.add_argument("--eagle", default=None, help="an EAGLE head path: also consider method eagle")
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    p.add_argument("--dtype", default="auto",
+                   help="auto | float32 | bfloat16 | float16 (default auto: bfloat16 where the CPU has AMX or "
+                        "AVX512-BF16, or on CUDA; float32 elsewhere)")
     p.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
     p.add_argument("--threads", type=int, default=None,
                    help="PyTorch CPU threads (default: PyTorch's choice; 1 suits a machine shared with "
@@ -93,7 +95,7 @@ def run(args: argparse.Namespace) -> None:
     progress = Progress(not args.no_progress)
     model_path = Path(args.model).expanduser() if args.model else default_model_path()
     target = load_model(model_path, dtype=args.dtype, device=args.device)
-    plan = BenchPlan(model=args.model, dtype=args.dtype, device=args.device, draft_model=args.draft,
+    plan = BenchPlan(model=args.model, dtype=args.dtype, device=args.device, adaptive=False, draft_model=args.draft,
                      eagle=args.eagle)
     prompts = load_prompts(args.prompts, target.tokenizer, target.config.vocab_size,
                            per_class=args.per_class, max_prompt_tokens=plan.max_prompt_tokens)
@@ -122,7 +124,7 @@ def run(args: argparse.Namespace) -> None:
     facts = machine_facts()
     threads = facts["torch_threads"]
     lines = [f"{model_path.name} on {facts['cpu']} ({facts['cpu_count']} cores, {threads} "
-             f"thread{'s' if threads != 1 else ''}), {args.device}, {args.dtype}: "
+             f"thread{'s' if threads != 1 else ''}), {args.device}, {str(target.model.dtype).removeprefix('torch.')}: "
              f"measured in {time.perf_counter() - started:.0f} s",
              f"regime: {regime_verdict(curve)}"]
     for r in rows:

@@ -56,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-model", default=None, help="a draft model path: adds the draft_model proposer "
                    "(and transformers' assistant_model)")
     s.add_argument("--eagle", default=None, help="an EAGLE head path: adds the eagle proposer")
+    s.add_argument("--no-adaptive", action="store_true",
+                   help="leave out the adaptive-k run of each proposer (k chosen per step, up to the largest --ks)")
     s.add_argument("--proposers", type=name_list(PROPOSERS), default=list(PROPOSERS),
                    help="comma list of ngram, draft_model, eagle (default: all that are available)")
     s.add_argument("--ks", type=int_list, default=None, help="k values, 2,4,6,8 (default) or 1..8")
@@ -94,7 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     plan = BenchPlan(model=args.model, dtype=args.dtype, device=args.device, threads=args.threads,
-                     quantization=args.quantization,
+                     quantization=args.quantization, adaptive=not args.no_adaptive,
                      draft_model=args.draft_model,
                      eagle=args.eagle, proposers=args.proposers, batch_k=args.batch_k, prompts=args.prompts,
                      reps=args.reps, chat=not args.no_chat, peers=args.peers, peer_k=args.peer_k,

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.engine import Engine
+from speculant.llm import engine_for
 from speculant.models.loader import LoadedModel
-from speculant.proposers import build_proposer
 from speculant.sequence import SpecStats
 
 
@@ -84,6 +84,11 @@ def config_name(method: str | None, k: int) -> str:
     return "speculant k=0" if method is None else f"speculant {method} k={k}"
 
 
+def spec_method(spec: SpeculativeConfig) -> str:
+    """The method as the report names it: an adaptive configuration is its own entry."""
+    return f"{spec.method} adaptive" if spec.adaptive else spec.method
+
+
 @dataclass
 class EngineRunner(Runner):
     engine: Engine | None = None
@@ -141,12 +146,10 @@ def engine_runner(target: LoadedModel, spec: SpeculativeConfig | None, max_batch
                   max_model_len: int) -> EngineRunner:
     """An engine over an already-loaded target: configurations share the weights, each has its
     own KV cache and proposer state."""
-    k = spec.num_speculative_tokens if spec else 0
-    proposer = build_proposer(spec, target, max_batch_size, max_model_len + k + 1) if spec else None
-    engine = Engine(target, proposer, k, max_batch_size, max_model_len)
-    method = spec.method if spec else None
-    return EngineRunner(config_name(method, k), "speculant", method, k, config_name(None, 0), max_batch_size,
-                        engine=engine)
+    engine = engine_for(target, spec, max_batch_size, max_model_len)
+    method = spec_method(spec) if spec else None
+    return EngineRunner(config_name(method, engine.k), "speculant", method, engine.k, config_name(None, 0),
+                        max_batch_size, engine=engine)
 
 
 @dataclass

@@ -14,7 +14,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -23,7 +23,17 @@ from tqdm import tqdm
 from speculant.bench.peers import llama_cpp_peers, transformers_peers
 from speculant.bench.prompts import PROMPT_CLASSES, BenchPrompt, load_prompts
 from speculant.bench.regime import memory_bound_limit, regime_rule, regime_verdict
-from speculant.bench.runner import EngineRunner, Job, Measurement, Runner, engine_runner, run_jobs, warm_up
+from speculant.bench.runner import (
+    EngineRunner,
+    Job,
+    Measurement,
+    Runner,
+    config_name,
+    engine_runner,
+    run_jobs,
+    spec_method,
+    warm_up,
+)
 from speculant.bench.summary import ALL, Row, summarize
 from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.errors import SpeculantError
@@ -57,6 +67,7 @@ class BenchPlan:
     reps: int = 1
     peers: list[str] = field(default_factory=lambda: list(PEERS))
     peer_k: int = 4
+    adaptive: bool = True  # also run each proposer with adaptive k (up to the largest k swept)
     cost_batch_sizes: list[int] | None = None  # None: the batch sweep's sizes
     max_width: int = 16
     cost_reps: int = 3
@@ -173,6 +184,13 @@ def proposer_configs(plan: BenchPlan, k: int) -> tuple[list[SpeculativeConfig], 
     return configs, notes
 
 
+def adaptive_configs(plan: BenchPlan) -> list[SpeculativeConfig]:
+    """Each proposer with adaptive k, up to the largest k of the sweep."""
+    if not plan.adaptive:
+        return []
+    return [replace(c, adaptive=True) for c in proposer_configs(plan, max(plan.ks))[0]]
+
+
 def try_runner(target: LoadedModel, spec: SpeculativeConfig | None, batch: int, max_len: int,
                notes: list[str]) -> EngineRunner | None:
     """An engine runner, or None with a note when this build cannot run the proposer."""
@@ -236,8 +254,8 @@ def run_bench(plan: BenchPlan) -> BenchResult:
     if not prompts:
         raise SpeculantError("no prompts to run")
     max_len = max(len(p.token_ids) for p in prompts) + plan.max_tokens + 1
-    meta.update(model=str(model_path), params=sum(p.numel() for p in target.model.parameters()),
-                dtype=plan.dtype, device=plan.device, prompts=len(prompts),
+    meta.update(model=str(model_path), params=target.load_info["params"],
+                dtype=str(target.model.dtype).removeprefix("torch."), device=plan.device, prompts=len(prompts),
                 prompt_classes=list(dict.fromkeys(p.prompt_class for p in prompts)), command=plan.command)
 
     cost_sizes = plan.cost_batch_sizes or plan.batch_sizes
@@ -267,6 +285,7 @@ def k_sweep(plan: BenchPlan, target: LoadedModel, model_path: Path, prompts: lis
         configs, skipped = proposer_configs(plan, k)
         notes += skipped
         runners += [r for spec in configs if (r := try_runner(target, spec, 1, max_len, notes))]
+    runners += [r for spec in adaptive_configs(plan) if (r := try_runner(target, spec, 1, max_len, notes))]
     runners += peer_runners(plan, target, model_path, max_len, notes)
     jobs = make_jobs(prompts, 1, 0.0, plan.max_tokens, plan.reps, plan.seed)
     warm_up(runners, jobs[0])
@@ -302,13 +321,13 @@ def best_k_per_method(rows: list[Row]) -> dict[str, int]:
 
 
 def chosen_configs(plan: BenchPlan, best: dict[str, int]) -> list[SpeculativeConfig]:
-    """Each proposer at the plan's batch_k, else at its best k from the k sweep."""
+    """Each proposer at the plan's batch_k, else at its best k from the k sweep; then adaptive."""
     configs = []
     for method in plan.proposers:
         k = plan.batch_k or best.get(method)
         if k:
             configs += [c for c in proposer_configs(plan, k)[0] if c.method == method]
-    return configs
+    return configs + adaptive_configs(plan)
 
 
 def batch_sweep(plan: BenchPlan, target: LoadedModel, prompts: list[BenchPrompt], max_len: int,
@@ -316,7 +335,7 @@ def batch_sweep(plan: BenchPlan, target: LoadedModel, prompts: list[BenchPrompt]
     """Batch 1 comes from the k sweep (same prompts, same settings); every larger size gets its own
     engines, built, run interleaved and freed before the next size."""
     configs = chosen_configs(plan, best)
-    names = {"speculant k=0"} | {f"speculant {c.method} k={c.num_speculative_tokens}" for c in configs}
+    names = {"speculant k=0"} | {config_name(spec_method(c), c.num_speculative_tokens) for c in configs}
     exp = Experiment("batch", "greedy: plain vs each proposer at its best k, every batch size",
                      [r for r in k_exp.runners if r.name in names])
     reuse = 1 in plan.batch_sizes and names <= {r.name for r in exp.runners}

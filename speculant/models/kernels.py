@@ -10,6 +10,8 @@ weight's memory layout and the kernel differ.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -19,6 +21,20 @@ ONEDNN_BATCH_HINT = 8  # the row count oneDNN lays the packed weight out for: a 
 def _onednn_usable(dtype: torch.dtype) -> bool:
     return (dtype in (torch.bfloat16, torch.float16) and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def fast_bfloat16(device: torch.device) -> bool:
+    """Whether bf16 matmuls run on dedicated hardware here (CUDA; on CPUs, AMX or AVX512-BF16 read
+    from /proc/cpuinfo, which oneDNN's packed kernel uses)."""
+    if device.type == "cuda":
+        return True
+    if device.type != "cpu" or not _onednn_usable(torch.bfloat16):
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 class PackedLinear(nn.Module):

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from speculant.errors import SpeculantError
-from speculant.models.kernels import pack_linears
+from speculant.models.kernels import fast_bfloat16, pack_linears
 from speculant.models.llama import ModelConfig, Transformer, rope_inv_freq
 from speculant.models.quantize import QUANTIZATIONS, quantize
 from speculant.models.tokenizer import Tokenizer
@@ -51,11 +51,14 @@ def default_model_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device | None = None) -> torch.dtype:
+    """`auto`: bfloat16 where it has fast kernels (CUDA, CPUs with AMX or AVX512-BF16), else float32."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if fast_bfloat16(device or torch.device("cpu")) else torch.float32
     if dtype not in DTYPES:
-        raise SpeculantError(f"unknown dtype '{dtype}'; choose one of {', '.join(DTYPES)}")
+        raise SpeculantError(f"unknown dtype '{dtype}'; choose one of auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
 
 
@@ -73,7 +76,8 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float
     inference kernels (models/kernels.py); training, which needs the plain layers, turns it off."""
     t0 = time.perf_counter()
     path = default_model_path() if path is None else Path(path).expanduser()
-    torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
     if quantization not in (None, *QUANTIZATIONS):
         raise SpeculantError(f"unknown quantization '{quantization}'; choose one of {', '.join(QUANTIZATIONS)}")
     info: dict = {}
@@ -90,6 +94,7 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float
     else:
         folder = path
     model, eos_ids = _load_folder(folder, torch_dtype, torch_device)
+    info["params"] = sum(p.numel() for p in model.parameters())
     quantize(model, quantization)
     if pack:
         pack_linears(model)
