@@ -169,7 +169,7 @@ class Engine:
         n_accepted = n_accepted.tolist()
         if self.adaptive and any(ks):
             n_draft = proposal.n_draft.tolist()
-            self.adaptive.observe(max(ks), sum(n > 0 for n in n_draft), sum(n_accepted), t1 - t0, len(batch))
+            self.adaptive.observe(n_draft, n_accepted, t1 - t0, len(batch))
         start = [s.num_cached for s in batch]
         n_valid = [len(s.tokens) - s.num_cached + n for s, n in zip(batch, n_accepted)]
         outputs = self.commit(batch, proposal, n_accepted, next_tokens.tolist(), logits)
