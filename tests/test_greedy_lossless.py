@@ -67,12 +67,13 @@ def test_batch_larger_than_slots_queues(target, plain):
     assert outputs == plain
 
 
-def test_int8_target_speculation_equals_its_own_plain_output(tiny_pair):
-    target = load_model(tiny_pair[0], quantization="int8")
-    plain_int8 = run(target, None, PROMPTS)[0]
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_target_speculation_equals_its_own_plain_output(tiny_pair, quantization):
+    target = load_model(tiny_pair[0], quantization=quantization)
+    plain_quantized = run(target, None, PROMPTS)[0]
     for spec in ({"method": "ngram", "num_speculative_tokens": 4},
                  {"method": "draft_model", "model": str(tiny_pair[1]), "num_speculative_tokens": 3}):
-        assert run(target, spec, PROMPTS)[0] == plain_int8
+        assert run(target, spec, PROMPTS)[0] == plain_quantized
 
 
 def test_bfloat16_speculation_equals_its_own_plain_output(tiny_pair):

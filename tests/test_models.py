@@ -102,3 +102,21 @@ def test_bfloat16_verify_pass_equals_single_steps_bitwise(tmp_path):
             cache.rollback(0, prefix)
             wide = model.logits(model(ids[:, prefix:prefix + 6], cache, slot))
         assert torch.equal(single, wide), f"prefix {prefix}: max |Δ| {(single - wide).abs().max():.3g}"
+
+
+def test_int4_keeps_weights_already_on_a_q4_1_grid():
+    """A layer whose weights are w = d·q + m per 32 (what a Q4_1 GGUF file holds) comes back on the
+    same grid: only bf16 rounding of the products remains."""
+    from speculant.models.quantize import Int4Linear
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (64, 4, 32), generator=gen).float()
+    q[..., 0], q[..., 1] = 0, 15  # llama.cpp's Q4_1 puts each group's minimum at 0 and maximum at 15
+    d = torch.rand(64, 4, 1, generator=gen) * 0.01 + 0.001
+    m = -torch.rand(64, 4, 1, generator=gen) * 0.05
+    linear = torch.nn.Linear(128, 64, bias=False)
+    linear.weight.data = (d * q + m).view(64, 128)
+    x = torch.randn(5, 128, generator=gen)
+    got = Int4Linear(linear)(x)
+    err = ((got - linear(x)).norm() / linear(x).norm()).item()
+    assert err < 0.01, err  # bf16 activations and scales; a 4-bit requantization off the grid is ~8%

@@ -1,8 +1,14 @@
-"""Weight-only int8 quantization (per output channel, symmetric) of a model's linear layers.
+"""Weight-only quantization of a model's linear layers: int8 (per output channel, symmetric) and
+int4 (groups of 32 input weights, each with its own scale and minimum, CPU).
 
 Decoding at batch 1 streams every weight once per pass: int8 weights are a quarter of fp32's
-bytes. Activations stay in the model's dtype. The quantized model is a different target: its
-speculative output equals its own plain output, not the fp32 model's.
+bytes, int4 an eighth. The quantized model is a different target: its speculative output equals
+its own plain output, not the fp32 model's. Both CPU kernels give every row the same result
+whatever the number of rows, so a verify pass scores like plain decoding.
+
+int4 stores the weight as llama.cpp's Q4_1 does (w = d·q + m, q in 0..15, per 32 weights): a model
+read from a Q4_1 GGUF file comes back on its own grid, so the int4 target is the file's weights
+(scales rounded to bf16).
 """
 
 from __future__ import annotations
@@ -10,43 +16,89 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-QUANTIZATIONS = ("none", "int8")
+from speculant.errors import SpeculantError
+
+QUANTIZATIONS = ("none", "int8", "int4")
+INT4_GROUP = 32
 
 
-class Int8Linear(nn.Module):
+class QuantizedLinear(nn.Module):
+    """y = x Wᵀ + b with W quantized; `matmul` is the kernel, fed 2-D activations in compute_dtype.
+    The CPU kernels are fast with bf16 activations only (int8 with fp32 ones ran ~4× slower than
+    plain fp32 weights, int4 ~20× slower: measured on SmolLM2-135M), so products are taken in bf16
+    there."""
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        w = linear.weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12)  # [out]
-        self.register_buffer("weight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
-        # The CPU int8-weight kernel is fast with bf16 activations only: with fp32 ones it runs ~4× slower
-        # than plain fp32 weights (measured, SmolLM2-135M). Its products are taken in bf16 there.
-        cpu = w.device.type == "cpu"
-        self.compute_dtype = torch.bfloat16 if cpu else linear.weight.dtype
-        self.register_buffer("scale", scale.to(self.compute_dtype))
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        cpu = linear.weight.device.type == "cpu"
+        self.compute_dtype = torch.bfloat16 if cpu else linear.weight.dtype
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(self.compute_dtype)
-        try:
-            y = torch._weight_int8pack_mm(x2, self.weight, self.scale)
-        except (NotImplementedError, RuntimeError):
-            # No int8-weight kernel for this device or dtype: dequantize on the fly.
-            y = (x2 @ self.weight.to(x2.dtype).T) * self.scale
-        y = y.to(x.dtype)
+        y = self.matmul(x.reshape(-1, shape[-1]).to(self.compute_dtype)).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
 
 
+class Int8Linear(QuantizedLinear):
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear)
+        w = linear.weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12)  # [out]
+        self.register_buffer("weight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale.to(self.compute_dtype))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        try:
+            return torch._weight_int8pack_mm(x, self.weight, self.scale)
+        except (NotImplementedError, RuntimeError):
+            # No int8-weight kernel for this device or dtype: dequantize on the fly.
+            return (x @ self.weight.to(x.dtype).T) * self.scale
+
+
+class Int4Linear(QuantizedLinear):
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear)
+        out, n_in = linear.weight.shape
+        groups = linear.weight.detach().float().view(out, n_in // INT4_GROUP, INT4_GROUP)
+        low, high = groups.amin(-1), groups.amax(-1)  # [out, in/32]
+        step = ((high - low) / 15).clamp_min(1e-12)
+        q = torch.round((groups - low[..., None]) / step[..., None]).clamp(0, 15).to(torch.int32).view(out, n_in)
+        self.register_buffer("weight", torch._convert_weight_to_int4pack_for_cpu(q, 1))
+        # The kernel reads w = (q − 8)·scale + zero, from a [in/32, out, 2] table.
+        table = torch.stack((step, low + 8 * step), -1).transpose(0, 1).contiguous()
+        self.register_buffer("scales_and_zeros", table.to(torch.bfloat16))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x, self.weight, INT4_GROUP, self.scales_and_zeros)
+
+
+def int4_supported(linear: nn.Linear) -> bool:
+    out, n_in = linear.weight.shape
+    return n_in % INT4_GROUP == 0 and out % 16 == 0
+
+
 def quantize(model: nn.Module, method: str | None) -> nn.Module:
-    """Replace every nn.Linear (lm_head included) by its int8 version, in place."""
+    """Replace every nn.Linear by its quantized version, in place. With int4 the lm_head (often the
+    embedding matrix, which GGUF files keep at 6-8 bits) gets int8: at 4 bits its logits moved by 9%
+    of their norm on SmolLM2, its decoder layers by 0.25%."""
     if method in (None, "none"):
         return model
+    if method == "int4" and model.device.type != "cpu":
+        raise SpeculantError("--quantization int4 has a CPU kernel only; use int8 or bfloat16 on "
+                             f"{model.device.type}")
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
+            if not isinstance(child, nn.Linear):
+                continue
+            if method == "int8" or child is getattr(model, "lm_head", None):
                 setattr(parent, name, Int8Linear(child))
+            elif int4_supported(child):
+                setattr(parent, name, Int4Linear(child))
     return model
