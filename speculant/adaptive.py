@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from speculant.speedup import CostCurve, measure_cost_curve
+from speculant.speedup import CostCurve, measure_cost_curve, speedup_from
 
 # Gains below this are noise on a shared CPU: not worth the risk of a loss.
 MIN_GAIN = 1.05
@@ -35,6 +35,7 @@ class AdaptiveK:
     k_max: int
     alpha: float = 0.6  # prior acceptance of the first draft, until drafts are seen
     draft_ratio: float = 0.0  # c_draft / C(1), per drafted position, tracked online
+    coverage: float = 1.0  # share of rows asked for drafts that got some (n-gram lookup finds no match)
     memory: float = 0.95  # weight kept by past observations at each new step (~20 steps)
     prior_weight: float = 2.0  # the prior counts as this many drafts at each position
     smoothing: float = 0.15
@@ -82,14 +83,20 @@ class AdaptiveK:
         return 0
 
     def best(self, batch_size: int, acceptance: list[float] | None = None) -> tuple[int, float]:
+        """The k with the best predicted speed-up at this batch size (0 when none gains MIN_GAIN). A
+        row without a draft yields one token; the pass is widened as soon as any row drafts."""
         acceptance = self.acceptance() if acceptance is None else acceptance
-        cost = [self.curve.ratio(batch_size, k + 1) + k * self.draft_ratio for k in range(self.k_max + 1)]
-        scored = [(self.expected_tokens(k, acceptance) / cost[k], k) for k in range(1, self.k_max + 1)]
+        widened = 1 - (1 - self.coverage) ** batch_size
+        scored = [(speedup_from(self.expected_tokens(k, acceptance), k, self.curve.ratio(batch_size, k + 1),
+                                self.draft_ratio, self.coverage, widened), k)
+                  for k in range(1, self.k_max + 1)]
         gain, k = max(scored)
         return (k, gain) if gain >= MIN_GAIN else (0, 1.0)
 
     def observe(self, n_draft: list[int], n_accepted: list[int], draft_s: float, batch_size: int) -> None:
-        """After a step: each row's drafted and accepted counts."""
+        """After a step that asked every row for drafts: each row's drafted and accepted counts."""
+        covered = sum(n > 0 for n in n_draft) / len(n_draft)
+        self.coverage += self.smoothing * (covered - self.coverage)
         if not any(n_draft):
             return
         self.reached = [r * self.memory for r in self.reached]

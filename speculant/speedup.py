@@ -35,17 +35,24 @@ def expected_tokens_per_pass(alpha: float, k: float) -> float:
 
 def predicted_speedup(alpha: float, k: float, cost_ratio: float, draft_cost_ratio: float = 0.0,
                       coverage: float = 1.0, pass_coverage: float | None = None) -> float:
-    """S = E / (C(k+1)/C(1) + k·c_draft/C(1)), DESIGN §3, with cost_ratio = C(k+1)/C(1) and
-    draft_cost_ratio = c_draft/C(1).
+    """S = E / (C(k+1)/C(1) + k·c_draft/C(1)), DESIGN §3, with E = E(α, k) (see speedup_from)."""
+    if k == 0:
+        return 1.0
+    return speedup_from(expected_tokens_per_pass(alpha, k), k, cost_ratio, draft_cost_ratio, coverage,
+                        pass_coverage)
+
+
+def speedup_from(tokens_per_pass: float, k: float, cost_ratio: float, draft_cost_ratio: float = 0.0,
+                 coverage: float = 1.0, pass_coverage: float | None = None) -> float:
+    """S = E / (C(k+1)/C(1) + k·c_draft/C(1)) with E, the tokens a drafting pass yields, given;
+    cost_ratio = C(k+1)/C(1) and draft_cost_ratio = c_draft/C(1).
 
     coverage: the share of sequence-steps that carried a draft (1 for a draft model); the others
     yield one token. pass_coverage: the share of target passes that were widened to k + 1 tokens
     (default: coverage; in a batch, one drafting row widens the whole pass).
     """
-    if k == 0:
-        return 1.0
     widened = coverage if pass_coverage is None else pass_coverage
-    tokens = 1 - coverage + coverage * expected_tokens_per_pass(alpha, k)
+    tokens = 1 - coverage + coverage * tokens_per_pass
     cost = 1 - widened + widened * cost_ratio + coverage * k * draft_cost_ratio
     return tokens / cost
 

@@ -88,3 +88,15 @@ def test_adaptive_engine_stays_greedy_identical(tiny_pair, tmp_path):
                         adaptive=AdaptiveK(curve(flat), k_max=4))
         got = [s.output_ids for s in engine.generate([engine.add_request(p, params) for p in prompts])]
         assert got == expected
+
+
+def test_rare_drafts_stay_on_alone_but_not_in_a_batch():
+    """A lookup that finds a draft for 20% of rows: alone, a step without a draft is a plain step;
+    in a batch of 32 some row always drafts and widens every pass for all."""
+    rows = {b: [1.0 + 0.2 * (t - 1) for t in range(1, 10)] for b in (1, 32)}
+    policy = AdaptiveK(CostCurve(context=128, seconds=rows), k_max=4, alpha=0.9, coverage=0.2)
+    assert policy.choose(1) > 0
+    assert policy.choose(32) == 0
+    for _ in range(30):  # every row finds a draft now
+        policy.observe([4] * 32, [4] * 32, draft_s=0.0, batch_size=32)
+    assert policy.coverage > 0.95 and policy.choose(32) > 0

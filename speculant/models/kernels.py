@@ -46,9 +46,11 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = None if linear.bias is None else linear.bias.detach()
         if w.dtype == torch.float32:
-            self.kind, self.weight = "transposed", w.t().contiguous()  # [in, out]
+            self.kind = "transposed"
+            self.register_buffer("weight", w.t().contiguous())  # [in, out]
         else:
-            self.kind, self.weight = "onednn", torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_BATCH_HINT)
+            self.kind = "onednn"
+            self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_BATCH_HINT))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "onednn":
