@@ -30,9 +30,10 @@ def add_target_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    help="auto | float32 | bfloat16 | float16 (default auto: bfloat16 where the CPU has AMX or "
                         "AVX512-BF16, or on CUDA; float32 elsewhere)")
     g.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
-    g.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
-                   help="weight-only quantization of target and draft: int8 (per channel) or int4 (groups of "
-                        "32 with scale and minimum, as GGUF Q4_1; CPU); default none")
+    g.add_argument("--quantization", "-q", default="auto", choices=list(QUANTIZATIONS),
+                   help="weight-only quantization of target and draft: int8 (per channel), int4 (groups of 32 "
+                        "with scale and minimum, as GGUF Q4_1; CPU), none, or auto (default: a GGUF file runs at "
+                        "the precision it stores, int4 for Q4 files, int8 for Q8_0; Hugging Face folders none)")
     g.add_argument("--threads", type=int, default=None,
                    help="PyTorch CPU threads (default: PyTorch's choice); on a machine shared with other "
                         "work, 1 avoids threads waiting on each other at every operation")

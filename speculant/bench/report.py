@@ -65,6 +65,10 @@ def _speedup_cell(r: Row) -> str:
     return f"{r.speedup:.2f}×"
 
 
+def _weights(quantization: str | None) -> str:
+    return {"int8": "int8 (per channel)", "int4": "int4 (groups of 32)"}.get(quantization or "", "unquantized")
+
+
 def _threads(n: int) -> str:
     return f"{n} thread" + ("s" if n != 1 else "")
 
@@ -88,6 +92,7 @@ def markdown(result: BenchResult) -> str:
         f"# Speculant benchmark: {model}\n",
         f"{m['started']}, {m['duration_s'] / 60:.1f} min. Machine: {m['cpu']}, {m['cpu_count']} cores, "
         f"PyTorch {m['torch']} ({_threads(m['torch_threads'])}), {m['device']}, {m['dtype']}, "
+        f"weights: {_weights(m.get('quantization'))}, "
         f"{m['params'] / 1e6:.3g}M parameters. Load average {m['load_average_start']} at the start, "
         f"{m['load_average_end']} at the end.\n",
         "> Measured on a shared machine: other work competes for the same cores, so absolute tokens/s "

@@ -51,7 +51,7 @@ class BenchPlan:
     dtype: str = "float32"
     device: str = "cpu"
     threads: int | None = None  # PyTorch CPU threads; None: PyTorch's default
-    quantization: str | None = None  # "int8": weight-only int8 target and drafts
+    quantization: str | None = None  # int8 | int4 | auto: weight-only quantization of target and drafts
     draft_model: str | None = None
     eagle: str | None = None
     proposers: list[str] = field(default_factory=lambda: list(PROPOSERS))
@@ -255,7 +255,8 @@ def run_bench(plan: BenchPlan) -> BenchResult:
         raise SpeculantError("no prompts to run")
     max_len = max(len(p.token_ids) for p in prompts) + plan.max_tokens + 1
     meta.update(model=str(model_path), params=target.load_info["params"],
-                dtype=str(target.model.dtype).removeprefix("torch."), device=plan.device, prompts=len(prompts),
+                dtype=str(target.model.dtype).removeprefix("torch."), device=plan.device,
+                quantization=target.quantization or "none", prompts=len(prompts),
                 prompt_classes=list(dict.fromkeys(p.prompt_class for p in prompts)), command=plan.command)
 
     cost_sizes = plan.cost_batch_sizes or plan.batch_sizes

@@ -107,6 +107,30 @@ def open_gguf(src: Path) -> gguf.GGUFReader:
         raise SpeculantError(f"{src}: unreadable GGUF file (truncated or corrupt?): {e}") from None
 
 
+def stored_bits(src: Path, folder: Path) -> float:
+    """Bits per weight the file's 2-D (layer) tensors are stored with, weighted by size: what
+    `--quantization auto` matches. Read once (seconds: every tensor's header) and kept in `folder`,
+    the file's converted copy."""
+    kept = folder / "gguf_stored_bits.json"
+    if kept.exists():
+        return json.loads(kept.read_text())["bits_per_weight"]
+    bits = _stored_bits(open_gguf(src))
+    tmp = kept.with_suffix(".tmp")
+    write_json(tmp, {"bits_per_weight": bits})
+    tmp.replace(kept)
+    return bits
+
+
+def _stored_bits(reader: gguf.GGUFReader) -> float:
+    total = bits = 0
+    for t in reader.tensors:
+        if len(t.shape) == 2 and t.tensor_type in gguf.GGML_QUANT_SIZES:
+            block, nbytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
+            total += int(t.n_elements)
+            bits += int(t.n_elements) * 8 * nbytes / block
+    return bits / total if total else 32.0
+
+
 def write_folder(reader: gguf.GGUFReader, src: Path, out: Path) -> None:
     meta = read_metadata(reader)
     arch = meta.get("general.architecture")

