@@ -238,6 +238,9 @@ class Engine:
                 self.proposer.add(seq)
             self.running.append(seq)
             admitted.append(seq)
+        # Rows in slot order, lowest slots first: a batch whose slots are contiguous reads the KV cache
+        # as a view; any other order makes every layer gather (copy) the batch's keys and values.
+        self.running.sort(key=lambda s: s.slot)
         if admitted:
             self.prefill(admitted)
 
@@ -314,6 +317,7 @@ class Engine:
         for seq in [s for s in self.running if s.finished]:
             self.running.remove(seq)
             self.free_slots.append(seq.slot)
+            self.free_slots.sort()
             if self.proposer is not None:
                 self.proposer.remove(seq)
 

@@ -24,6 +24,7 @@ from speculant.bench.suite import BenchPlan, Progress, machine_facts, make_jobs,
 from speculant.bench.summary import ALL, summarize
 from speculant.errors import SpeculantError
 from speculant.models.loader import default_model_path, load_model
+from speculant.models.quantize import QUANTIZATIONS
 from speculant.speedup import CostCurve, measure_cost_curve
 
 PROBE_K = 4  # the k acceptance is measured at; the model extrapolates to 1..MAX_K
@@ -50,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto | float32 | bfloat16 | float16 (default auto: bfloat16 where the CPU has AMX or "
                         "AVX512-BF16, or on CUDA; float32 elsewhere)")
     p.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    p.add_argument("--quantization", "-q", default="auto", choices=list(QUANTIZATIONS),
+                   help="as for generate (default auto: a GGUF file at the precision it stores)")
     p.add_argument("--threads", type=int, default=None,
                    help="PyTorch CPU threads (default: PyTorch's choice; 1 suits a machine shared with "
                         "other work)")
@@ -94,9 +97,9 @@ def run(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     progress = Progress(not args.no_progress)
     model_path = Path(args.model).expanduser() if args.model else default_model_path()
-    target = load_model(model_path, dtype=args.dtype, device=args.device)
-    plan = BenchPlan(model=args.model, dtype=args.dtype, device=args.device, adaptive=False, draft_model=args.draft,
-                     eagle=args.eagle)
+    target = load_model(model_path, dtype=args.dtype, device=args.device, quantization=args.quantization)
+    plan = BenchPlan(model=args.model, dtype=args.dtype, device=args.device, quantization=target.quantization,
+                     adaptive=False, draft_model=args.draft, eagle=args.eagle)
     prompts = load_prompts(args.prompts, target.tokenizer, target.config.vocab_size,
                            per_class=args.per_class, max_prompt_tokens=plan.max_prompt_tokens)
     if not prompts:
@@ -124,7 +127,8 @@ def run(args: argparse.Namespace) -> None:
     facts = machine_facts()
     threads = facts["torch_threads"]
     lines = [f"{model_path.name} on {facts['cpu']} ({facts['cpu_count']} cores, {threads} "
-             f"thread{'s' if threads != 1 else ''}), {args.device}, {str(target.model.dtype).removeprefix('torch.')}: "
+             f"thread{'s' if threads != 1 else ''}), {args.device}, {str(target.model.dtype).removeprefix('torch.')}, "
+             f"weights {target.quantization or 'none'}: "
              f"measured in {time.perf_counter() - started:.0f} s",
              f"regime: {regime_verdict(curve)}"]
     for r in rows:
