@@ -30,6 +30,7 @@ MIN_GAIN = 1.05
 # batch 2-32: ragged rows, per-row work it leaves out). Below this it cannot tell a gain from a loss.
 MIN_GAIN_BATCHED = 1.25
 MAX_PROBE_INTERVAL = 64
+CURVE_VERSION = 2  # cached curves of an older measurement are measured again
 
 
 @dataclass
@@ -118,7 +119,7 @@ def cost_curve_for(model: torch.nn.Module, max_batch_size: int, max_width: int,
     it depends on the weights' shape, dtype, device and thread count, not on their values."""
     batch_sizes = sorted({min(2 ** i, max_batch_size) for i in range(max_batch_size.bit_length() + 1)})
     cfg = model.cfg
-    key = json.dumps([cfg.__dict__, str(model.dtype), str(model.device), torch.get_num_threads(),
+    key = json.dumps([CURVE_VERSION, cfg.__dict__, str(model.dtype), str(model.device), torch.get_num_threads(),
                       torch.__version__, batch_sizes, max_width, type(model.lm_head).__name__], sort_keys=True,
                      default=str)
     root = cache_dir or Path(os.environ.get("SPECULANT_CACHE", Path.home() / ".cache" / "speculant"))

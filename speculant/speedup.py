@@ -57,6 +57,16 @@ def speedup_from(tokens_per_pass: float, k: float, cost_ratio: float, draft_cost
     return tokens / cost
 
 
+def monotone(costs: list[float]) -> list[float]:
+    """A pass over more tokens never costs less than one over fewer: each C(T) becomes the least
+    measured at T or wider. On a shared machine one slowed C(1) would otherwise make every wider pass
+    look cheap and speculation look free (seen: an adaptive run drafting at batch 32 and losing half)."""
+    out = list(costs)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = min(out[i], out[i + 1])
+    return out
+
+
 def fit_alpha(mean_acceptance_length: float, k: float) -> float:
     """The α whose E(α, k) equals a measured mean acceptance length (tokens per drafting pass):
     E is increasing in α, so bisect."""
@@ -150,6 +160,6 @@ def measure_cost_curve(model: Transformer, batch_sizes: list[int], max_width: in
                     times[t - 1].append(elapsed)
                 if tick:
                     tick()
-        curve.seconds[b] = [min(ts) for ts in times]
+        curve.seconds[b] = monotone([min(ts) for ts in times])
         del cache
     return curve

@@ -100,3 +100,11 @@ def test_rare_drafts_stay_on_alone_but_not_in_a_batch():
     for _ in range(30):  # every row finds a draft now
         policy.observe([4] * 32, [4] * 32, draft_s=0.0, batch_size=32)
     assert policy.coverage > 0.95 and policy.choose(32) > 0
+
+
+def test_a_slowed_single_token_pass_does_not_make_wide_passes_look_free():
+    from speculant.speedup import monotone
+
+    # C(1) caught a stall (9.0): without the fix C(5)/C(1) would read 0.2 and speculation look free.
+    measured = [9.0, 1.1, 1.3, 1.2, 1.8]
+    assert monotone(measured) == [1.1, 1.1, 1.2, 1.2, 1.8]

@@ -4,7 +4,7 @@ A verify pass multiplies T = k + 1 rows by every weight, and speculation pays on
 about what one row costs. On CPUs the default fp32 kernel (MKL, y = x Wᵀ) slows sharply from
 T = 4 on, while the same product with the weight stored transposed (y = x W', W' = Wᵀ
 contiguous) stays flatter, and oneDNN's bf16 kernel with a prepacked weight (AMX where the CPU has
-it) is flat up to T = 16 (numbers in docs/benchmarks/). The products are the same; only the
+it) is flat up to T = 16 (README, "Precision and speed"). The products are the same; only the
 weight's memory layout and the kernel differ.
 """
 
