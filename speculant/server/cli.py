@@ -58,7 +58,8 @@ def run(args: argparse.Namespace) -> None:
     app = create_app(engine, names, args.api_key)
     server_name = app.state.server.model_name
     how = f"{engine.proposer.name}, k={engine.k}" if engine.k else "no speculation"
-    log.info("serving %s (%s, batch %d, context %d) on http://%s:%d", server_name, how, engine.max_batch_size,
-             engine.max_model_len, args.host, args.port)
+    precision = f"{str(engine.model.dtype).removeprefix('torch.')}, weights {engine.target.quantization or 'none'}"
+    log.info("serving %s (%s, %s, batch %d, context %d) on http://%s:%d", server_name, precision, how,
+             engine.max_batch_size, engine.max_model_len, args.host, args.port)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info")
     Server(config, args.shutdown_timeout).run()
