@@ -317,9 +317,9 @@ class Engine:
         for seq in [s for s in self.running if s.finished]:
             self.running.remove(seq)
             self.free_slots.append(seq.slot)
-            self.free_slots.sort()
             if self.proposer is not None:
                 self.proposer.remove(seq)
+        self.free_slots.sort()
 
     def _maybe_log(self) -> None:
         now = time.perf_counter()

@@ -62,10 +62,11 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
 
 
-def packable(linear: nn.Module) -> bool:
-    w = getattr(linear, "weight", None)
-    return (type(linear) is nn.Linear and w.device.type == "cpu"
-            and (w.dtype == torch.float32 or _onednn_usable(w.dtype)))
+def packable(module: nn.Module) -> bool:
+    if type(module) is not nn.Linear:
+        return False
+    w = module.weight
+    return w.device.type == "cpu" and (w.dtype == torch.float32 or _onednn_usable(w.dtype))
 
 
 def pack_linears(model: nn.Module) -> nn.Module:

@@ -171,16 +171,16 @@ def prepare_pass(cache: KVCache, slots: torch.Tensor, T: int, n_new: torch.Tenso
     cache.check_capacity(int(positions[:, -1].max()) + 1)
     span = int(end.max())
     cos, sin = rope(inv_freq, positions, dtype)
-    every_key_visible = len(slots) == 1 and T == 1 and (window is None or span <= window)
-    mask = None if every_key_visible else attention_mask(positions, span, window, dtype)
-    row_spans = None
+    mask = row_spans = None
     if len(slots) == 1 and T > 1 and dtype != torch.float32 and window is None:
         # In bf16/fp16 the CPU attention kernel's sums depend on the key count, and one rounding step
         # makes that visible: a verify pass then attends row by row exactly as plain decoding does,
         # so that speculative output stays token-identical to plain output (linear kernels are
-        # row-invariant already, models/kernels.py).
+        # row-invariant already, models/kernels.py). Each row sees all its keys: no mask.
         first = int(positions[0, 0])
         row_spans = list(range(first + 1, first + T + 1))
+    elif not (len(slots) == 1 and T == 1 and (window is None or span <= window)):
+        mask = attention_mask(positions, span, window, dtype)
     return Pass(cache.index(slots, positions, span), mask, cos, sin, end, row_spans)
 
 
