@@ -1,6 +1,6 @@
-"""Adaptive speculation: choose k each step from the target's measured cost curve and the
-running acceptance, and switch speculation off where it would lose (large batches, proposers
-that keep missing).
+"""Adaptive speculation: choose how many drafts each step verifies from the target's measured cost
+curve and the running acceptance, and switch speculation off where it would lose (large batches,
+drafts that keep missing).
 
 The choice maximises DESIGN.md §3's predicted speed-up
     S(k) = E(k) / (C_B(k+1)/C_B(1) + k · c_draft/C_B(1)),
@@ -10,6 +10,15 @@ accepted: E(k) = 1 + Σ_i Π_{j≤i} a_j, over a memory of about 20 steps. An n-
 are either wrong at once or right for a long copied run; a quickly-moving single α switched it off
 after a few misses and then missed the copy runs (measured, bf16 batch 1: drafting on 17% of steps,
 1.14× where fixed k = 4 made 1.44×).
+
+Acceptance is kept per bucket, a proposer's own hint of how good a row's drafts are: for n-gram
+lookup, the length of the suffix that matched. Measured on the bundled prompts (SmolLM2, greedy,
+up to 4 drafts): a 1-token match gets its first draft accepted 16–26% of the time, a 4-token match
+88–90% (3.1 of 4 drafts kept), whatever the prompt class. One acceptance for all switched lookup off
+after a run of short matches and lost the long ones (0.93× on rewrites, where fixed k made 1.28×).
+
+Two ways in: a proposer whose drafts cost a model pass is asked for `choose()` drafts; one whose
+drafts cost nothing (lookup) proposes all it can and `plan()` says how many of them to verify.
 """
 
 from __future__ import annotations
@@ -30,7 +39,17 @@ MIN_GAIN = 1.05
 # batch 2-32: ragged rows, per-row work it leaves out). Below this it cannot tell a gain from a loss.
 MIN_GAIN_BATCHED = 1.25
 MAX_PROBE_INTERVAL = 64
+PROBE_WIDTH = 2
 CURVE_VERSION = 2  # cached curves of an older measurement are measured again
+
+
+@dataclass
+class Bucket:
+    """What was seen of one bucket's drafts, decayed, and when it was last verified."""
+    reached: list[float]  # per position: drafts whose predecessors were kept
+    kept: list[float]  # per position: of those, accepted
+    probe_interval: int
+    idle_steps: int = 0
 
 
 @dataclass
@@ -39,27 +58,24 @@ class AdaptiveK:
     k_max: int
     alpha: float = 0.6  # prior acceptance of the first draft, until drafts are seen
     draft_ratio: float = 0.0  # c_draft / C(1), per drafted position, tracked online
-    coverage: float = 1.0  # share of rows asked for drafts that got some (n-gram lookup finds no match)
-    memory: float = 0.95  # weight kept by past observations at each new step (~20 steps)
-    prior_weight: float = 2.0  # the prior counts as this many drafts at each position
+    memory: float = 0.95  # weight kept by past observations at each step that verifies a bucket (~20)
+    prior_weight: float = 1.0  # the prior counts as this many drafts at each position
     smoothing: float = 0.15
-    probe_every: int = 16  # while off, draft after n idle steps to keep the acceptance current
-    reached: list[float] = field(default_factory=list)  # per position: drafts whose predecessors were kept
-    kept: list[float] = field(default_factory=list)  # per position: of those, accepted
-    _idle_steps: int = 0
-    _probe_interval: int = 0
+    probe_every: int = 16  # while a bucket is off, verify its drafts after n idle steps to keep it current
+    buckets: dict[int, Bucket] = field(default_factory=dict)
 
-    def __post_init__(self):
-        self._probe_interval = self.probe_every
-        self.reached = self.reached or [0.0] * self.k_max
-        self.kept = self.kept or [0.0] * self.k_max
+    def bucket(self, key: int) -> Bucket:
+        if key not in self.buckets:
+            self.buckets[key] = Bucket([0.0] * self.k_max, [0.0] * self.k_max, self.probe_every)
+        return self.buckets[key]
 
-    def acceptance(self) -> list[float]:
-        """a_i: P(draft i accepted | drafts 1..i-1 accepted), what was seen blended with a prior: α for
-        the first position, the previous position's estimate for the others (a position never
-        reached stays as good as the one before it, no better)."""
+    def acceptance(self, key: int = 0) -> list[float]:
+        """a_i: P(draft i accepted | drafts 1..i-1 accepted) in a bucket, what was seen blended with a
+        prior: α for the first position, the previous position's estimate for the others (a position
+        never reached stays as good as the one before it, no better)."""
+        b = self.bucket(key)
         out, prior = [], self.alpha
-        for reached, kept in zip(self.reached, self.kept):
+        for reached, kept in zip(b.reached, b.kept):
             prior = (kept + self.prior_weight * prior) / (reached + self.prior_weight)
             out.append(prior)
         return out
@@ -73,44 +89,70 @@ class AdaptiveK:
         return total
 
     def choose(self, batch_size: int) -> int:
-        k, _ = self.best(batch_size)
-        if k:
-            self._idle_steps, self._probe_interval = 0, self.probe_every
-            return k
-        self._idle_steps += 1
-        if self._idle_steps >= self._probe_interval and self.best(batch_size, [1.0] * self.k_max)[0]:
-            # Speculation could pay if acceptance rose: measure it. A probe that does not turn it back
-            # on doubles the wait, so a batch where it loses pays next to nothing for probing.
-            self._idle_steps = 0
-            self._probe_interval = min(2 * self._probe_interval, MAX_PROBE_INTERVAL)
-            return min(2, self.k_max)
-        return 0
+        """How many drafts to ask of a proposer whose drafts cost a pass of its own."""
+        return max(self.plan([0] * batch_size, [self.k_max] * batch_size, self.draft_ratio))
 
-    def best(self, batch_size: int, acceptance: list[float] | None = None) -> tuple[int, float]:
-        """The k with the best predicted speed-up at this batch size (0 when none gains MIN_GAIN). A
-        row without a draft yields one token; the pass is widened as soon as any row drafts."""
-        acceptance = self.acceptance() if acceptance is None else acceptance
-        widened = 1 - (1 - self.coverage) ** batch_size
-        scored = [(speedup_from(self.expected_tokens(k, acceptance), k, self.curve.ratio(batch_size, k + 1),
-                                self.draft_ratio, self.coverage, widened), k)
-                  for k in range(1, self.k_max + 1)]
+    def plan(self, buckets: list[int], available: list[int], draft_ratio: float = 0.0) -> list[int]:
+        """How many of its `available` drafts each row sends to the verify pass. The pass is as wide as
+        its widest row, and every row fills it up to that width: a widened pass costs the same
+        whatever fills it."""
+        width, _ = self.best(buckets, available, draft_ratio)
+        drafting = {key for key, n in zip(buckets, available) if n}
+        if width:
+            for key in drafting:
+                self.bucket(key).idle_steps, self.bucket(key).probe_interval = 0, self.probe_every
+        else:
+            width = self._probe(buckets, available, draft_ratio, drafting)
+        return [min(width, n) for n in available]
+
+    def _probe(self, buckets: list[int], available: list[int], draft_ratio: float, drafting: set[int]) -> int:
+        """While a bucket is off, its acceptance is not seen: verify its drafts now and then, if it could
+        pay at all. A probe that does not turn it back on doubles its wait, so a batch where
+        speculation loses pays next to nothing for probing."""
+        due = []
+        for key in drafting:
+            b = self.bucket(key)
+            b.idle_steps += 1
+            if b.idle_steps >= b.probe_interval:
+                due.append(key)
+        if not due or not self.best(buckets, available, draft_ratio, optimistic=True)[0]:
+            return 0
+        for key in due:
+            b = self.bucket(key)
+            b.idle_steps, b.probe_interval = 0, min(2 * b.probe_interval, MAX_PROBE_INTERVAL)
+        return min(PROBE_WIDTH, self.k_max)
+
+    def best(self, buckets: list[int], available: list[int], draft_ratio: float = 0.0,
+             optimistic: bool = False) -> tuple[int, float]:
+        """The pass width (drafts per row) with the best predicted speed-up for a batch whose row b
+        has available[b] drafts from bucket buckets[b]; 0 when none gains MIN_GAIN. A row without a
+        draft yields one token but pays for the widened pass all the same."""
+        acceptance = {key: [1.0] * self.k_max if optimistic else self.acceptance(key) for key in set(buckets)}
+        batch = len(buckets)
+        scored = [(0.0, 0)]
+        for k in range(1, min(max(available, default=0), self.k_max) + 1):
+            drafts = [min(k, n) for n in available]
+            tokens = sum(self.expected_tokens(n, acceptance[key]) for key, n in zip(buckets, drafts)) / batch
+            scored.append((speedup_from(tokens, sum(drafts) / batch, self.curve.ratio(batch, k + 1), draft_ratio), k))
         gain, k = max(scored)
-        return (k, gain) if gain >= (MIN_GAIN if batch_size == 1 else MIN_GAIN_BATCHED) else (0, 1.0)
+        return (k, gain) if gain >= (MIN_GAIN if batch == 1 else MIN_GAIN_BATCHED) else (0, 1.0)
 
-    def observe(self, n_draft: list[int], n_accepted: list[int], draft_s: float, batch_size: int) -> None:
-        """After a step that asked every row for drafts: each row's drafted and accepted counts."""
-        covered = sum(n > 0 for n in n_draft) / len(n_draft)
-        self.coverage += self.smoothing * (covered - self.coverage)
-        if not any(n_draft):
-            return
-        self.reached = [r * self.memory for r in self.reached]
-        self.kept = [c * self.memory for c in self.kept]
-        for drafted, accepted in zip(n_draft, n_accepted):
+    def observe(self, buckets: list[int], n_draft: list[int], n_accepted: list[int], draft_s: float,
+                batch_size: int) -> None:
+        """After a verify pass: each row's bucket, verified drafts and accepted count; the time spent
+        drafting."""
+        for key in {key for key, n in zip(buckets, n_draft) if n}:
+            b = self.bucket(key)
+            b.reached = [r * self.memory for r in b.reached]
+            b.kept = [c * self.memory for c in b.kept]
+        for key, drafted, accepted in zip(buckets, n_draft, n_accepted):
+            b = self.bucket(key)
             for i in range(min(drafted, accepted + 1, self.k_max)):
-                self.reached[i] += 1
-                self.kept[i] += i < accepted
-        ratio = draft_s / max(n_draft) / self.curve.cost(batch_size, 1)
-        self.draft_ratio += self.smoothing * (ratio - self.draft_ratio)
+                b.reached[i] += 1
+                b.kept[i] += i < accepted
+        if any(n_draft):
+            ratio = draft_s / max(n_draft) / self.curve.cost(batch_size, 1)
+            self.draft_ratio += self.smoothing * (ratio - self.draft_ratio)
 
 
 def cost_curve_for(model: torch.nn.Module, max_batch_size: int, max_width: int,

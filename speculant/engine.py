@@ -156,20 +156,15 @@ class Engine:
             return []
         t0 = time.perf_counter()
         sb = SamplingBatch.build([s.params for s in batch], [s.generator for s in batch], self.device)
-        k = self.adaptive.choose(len(batch)) if self.adaptive and self.k else self.k
-        ks = [self._k_for(s, k) for s in batch]
-        if any(ks):
-            proposal = self.proposer.propose(batch, ks, sb)
-        else:
-            proposal = Proposal.from_lists([[] for _ in batch], self.device)
+        proposal = self.propose(batch, sb)
         t1 = time.perf_counter()
         p, hidden, logits = self.score(batch, proposal, sb)
         t2 = time.perf_counter()
         n_accepted, next_tokens = verify(proposal.tokens, proposal.n_draft, p, proposal.q, sb.generators)
         n_accepted = n_accepted.tolist()
-        if self.adaptive and any(ks):
-            n_draft = proposal.n_draft.tolist()
-            self.adaptive.observe(n_draft, n_accepted, t1 - t0, len(batch))
+        if self.adaptive and proposal.tokens.shape[1]:
+            self.adaptive.observe(proposal.bucket_list(), proposal.n_draft.tolist(), n_accepted, t1 - t0,
+                                  len(batch))
         start = [s.num_cached for s in batch]
         n_valid = [len(s.tokens) - s.num_cached + n for s, n in zip(batch, n_accepted)]
         outputs = self.commit(batch, proposal, n_accepted, next_tokens.tolist(), logits)
@@ -184,6 +179,18 @@ class Engine:
         self.timing.tokens += sum(len(o.new_token_ids) for o in outputs)
         self._maybe_log()
         return outputs
+
+    def propose(self, batch: list[Sequence], sb: SamplingBatch) -> Proposal:
+        """Each row's drafts for this step: as many as adaptive k plans (all of them without it)."""
+        free = self.proposer is not None and self.proposer.free_drafts
+        k = self.adaptive.choose(len(batch)) if self.adaptive and self.k and not free else self.k
+        ks = [self._k_for(s, k) for s in batch]
+        if not any(ks):
+            return Proposal.from_lists([[] for _ in batch], self.device)
+        proposal = self.proposer.propose(batch, ks, sb)
+        if self.adaptive and free:
+            proposal = proposal.trimmed(self.adaptive.plan(proposal.bucket_list(), proposal.n_draft.tolist()))
+        return proposal
 
     def score(self, batch: list[Sequence], proposal: Proposal,
               sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

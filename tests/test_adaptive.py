@@ -28,7 +28,7 @@ def curve(flat_until_batch: int) -> CostCurve:
 def test_memory_bound_high_acceptance_drafts_long():
     policy = AdaptiveK(curve(4), k_max=8, alpha=0.9)
     assert policy.choose(1) == 8
-    assert policy.best(1)[1] == pytest.approx((1 - 0.9 ** 9) / 0.1 / 1.1, rel=1e-6)
+    assert policy.best([0], [8])[1] == pytest.approx((1 - 0.9 ** 9) / 0.1 / 1.1, rel=1e-6)
 
 
 def test_compute_bound_batch_switches_speculation_off():
@@ -40,7 +40,7 @@ def test_low_acceptance_shortens_or_stops_drafting():
     policy = AdaptiveK(curve(32), k_max=8, alpha=0.9)
     long_k = policy.choose(1)
     for _ in range(40):  # every draft rejected
-        policy.observe([4], [0], draft_s=0.0, batch_size=1)
+        policy.observe([0], [4], [0], draft_s=0.0, batch_size=1)
     assert policy.acceptance()[0] < 0.1
     assert policy.choose(1) < long_k
 
@@ -50,7 +50,7 @@ def test_copy_runs_keep_long_drafts_despite_frequent_misses():
     acceptance sees a_1 = 0.5 and a_2.. near 1, so k stays long."""
     policy = AdaptiveK(curve(32), k_max=8, alpha=0.5)
     for _ in range(40):
-        policy.observe([8, 8], [0, 8], draft_s=0.0, batch_size=1)
+        policy.observe([0, 0], [8, 8], [0, 8], draft_s=0.0, batch_size=1)
     a = policy.acceptance()
     assert a[0] == pytest.approx(0.5, abs=0.02) and min(a[1:]) > 0.9
     assert policy.choose(1) == 8
@@ -68,10 +68,10 @@ def test_off_policy_probes_less_and_less_while_probes_fail():
     chosen = [policy.choose(1) for _ in range(4 + 8 + 16)]
     assert [i for i, k in enumerate(chosen) if k] == [3, 11, 27] and set(chosen) == {0, 2}
     for _ in range(20):  # a probe found acceptance high: speculation is back on, the wait resets
-        policy.observe([2], [2], draft_s=0.0, batch_size=1)
+        policy.observe([0], [2], [2], draft_s=0.0, batch_size=1)
     assert policy.choose(1) > 0
     for _ in range(60):
-        policy.observe([2], [0], draft_s=0.0, batch_size=1)
+        policy.observe([0], [2], [0], draft_s=0.0, batch_size=1)
     assert [policy.choose(1) for _ in range(4)] == [0, 0, 0, 2]
 
 
@@ -91,15 +91,27 @@ def test_adaptive_engine_stays_greedy_identical(tiny_pair, tmp_path):
 
 
 def test_rare_drafts_stay_on_alone_but_not_in_a_batch():
-    """A lookup that finds a draft for 20% of rows: alone, a step without a draft is a plain step;
-    in a batch of 32 some row always drafts and widens every pass for all."""
+    """A lookup that finds drafts for 6 rows of 32: alone, a row with a draft verifies it; in the batch
+    the 26 others would pay for the widened pass and yield one token each."""
     rows = {b: [1.0 + 0.2 * (t - 1) for t in range(1, 10)] for b in (1, 32)}
-    policy = AdaptiveK(CostCurve(context=128, seconds=rows), k_max=4, alpha=0.9, coverage=0.2)
-    assert policy.choose(1) > 0
-    assert policy.choose(32) == 0
-    for _ in range(30):  # every row finds a draft now
-        policy.observe([4] * 32, [4] * 32, draft_s=0.0, batch_size=32)
-    assert policy.coverage > 0.95 and policy.choose(32) > 0
+    policy = AdaptiveK(CostCurve(context=128, seconds=rows), k_max=4, alpha=0.9)
+    assert policy.plan([0], [4]) == [4]
+    assert policy.plan([0] * 32, [4] * 6 + [0] * 26) == [0] * 32
+    assert policy.plan([0] * 32, [4] * 32) == [4] * 32
+    # One row with a long draft widens the pass: the others fill it with what they have.
+    wide, short = policy.plan([0, 0], [4, 1])
+    assert wide >= 2 and short == 1
+
+
+def test_acceptance_is_kept_per_bucket():
+    """n-gram lookup: drafts after a 1-token match keep missing, after a 4-token match they are copied
+    runs; the misses of the first must not switch off the second (bucket = match length)."""
+    policy = AdaptiveK(curve(32), k_max=4)
+    for _ in range(40):
+        policy.observe([1, 4], [4, 4], [0, 4], draft_s=0.0, batch_size=1)
+    assert policy.acceptance(1)[0] < 0.1 and policy.acceptance(4)[0] > 0.9
+    assert policy.plan([1], [4]) == [0]
+    assert policy.plan([4], [4]) == [4]
 
 
 def test_a_slowed_single_token_pass_does_not_make_wide_passes_look_free():

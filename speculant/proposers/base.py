@@ -27,10 +27,22 @@ class Proposal:
     tokens: torch.Tensor  # [B, k] draft tokens, padded with 0 past n_draft
     n_draft: torch.Tensor  # [B] how many of row b's tokens are real (0..k)
     q: torch.Tensor | None  # [B, k, V] the distribution each token was drawn from; None: deterministic
+    # Row b's drafts are judged by the acceptance seen in its bucket (adaptive.py); n-gram lookup: the
+    # length of the suffix that matched. None: one bucket for all.
+    buckets: list[int] | None = None
 
     @classmethod
-    def from_lists(cls, drafts: list[list[int]], device: torch.device) -> Proposal:
-        return cls(*pad_rows(drafts, device), None)
+    def from_lists(cls, drafts: list[list[int]], device: torch.device, buckets: list[int] | None = None) -> Proposal:
+        return cls(*pad_rows(drafts, device), None, buckets)
+
+    def bucket_list(self) -> list[int]:
+        return self.buckets if self.buckets is not None else [0] * len(self.n_draft)
+
+    def trimmed(self, keep: list[int]) -> Proposal:
+        """The same drafts, row b's first keep[b] only."""
+        width = max(keep, default=0)
+        q = None if self.q is None else self.q[:, :width]
+        return Proposal(self.tokens[:, :width], torch.tensor(keep, device=self.n_draft.device), q, self.buckets)
 
 
 @dataclass
@@ -47,6 +59,9 @@ class Proposer:
     """Stateless by default; a proposer with a model keeps per-sequence state (a KV cache row)."""
 
     name = "none"
+    # Drafts that cost no model pass (lookup): the engine asks for all it can get and verifies what
+    # adaptive k plans; costly ones are asked for the planned number only.
+    free_drafts = False
 
     def add(self, seq: Sequence) -> None:
         """A sequence joins the running batch."""

@@ -10,9 +10,9 @@ from speculant.sampling import SamplingBatch
 from speculant.sequence import Sequence
 
 
-def lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
+def lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> tuple[list[int], int]:
     """The k tokens that followed the latest earlier match of the longest suffix of length
-    n_max down to n_min; [] when none matches."""
+    n_max down to n_min, and that length; ([], 0) when none matches."""
     L = len(tokens)
     for n in range(min(n_max, L - 1), n_min - 1, -1):
         suffix = tokens[L - n:]
@@ -20,17 +20,18 @@ def lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if len(hits):
             start = hits[-1] + n
-            return tokens[start:start + k].tolist()
-    return []
+            return tokens[start:start + k].tolist(), n
+    return [], 0
 
 
 class NgramProposer(Proposer):
     name = "ngram"
+    free_drafts = True
 
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int):
         self.n_min, self.n_max = prompt_lookup_min, prompt_lookup_max
 
     def propose(self, seqs: list[Sequence], ks: list[int], sb: SamplingBatch) -> Proposal:
-        drafts = [lookup(np.asarray(s.tokens), k, self.n_min, self.n_max) if k else []
-                  for s, k in zip(seqs, ks)]
-        return Proposal.from_lists(drafts, sb.temperature.device)
+        found = [lookup(np.asarray(s.tokens), k, self.n_min, self.n_max) if k else ([], 0)
+                 for s, k in zip(seqs, ks)]
+        return Proposal.from_lists([d for d, _ in found], sb.temperature.device, [n for _, n in found])
