@@ -106,16 +106,16 @@ class AdaptiveK:
         return [min(width, n) for n in available]
 
     def _probe(self, buckets: list[int], available: list[int], draft_ratio: float, drafting: set[int]) -> int:
-        """While a bucket is off, its acceptance is not seen: verify its drafts now and then, if it could
-        pay at all. A probe that does not turn it back on doubles its wait, so a batch where
-        speculation loses pays next to nothing for probing."""
+        """While a bucket is off, its acceptance is not seen: verify its drafts now and then, if this
+        step would pay were all of them accepted (in a large batch, a few rows' drafts never pay: a
+        probe there only costs). A probe that does not turn it back on doubles its wait."""
         due = []
         for key in drafting:
             b = self.bucket(key)
             b.idle_steps += 1
-            if b.idle_steps >= b.probe_interval:
+            if b.idle_steps >= b.probe_interval and self.best(buckets, available, draft_ratio, optimistic={key})[0]:
                 due.append(key)
-        if not due or not self.best(buckets, available, draft_ratio, optimistic=True)[0]:
+        if not due:
             return 0
         for key in due:
             b = self.bucket(key)
@@ -123,11 +123,12 @@ class AdaptiveK:
         return min(PROBE_WIDTH, self.k_max)
 
     def best(self, buckets: list[int], available: list[int], draft_ratio: float = 0.0,
-             optimistic: bool = False) -> tuple[int, float]:
+             optimistic: set[int] = frozenset()) -> tuple[int, float]:
         """The pass width (drafts per row) with the best predicted speed-up for a batch whose row b
         has available[b] drafts from bucket buckets[b]; 0 when none gains MIN_GAIN. A row without a
-        draft yields one token but pays for the widened pass all the same."""
-        acceptance = {key: [1.0] * self.k_max if optimistic else self.acceptance(key) for key in set(buckets)}
+        draft yields one token but pays for the widened pass all the same. Drafts of the `optimistic`
+        buckets count as all accepted."""
+        acceptance = {key: [1.0] * self.k_max if key in optimistic else self.acceptance(key) for key in set(buckets)}
         batch = len(buckets)
         scored = [(0.0, 0)]
         for k in range(1, min(max(available, default=0), self.k_max) + 1):
