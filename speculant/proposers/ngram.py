@@ -12,16 +12,26 @@ from speculant.sequence import Sequence
 
 def lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> tuple[list[int], int]:
     """The k tokens that followed the latest earlier match of the longest suffix of length
-    n_max down to n_min, and that length; ([], 0) when none matches."""
+    n_max down to n_min, and that length; ([], 0) when none matches.
+
+    Every earlier occurrence of the last token is a candidate match end; each longer suffix keeps
+    the candidates whose preceding token matches too. One pass over the sequence, then work on the
+    few candidates only (comparing every window for every n cost ~240 µs a row at 250 tokens: 5% of
+    a batch-8 step)."""
     L = len(tokens)
-    for n in range(min(n_max, L - 1), n_min - 1, -1):
-        suffix = tokens[L - n:]
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:L - 1], n)  # starts 0..L-1-n
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if len(hits):
-            start = hits[-1] + n
-            return tokens[start:start + k].tolist(), n
-    return [], 0
+    ends = np.flatnonzero(tokens[:L - 1] == tokens[L - 1])  # candidate match ends e: tokens[e] = last
+    found, n = -1, 0
+    for m in range(1, min(n_max, L - 1) + 1):
+        if m > 1:
+            ends = ends[ends >= m - 1]
+            ends = ends[tokens[ends - (m - 1)] == tokens[L - m]]
+        if not len(ends):
+            break
+        if m >= n_min:
+            found, n = int(ends[-1]), m
+    if n == 0:
+        return [], 0
+    return tokens[found + 1:found + 1 + k].tolist(), n
 
 
 class NgramProposer(Proposer):
