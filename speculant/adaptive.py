@@ -81,12 +81,7 @@ class AdaptiveK:
         return out
 
     def expected_tokens(self, k: int, acceptance: list[float] | None = None) -> float:
-        acceptance = self.acceptance() if acceptance is None else acceptance
-        total, run = 1.0, 1.0
-        for a in acceptance[:k]:
-            run *= a
-            total += run
-        return total
+        return expected_tokens_upto(self.acceptance() if acceptance is None else acceptance)[k]
 
     def choose(self, batch_size: int) -> int:
         """How many drafts to ask of a proposer whose drafts cost a pass of its own."""
@@ -128,12 +123,13 @@ class AdaptiveK:
         has available[b] drafts from bucket buckets[b]; 0 when none gains MIN_GAIN. A row without a
         draft yields one token but pays for the widened pass all the same. Drafts of the `optimistic`
         buckets count as all accepted."""
-        acceptance = {key: [1.0] * self.k_max if key in optimistic else self.acceptance(key) for key in set(buckets)}
+        expected = {key: expected_tokens_upto([1.0] * self.k_max if key in optimistic else self.acceptance(key))
+                    for key in set(buckets)}
         batch = len(buckets)
         scored = [(0.0, 0)]
         for k in range(1, min(max(available, default=0), self.k_max) + 1):
             drafts = [min(k, n) for n in available]
-            tokens = sum(self.expected_tokens(n, acceptance[key]) for key, n in zip(buckets, drafts)) / batch
+            tokens = sum(expected[key][n] for key, n in zip(buckets, drafts)) / batch
             scored.append((speedup_from(tokens, sum(drafts) / batch, self.curve.ratio(batch, k + 1), draft_ratio), k))
         gain, k = max(scored)
         return (k, gain) if gain >= (MIN_GAIN if batch == 1 else MIN_GAIN_BATCHED) else (0, 1.0)
@@ -154,6 +150,15 @@ class AdaptiveK:
         if any(n_draft):
             ratio = draft_s / max(n_draft) / self.curve.cost(batch_size, 1)
             self.draft_ratio += self.smoothing * (ratio - self.draft_ratio)
+
+
+def expected_tokens_upto(acceptance: list[float]) -> list[float]:
+    """E(k) for k = 0 … len(acceptance): the tokens a pass yields with k drafts, 1 + Σ_i Π_{j≤i} a_j."""
+    out, run = [1.0], 1.0
+    for a in acceptance:
+        run *= a
+        out.append(out[-1] + run)
+    return out
 
 
 def cost_curve_for(model: torch.nn.Module, max_batch_size: int, max_width: int,

@@ -91,6 +91,7 @@ class CostCurve:
 
     context: int
     seconds: dict[int, list[float]] = field(default_factory=dict)  # B → [C(1), C(2), …]
+    _nearest: dict[int, int] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -102,8 +103,9 @@ class CostCurve:
 
     def _row(self, batch_size: int) -> list[float]:
         """The curve measured at the nearest batch size (geometrically) to the one asked."""
-        nearest = min(self.seconds, key=lambda b: abs(math.log2(b) - math.log2(batch_size)))
-        return self.seconds[nearest]
+        if batch_size not in self._nearest:  # adaptive k asks every step
+            self._nearest[batch_size] = min(self.seconds, key=lambda b: abs(math.log2(b) - math.log2(batch_size)))
+        return self.seconds[self._nearest[batch_size]]
 
     def cost(self, batch_size: int, width: float) -> float:
         """C_B(T) in seconds, linear between measured widths, extrapolated by the last slope."""
