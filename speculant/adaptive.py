@@ -80,9 +80,6 @@ class AdaptiveK:
             out.append(prior)
         return out
 
-    def expected_tokens(self, k: int, acceptance: list[float] | None = None) -> float:
-        return expected_tokens_upto(self.acceptance() if acceptance is None else acceptance)[k]
-
     def choose(self, batch_size: int) -> int:
         """How many drafts to ask of a proposer whose drafts cost a pass of its own."""
         return max(self.plan([0] * batch_size, [self.k_max] * batch_size, self.draft_ratio))
@@ -95,7 +92,8 @@ class AdaptiveK:
         drafting = {key for key, n in zip(buckets, available) if n}
         if width:
             for key in drafting:
-                self.bucket(key).idle_steps, self.bucket(key).probe_interval = 0, self.probe_every
+                b = self.bucket(key)
+                b.idle_steps, b.probe_interval = 0, self.probe_every
         else:
             width = self._probe(buckets, available, draft_ratio, drafting)
         return [min(width, n) for n in available]
