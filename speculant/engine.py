@@ -23,9 +23,9 @@ from speculant.models.loader import LoadedModel
 from speculant.models.tokenizer import Detokenizer
 from speculant.proposers import Proposal, Proposer, TargetHidden
 from speculant.proposers.base import pad_rows
-from speculant.sampling import SamplingBatch, make_generator, probabilities
+from speculant.sampling import SamplingBatch, make_generator
 from speculant.sequence import Sequence, SpecStats, TokenLogprob
-from speculant.verify import verify
+from speculant.verify import verify_logits
 
 log = logging.getLogger("speculant")
 
@@ -158,9 +158,9 @@ class Engine:
         sb = SamplingBatch.build([s.params for s in batch], [s.generator for s in batch], self.device)
         proposal = self.propose(batch, sb)
         t1 = time.perf_counter()
-        p, hidden, logits = self.score(batch, proposal, sb)
+        hidden, logits = self.score(batch, proposal)
         t2 = time.perf_counter()
-        n_accepted, next_tokens = verify(proposal.tokens, proposal.n_draft, p, proposal.q, sb.generators)
+        n_accepted, next_tokens = verify_logits(proposal.tokens, proposal.n_draft, logits, proposal.q, sb)
         n_accepted = n_accepted.tolist()
         if self.adaptive and proposal.tokens.shape[1]:
             self.adaptive.observe(proposal.bucket_list(), proposal.n_draft.tolist(), n_accepted, t1 - t0,
@@ -192,10 +192,9 @@ class Engine:
             proposal = proposal.trimmed(self.adaptive.plan(proposal.bucket_list(), proposal.n_draft.tolist()))
         return proposal
 
-    def score(self, batch: list[Sequence], proposal: Proposal,
-              sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One target pass over each row's unseen tokens plus its drafts → (p [B, k+1, V], the
-        final hidden states of every fed token [B, T, D], the raw logits [B, k+1, V])."""
+    def score(self, batch: list[Sequence], proposal: Proposal) -> tuple[torch.Tensor, torch.Tensor]:
+        """One target pass over each row's unseen tokens plus its drafts → (the final hidden states
+        of every fed token [B, T, D], the logits at each draft position and after the last [B, k+1, V])."""
         n_draft = proposal.n_draft.tolist()
         drafts = proposal.tokens.tolist()
         rows = [s.tokens[s.num_cached:] + d[:n] for s, d, n in zip(batch, drafts, n_draft)]
@@ -207,8 +206,7 @@ class Engine:
         first = n_new - proposal.n_draft - 1
         at = (first[:, None] + torch.arange(k + 1, device=self.device)).minimum(n_new[:, None] - 1)
         scored = hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, k+1, D]
-        logits = self.model.logits(scored)
-        return probabilities(logits, sb), hidden, logits
+        return hidden, self.model.logits(scored)
 
     def commit(self, batch: list[Sequence], proposal: Proposal, n_accepted: list[int],
                next_tokens: list[int], logits: torch.Tensor) -> list[StepOutput]:

@@ -68,7 +68,25 @@ def probabilities(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 
 def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
     out = torch.zeros_like(logits)
-    return out.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return out.scatter_(-1, argmax(logits)[..., None], 1.0)
+
+
+ARGMAX_CHUNK = 128
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] → the index of each row's first maximum [...], as torch.argmax gives it.
+
+    On CPU torch.argmax reads a vocabulary-wide row at ~1 GB/s (2.9 ms for 8 × 9 rows of 49152)
+    while amax is vectorized: take each 128-wide chunk's maximum, the first chunk holding the row's
+    maximum, then the first maximum inside it (0.45 ms, measured)."""
+    V = logits.shape[-1]
+    if V % ARGMAX_CHUNK:
+        return logits.argmax(dim=-1)
+    chunks = logits.unflatten(-1, (V // ARGMAX_CHUNK, ARGMAX_CHUNK))  # [..., V/128, 128]
+    best = chunks.amax(dim=-1).argmax(dim=-1, keepdim=True)  # [..., 1]
+    inside = chunks.gather(-2, best[..., None].expand(*best.shape, ARGMAX_CHUNK)).squeeze(-2)
+    return best.squeeze(-1) * ARGMAX_CHUNK + inside.argmax(dim=-1)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -90,7 +108,7 @@ def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> tor
     argmax(p / E) with E ~ Exp(1) is an exact draw from p (zero-probability tokens never win),
     and it takes each row's own generator, so a seeded request reproduces whatever its batch.
     """
-    tokens = probs.argmax(dim=-1)
+    tokens = argmax(probs)
     for row, gen in enumerate(generators):
         if gen is not None:
             noise = torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=gen)

@@ -5,14 +5,33 @@ transforms): accept with probability min(1, p_j(d_j) / q_j(d_j)); at the first r
 from normalize(max(0, p_j - q_j)); when all drafts pass, draw a bonus token from p_{k+1}.
 A deterministic proposer (q = None) is the one-hot case: accept with probability p_j(d_j),
 on rejection draw from p_j without d_j. Greedy rows arrive here as one-hot p and draw no
-randomness, which makes the rule plain greedy verification.
+randomness, which makes the rule plain greedy verification; `verify_greedy` is that case computed
+from the target's argmax alone, without building [B, k+1, V] one-hot distributions.
 """
 
 from __future__ import annotations
 
 import torch
 
-from speculant.sampling import sample, uniforms
+from speculant.sampling import SamplingBatch, argmax, probabilities, sample, uniforms
+
+
+def verify_logits(draft: torch.Tensor, n_draft: torch.Tensor, logits: torch.Tensor, q: torch.Tensor | None,
+                  sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify` from the target's logits [B, k+1, V] under the batch's sampling transforms."""
+    if sb.all_greedy:
+        return verify_greedy(draft, n_draft, argmax(logits))
+    return verify(draft, n_draft, probabilities(logits, sb), q, sb.generators)
+
+
+def verify_greedy(draft: torch.Tensor, n_draft: torch.Tensor,
+                  target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify` with one-hot p at target [B, k+1] (the argmax tokens): a draft is accepted while it
+    equals the target's token, and the next token is the target's at the first mismatch."""
+    k = draft.shape[1]
+    real = torch.arange(k, device=draft.device)[None, :] < n_draft[:, None]  # [B, k]
+    n_accepted = ((draft == target[:, :k]) & real).int().cumprod(dim=1).sum(dim=1)  # [B]
+    return n_accepted, target.gather(1, n_accepted[:, None].long()).squeeze(1)
 
 
 def verify(draft: torch.Tensor, n_draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None,

@@ -8,7 +8,8 @@ import torch
 from speculant.config import SamplingParams
 from speculant.engine import Engine
 from speculant.models.loader import load_model
-from speculant.sampling import SamplingBatch, probabilities
+from speculant.sampling import SamplingBatch, argmax, probabilities
+from speculant.verify import verify, verify_greedy
 
 LOGITS = torch.tensor([[[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]]])  # softmax ≈ .63 .23 .09 .03 .01 .00
 
@@ -50,6 +51,32 @@ def test_transforms_renormalize_and_temperature_sharpens():
 
 def test_greedy_is_one_hot_argmax():
     assert probs(temperature=0).tolist() == [1.0, 0, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000])
+def test_argmax_is_the_first_maximum_like_torch(vocab):
+    gen = torch.Generator().manual_seed(0)
+    # Coarse values make ties common, inside a 128-wide chunk and across chunks.
+    logits = torch.randint(0, 40, (6, 9, vocab), generator=gen).float()
+    logits[0, 0, [5, 300, 900]] = 99.0
+    assert torch.equal(argmax(logits), logits.argmax(dim=-1))
+    assert argmax(logits)[0, 0] == 5
+
+
+def test_greedy_verification_is_the_rule_with_one_hot_distributions():
+    """verify_greedy must equal the acceptance rule fed one-hot p: on random drafts (often agreeing
+    with the target, so every accepted length from 0 to n_draft occurs) both give the same result."""
+    gen = torch.Generator().manual_seed(1)
+    B, k, V = 64, 5, 7
+    target = torch.randint(0, V, (B, k + 1), generator=gen)
+    other = torch.randint(0, V, (B, k), generator=gen)
+    draft = torch.where(torch.rand(B, k, generator=gen) < 0.8, target[:, :k], other)
+    n_draft = torch.randint(0, k + 1, (B,), generator=gen)
+    one_hot = torch.nn.functional.one_hot(target, V).float()
+    n_acc, nxt = verify_greedy(draft, n_draft, target)
+    ref_acc, ref_next = verify(draft, n_draft, one_hot, None, [None] * B)
+    assert torch.equal(n_acc, ref_acc) and torch.equal(nxt, ref_next)
+    assert set(n_acc.tolist()) == set(range(k + 1))
 
 
 def test_mixed_rows_get_their_own_transforms():

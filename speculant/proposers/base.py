@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from speculant.sampling import SamplingBatch, probabilities, sample
+from speculant.sampling import SamplingBatch, argmax, probabilities, sample
 
 if TYPE_CHECKING:
     from speculant.sequence import Sequence
@@ -77,9 +77,12 @@ class Proposer:
         """Up to ks[b] draft tokens continuing seqs[b].tokens."""
         raise NotImplementedError
 
-    def draw(self, logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def draw(self, logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """For proposers with a model: logits [B, 1, V] → a token per row [B] and q [B, V], the
-        distribution it was drawn from: the request's transforms applied exactly as to the target's."""
+        distribution it was drawn from: the request's transforms applied exactly as to the target's
+        (None for an all-greedy batch: its drafts are deterministic)."""
+        if sb.all_greedy:
+            return argmax(logits[:, 0]), None
         q = probabilities(logits, sb)[:, 0]
         return sample(q, sb.generators), q
 
