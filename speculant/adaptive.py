@@ -40,7 +40,7 @@ MIN_GAIN = 1.05
 MIN_GAIN_BATCHED = 1.25
 MAX_PROBE_INTERVAL = 64
 PROBE_WIDTH = 2
-CURVE_VERSION = 3  # cached curves of an older measurement are measured again
+CURVE_VERSION = 4  # cached curves of an older measurement or model code are measured again
 
 
 @dataclass
