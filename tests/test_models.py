@@ -120,3 +120,26 @@ def test_int4_keeps_weights_already_on_a_q4_1_grid():
     got = Int4Linear(linear)(x)
     err = ((got - linear(x)).norm() / linear(x).norm()).item()
     assert err < 0.01, err  # bf16 activations and scales; a 4-bit requantization off the grid is ~8%
+
+
+def test_amx_int4_kernel_gives_every_row_the_same_result_whatever_the_row_count():
+    """A verify pass scores k + 1 rows, plain decoding one: the AMX kernel must give a row the same bits
+    in both (and within bf16 rounding of the float product of the Q4_1 weights)."""
+    from speculant.models import amx
+
+    if amx.int4_kernel() is None:
+        pytest.skip("the AMX int4 kernel does not run here (no AMX, or no compiler): PyTorch's kernel is used")
+    gen = torch.Generator().manual_seed(0)
+    N, K = 96, 192
+    q = torch.randint(0, 16, (N, K), generator=gen)
+    d = (torch.rand(N, K // 32, generator=gen) * 0.01 + 0.001).bfloat16().float()
+    m = (-torch.rand(N, K // 32, generator=gen) * 0.05).bfloat16().float()
+    w = (q.view(N, K // 32, 32) * d[..., None] + m[..., None]).view(N, K)
+    x = torch.randn(40, K, generator=gen).bfloat16()
+    weights = amx.layout(q, d, m)
+    y = amx.int4_mm(x, *weights)
+    ref = x.float() @ w.T
+    assert ((y.float() - ref).norm() / ref.norm()).item() < 0.005
+    for rows in range(1, 41):
+        assert torch.equal(amx.int4_mm(x[:rows], *weights), y[:rows]), rows
+    assert torch.equal(amx.int4_mm(x[7:8], *weights), y[7:8])  # and whatever rows come before it

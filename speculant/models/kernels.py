@@ -10,6 +10,7 @@ weight's memory layout and the kernel differ.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -30,11 +31,17 @@ def fast_bfloat16(device: torch.device) -> bool:
         return True
     if device.type != "cpu" or not _onednn_usable(torch.bfloat16):
         return False
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
+    flags = cpu_flags()
     return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo is not there)."""
+    try:
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return frozenset()
 
 
 class PackedLinear(nn.Module):

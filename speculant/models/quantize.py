@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from speculant.errors import SpeculantError
+from speculant.models import amx
 from speculant.models.kernels import packable
 
 QUANTIZATIONS = ("none", "int8", "int4", "auto")
@@ -75,12 +76,21 @@ class Int4Linear(QuantizedLinear):
         low, high = groups.amin(-1), groups.amax(-1)  # [out, in/32]
         step = ((high - low) / 15).clamp_min(1e-12)
         q = torch.round((groups - low[..., None]) / step[..., None]).clamp(0, 15).to(torch.int32).view(out, n_in)
+        self.amx = linear.weight.device.type == "cpu" and amx.usable(out, n_in)
+        if self.amx:
+            packed, scale, minimum = amx.layout(q, step, low)
+            self.register_buffer("weight", packed)
+            self.register_buffer("scale", scale)
+            self.register_buffer("minimum", minimum)
+            return
         self.register_buffer("weight", torch._convert_weight_to_int4pack_for_cpu(q, 1))
         # The kernel reads w = (q − 8)·scale + zero, from a [in/32, out, 2] table.
         table = torch.stack((step, low + 8 * step), -1).transpose(0, 1).contiguous()
         self.register_buffer("scales_and_zeros", table.to(torch.bfloat16))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.amx:
+            return amx.int4_mm(x, self.weight, self.scale, self.minimum)
         return torch._weight_int4pack_mm_for_cpu(x, self.weight, INT4_GROUP, self.scales_and_zeros)
 
 
