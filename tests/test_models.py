@@ -104,6 +104,33 @@ def test_bfloat16_verify_pass_equals_single_steps_bitwise(tmp_path):
         assert torch.equal(single, wide), f"prefix {prefix}: max |Δ| {(single - wide).abs().max():.3g}"
 
 
+def test_bfloat16_batch_rows_equal_single_rows_bitwise(tmp_path):
+    """With the native attention kernel a bf16 row scores the same bits in a ragged batch (other rows,
+    padding, several new tokens) as alone, one token at a time: batched speculation stays exact."""
+    from speculant.models import native
+
+    if not native.attention_usable(64):
+        pytest.skip("the native attention kernel does not run here (no AVX512-BF16, or no compiler)")
+    folder = save_tiny(tmp_path, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+                       intermediate_size=256, init_std=0.05)
+    model = load_model(folder, dtype="bfloat16").model
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 96, (n,), generator=gen) for n in (20, 7, 33, 12)]
+    steps = torch.randint(0, 96, (4, 5), generator=gen)
+    with torch.no_grad():
+        cache, slots = model.new_cache(4, 64), torch.tensor([0, 1, 2, 3])
+        for b, p in enumerate(prompts):
+            model(p[None], cache, slots[b:b + 1])
+        n_new = torch.tensor([5, 2, 4, 1])
+        batched = model.logits(model(steps, cache, slots, n_new))
+        for b, p in enumerate(prompts):
+            alone = model.new_cache(1, 64)
+            model(p[None], alone, torch.tensor([0]))
+            for t in range(int(n_new[b])):
+                single = model.logits(model(steps[b:b + 1, t:t + 1], alone, torch.tensor([0])))
+                assert torch.equal(single[0, 0], batched[b, t]), (b, t)
+
+
 def test_int4_keeps_weights_already_on_a_q4_1_grid():
     """A layer whose weights are w = d·q + m per 32 (what a Q4_1 GGUF file holds) comes back on the
     same grid: only bf16 rounding of the products remains."""
@@ -125,9 +152,9 @@ def test_int4_keeps_weights_already_on_a_q4_1_grid():
 def test_amx_int4_kernel_gives_every_row_the_same_result_whatever_the_row_count():
     """A verify pass scores k + 1 rows, plain decoding one: the AMX kernel must give a row the same bits
     in both (and within bf16 rounding of the float product of the Q4_1 weights)."""
-    from speculant.models import amx
+    from speculant.models import native
 
-    if amx.int4_kernel() is None:
+    if native.int4_kernel() is None:
         pytest.skip("the AMX int4 kernel does not run here (no AMX, or no compiler): PyTorch's kernel is used")
     gen = torch.Generator().manual_seed(0)
     N, K = 96, 192
@@ -136,10 +163,10 @@ def test_amx_int4_kernel_gives_every_row_the_same_result_whatever_the_row_count(
     m = (-torch.rand(N, K // 32, generator=gen) * 0.05).bfloat16().float()
     w = (q.view(N, K // 32, 32) * d[..., None] + m[..., None]).view(N, K)
     x = torch.randn(40, K, generator=gen).bfloat16()
-    weights = amx.layout(q, d, m)
-    y = amx.int4_mm(x, *weights)
+    weights = native.int4_layout(q, d, m)
+    y = native.int4_mm(x, *weights)
     ref = x.float() @ w.T
     assert ((y.float() - ref).norm() / ref.norm()).item() < 0.005
     for rows in range(1, 41):
-        assert torch.equal(amx.int4_mm(x[:rows], *weights), y[:rows]), rows
-    assert torch.equal(amx.int4_mm(x[7:8], *weights), y[7:8])  # and whatever rows come before it
+        assert torch.equal(native.int4_mm(x[:rows], *weights), y[:rows]), rows
+    assert torch.equal(native.int4_mm(x[7:8], *weights), y[7:8])  # and whatever rows come before it

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speculant.errors import SpeculantError
+from speculant.models import native
 from speculant.models.kv_cache import CacheIndex, KVCache
 
 SUPPORTED_ARCHITECTURES = {
@@ -143,6 +144,7 @@ class Pass:
     cos: torch.Tensor  # [B, T, 1, Dh]
     sin: torch.Tensor
     end: torch.Tensor  # [B] the rows' cache lengths after the pass
+    n_keys: torch.Tensor | None = None  # [B, T] keys each row sees, for the native kernel (see prepare_pass)
     row_spans: list[int] | None = None  # attend row by row over these key counts (see prepare_pass)
 
 
@@ -161,6 +163,11 @@ class Rope:
         return self.cos[positions][:, :, None], self.sin[positions][:, :, None]
 
 
+# Passes up to this wide attend with the native kernel (decode and verify); wider ones (prompts) with
+# PyTorch's, whose blocked kernel is faster there.
+NATIVE_ATTENTION_ROWS = 32
+
+
 def prepare_pass(cache: KVCache, slots: torch.Tensor, T: int, n_new: torch.Tensor | None, rope: Rope,
                  inv_freq: torch.Tensor, dtype: torch.dtype, window: int | None = None) -> Pass:
     """Row b's T inputs go at positions cache.lengths[slots[b]] onward; only its first n_new[b]
@@ -172,17 +179,21 @@ def prepare_pass(cache: KVCache, slots: torch.Tensor, T: int, n_new: torch.Tenso
     cache.check_capacity(int(positions[:, -1].max()) + 1)
     span = int(end.max())
     cos, sin = rope(inv_freq, positions, dtype)
-    mask = row_spans = None
-    if len(slots) == 1 and T > 1 and dtype != torch.float32 and window is None:
-        # In bf16/fp16 the CPU attention kernel's sums depend on the key count, and one rounding step
-        # makes that visible: a verify pass then attends row by row exactly as plain decoding does,
-        # so that speculative output stays token-identical to plain output (linear kernels are
-        # row-invariant already, models/kernels.py). Each row sees all its keys: no mask.
+    mask = row_spans = n_keys = None
+    # In bf16/fp16 PyTorch's CPU attention sums in an order that depends on the key count and the call's
+    # other rows, and one rounding step makes that visible: a verify pass or a batch must score each row
+    # exactly as plain decoding does, or speculative output drifts from plain output. The native kernel
+    # attends each row over its own keys alone; without it, batch-1 verify passes attend row by row
+    # (linear kernels are row-invariant already, models/kernels.py).
+    if (dtype == torch.bfloat16 and T <= NATIVE_ATTENTION_ROWS and window is None and slots.device.type == "cpu"
+            and native.attention_usable(2 * len(inv_freq))):
+        n_keys = positions + 1
+    elif len(slots) == 1 and T > 1 and dtype != torch.float32 and window is None:
         first = int(positions[0, 0])
         row_spans = list(range(first + 1, first + T + 1))
     elif not (len(slots) == 1 and T == 1 and (window is None or span <= window)):
         mask = attention_mask(positions, span, window, dtype)
-    return Pass(cache.index(slots, positions, span), mask, cos, sin, end, row_spans)
+    return Pass(cache.index(slots, positions, span), mask, cos, sin, end, n_keys, row_spans)
 
 
 def attention_mask(positions: torch.Tensor, span: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
@@ -221,6 +232,8 @@ def fuse_on_load(module: nn.Module, fused: str, parts: dict[str, int]) -> None:
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, fwd: Pass, gqa: bool) -> torch.Tensor:
     """q [B, Hq, T, Dh], keys/values [B, Hkv, span, Dh] → [B, Hq, T, Dh]."""
+    if fwd.n_keys is not None:
+        return native.attention(q, keys, values, fwd.n_keys)
     if fwd.row_spans is None:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=fwd.mask, enable_gqa=gqa)
     return torch.cat([F.scaled_dot_product_attention(q[:, :, r:r + 1], keys[:, :, :n], values[:, :, :n], enable_gqa=gqa)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from speculant.errors import SpeculantError
-from speculant.models import amx
+from speculant.models import native
 from speculant.models.kernels import packable
 
 QUANTIZATIONS = ("none", "int8", "int4", "auto")
@@ -76,9 +76,9 @@ class Int4Linear(QuantizedLinear):
         low, high = groups.amin(-1), groups.amax(-1)  # [out, in/32]
         step = ((high - low) / 15).clamp_min(1e-12)
         q = torch.round((groups - low[..., None]) / step[..., None]).clamp(0, 15).to(torch.int32).view(out, n_in)
-        self.amx = linear.weight.device.type == "cpu" and amx.usable(out, n_in)
+        self.amx = linear.weight.device.type == "cpu" and native.int4_usable(out, n_in)
         if self.amx:
-            packed, scale, minimum = amx.layout(q, step, low)
+            packed, scale, minimum = native.int4_layout(q, step, low)
             self.register_buffer("weight", packed)
             self.register_buffer("scale", scale)
             self.register_buffer("minimum", minimum)
@@ -90,7 +90,7 @@ class Int4Linear(QuantizedLinear):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.amx:
-            return amx.int4_mm(x, self.weight, self.scale, self.minimum)
+            return native.int4_mm(x, self.weight, self.scale, self.minimum)
         return torch._weight_int4pack_mm_for_cpu(x, self.weight, INT4_GROUP, self.scales_and_zeros)
 
 

@@ -1,0 +1,112 @@
+// Decode-time attention for bf16 on CPU, one query row at a time over exactly the keys it sees.
+//
+// PyTorch's CPU attention sums in an order that depends on the key count and on the other rows of the
+// call, so a verify pass (several rows, a causal mask) or a batch (ragged rows) scored a row differently
+// from plain decoding, and one bf16 rounding made it visible. Here a row's scores, softmax and weighted
+// sum depend on its query, its keys and nothing else: the same bits at batch 1 or 32, alone or in a
+// verify pass.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+
+namespace {
+
+inline uint16_t to_bf16(float f) {  // round to nearest even, as PyTorch does
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  u += 0x7FFF + ((u >> 16) & 1);
+  return u >> 16;
+}
+
+inline __m512 load_bf16(const uint16_t* p) {
+  return _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i*)p));
+}
+
+// e^x for x ≤ 0 (scores minus their maximum): 2^n · p(r), r = x − n ln2 in [−ln2/2, ln2/2], degree-6
+// Taylor polynomial (relative error < 2e-7, below bf16's resolution by far).
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One query row q [D] over keys/values k, v [n, D] (row stride `stride` elements) → out [D].
+void attend_row(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t stride, int64_t n, int64_t D,
+                float scale, float* scores, uint16_t* out) {
+  const int64_t chunks = D / 32;
+  __m512i qv[8];
+  for (int64_t c = 0; c < chunks; c++) qv[c] = _mm512_loadu_si512(q + 32 * c);
+  float top = -INFINITY;
+  for (int64_t j = 0; j < n; j++) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; c++)
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)qv[c], (__m512bh)_mm512_loadu_si512(k + j * stride + 32 * c));
+    scores[j] = _mm512_reduce_add_ps(acc) * scale;
+    top = std::max(top, scores[j]);
+  }
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 live = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+    __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, scores + j), _mm512_set1_ps(top)));
+    p = _mm512_maskz_mov_ps(live, p);
+    _mm512_mask_storeu_ps(scores + j, live, p);
+    total = _mm512_add_ps(total, p);
+  }
+  const float inv = 1.f / _mm512_reduce_add_ps(total);
+  __m512 acc[8];
+  for (int64_t c = 0; c < D / 16; c++) acc[c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j++) {
+    const __m512 p = _mm512_set1_ps(scores[j]);
+    for (int64_t c = 0; c < D / 16; c++) acc[c] = _mm512_fmadd_ps(p, load_bf16(v + j * stride + 16 * c), acc[c]);
+  }
+  for (int64_t c = 0; c < D / 16; c++) {
+    alignas(64) float o[16];
+    _mm512_store_ps(o, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
+    for (int i = 0; i < 16; i++) out[16 * c + i] = to_bf16(o[i]);
+  }
+}
+
+}  // namespace
+
+// q [B, Hq, T, D]; keys, values [B, Hkv, S, D] (last dimension contiguous); n_keys [B, T]: the keys row
+// (b, t) sees, the first n_keys[b, t] → [B, Hq, T, D] bf16. Query head h reads key head h / (Hq / Hkv).
+torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor n_keys,
+                        double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16 &&
+              values.scalar_type() == at::kBFloat16, "bf16 only");
+  const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hkv = keys.size(1), S = keys.size(2);
+  TORCH_CHECK(D % 32 == 0 && D <= 256 && Hq % Hkv == 0, "head size must be a multiple of 32, at most 256");
+  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1 && keys.strides() == values.strides(), "layout");
+  auto qc = q.contiguous();
+  auto nk = n_keys.to(torch::kLong).contiguous();
+  auto out = torch::empty({B, Hq, T, D}, q.options());
+  const uint16_t* Q = (const uint16_t*)qc.data_ptr<at::BFloat16>();
+  const uint16_t* K = (const uint16_t*)keys.data_ptr<at::BFloat16>();
+  const uint16_t* V = (const uint16_t*)values.data_ptr<at::BFloat16>();
+  const int64_t* N = nk.data_ptr<int64_t>();
+  uint16_t* O = (uint16_t*)out.data_ptr<at::BFloat16>();
+  const int64_t sb = keys.stride(0), sh = keys.stride(1), ss = keys.stride(2);
+  const int64_t group = Hq / Hkv;
+  at::parallel_for(0, B * Hq * T, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(S);
+    for (int64_t i = i0; i < i1; i++) {
+      const int64_t b = i / (Hq * T), h = (i / T) % Hq, t = i % T;
+      const int64_t n = std::min<int64_t>(N[b * T + t], S);
+      const int64_t base = b * sb + (h / group) * sh;
+      attend_row(Q + i * D, K + base, V + base, ss, n, D, (float)scale, scores.data(), O + i * D);
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) { mod.def("attention", &attention); }
