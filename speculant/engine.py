@@ -246,8 +246,11 @@ class Engine:
         # Rows in slot order, lowest slots first: a batch whose slots are contiguous reads the KV cache
         # as a view; any other order makes every layer gather (copy) the batch's keys and values.
         self.running.sort(key=lambda s: s.slot)
-        if admitted:
-            self.prefill(admitted)
+        # One prompt per pass: PyTorch's attention over a padded batch of prompts sums in an order that
+        # depends on the other prompts, so a prompt's keys would depend on which requests arrived with
+        # it, and a plain and a speculative run (which admit at different steps) could part ways.
+        for seq in admitted:
+            self.prefill([seq])
 
     def prefill(self, seqs: list[Sequence]) -> None:
         """Feed new sequences' prompts but the last token, apart from the running batch: a step then

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import save_tiny
 
 from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.engine import Engine
+from speculant.models import native
 from speculant.models.loader import load_model
 from speculant.proposers import build_proposer
 
@@ -84,6 +86,22 @@ def test_bfloat16_speculation_equals_its_own_plain_output(tiny_pair):
     for spec in ({"method": "ngram", "num_speculative_tokens": 4},
                  {"method": "draft_model", "model": str(tiny_pair[1]), "num_speculative_tokens": 3}):
         assert [run(target, spec, [p], max_batch_size=1)[0][0] for p in PROMPTS] == plain_bf16
+
+
+def test_bfloat16_batched_speculation_equals_plain_output(tmp_path):
+    """With the native attention kernel (head size 64 here) a bf16 row scores the same bits in any
+    batch: a ragged batch's speculative output equals plain output, and plain output alone."""
+    if not native.attention_usable(64):
+        pytest.skip("the native attention kernel does not run here (no AVX512-BF16, or no compiler)")
+    # Small weights keep the logits close together: near-ties, where a differently summed row flips.
+    folder = save_tiny(tmp_path, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+                       intermediate_size=256, init_std=0.02)
+    target = load_model(folder, dtype="bfloat16")
+    plain = run(target, None, PROMPTS)[0]
+    assert [run(target, None, [p], max_batch_size=1)[0][0] for p in PROMPTS] == plain
+    for spec in ({"method": "ngram", "num_speculative_tokens": 4},
+                 {"method": "ngram", "num_speculative_tokens": 7}):
+        assert run(target, spec, PROMPTS)[0] == plain
 
 
 def test_logprobs_are_the_targets_and_unchanged_by_speculation(target, tiny_pair):
