@@ -115,13 +115,14 @@ def test_bfloat16_batch_rows_equal_single_rows_bitwise(tmp_path):
                        intermediate_size=256, init_std=0.05)
     model = load_model(folder, dtype="bfloat16").model
     gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 96, (n,), generator=gen) for n in (20, 7, 33, 12)]
-    steps = torch.randint(0, 96, (4, 5), generator=gen)
+    # 8 rows × 5 tokens: 40 rows per linear layer, past the 32 oneDNN keeps row-exact in one call.
+    prompts = [torch.randint(0, 96, (n,), generator=gen) for n in (20, 7, 33, 12, 3, 40, 9, 25)]
+    steps = torch.randint(0, 96, (8, 5), generator=gen)
     with torch.no_grad():
-        cache, slots = model.new_cache(4, 64), torch.tensor([0, 1, 2, 3])
+        cache, slots = model.new_cache(8, 64), torch.arange(8)
         for b, p in enumerate(prompts):
             model(p[None], cache, slots[b:b + 1])
-        n_new = torch.tensor([5, 2, 4, 1])
+        n_new = torch.tensor([5, 2, 4, 1, 5, 3, 5, 1])
         batched = model.logits(model(steps, cache, slots, n_new))
         for b, p in enumerate(prompts):
             alone = model.new_cache(1, 64)
@@ -170,3 +171,20 @@ def test_amx_int4_kernel_gives_every_row_the_same_result_whatever_the_row_count(
     for rows in range(1, 41):
         assert torch.equal(native.int4_mm(x[:rows], *weights), y[:rows]), rows
     assert torch.equal(native.int4_mm(x[7:8], *weights), y[7:8])  # and whatever rows come before it
+
+
+def test_packed_bf16_linear_gives_every_row_the_same_bits_whatever_the_row_count():
+    """oneDNN's packed bf16 kernel is row-exact up to 32 rows only (measured: on SmolLM2's qkv shape a
+    40-row call changed rows 1, 6, 16 …); a batched verify pass is wider, so PackedLinear goes in chunks."""
+    from speculant.models.kernels import PackedLinear, fast_bfloat16
+
+    if not fast_bfloat16(torch.device("cpu")):
+        pytest.skip("no oneDNN bf16 kernel on this CPU (no AMX or AVX512-BF16)")
+    gen = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(576, 960, bias=False)
+    linear.weight.data = (torch.randn(960, 576, generator=gen) * 0.05).bfloat16()
+    packed = PackedLinear(linear)
+    x = torch.randn(8, 5, 576, generator=gen).bfloat16()  # a batch of 8 verify rows of 5 tokens
+    with torch.no_grad():
+        single = torch.stack([torch.cat([packed(x[b, t][None]) for t in range(5)]) for b in range(8)])
+        assert torch.equal(packed(x), single)
