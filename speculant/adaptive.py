@@ -40,7 +40,7 @@ MIN_GAIN = 1.05
 MIN_GAIN_BATCHED = 1.25
 MAX_PROBE_INTERVAL = 64
 PROBE_WIDTH = 2
-CURVE_VERSION = 4  # cached curves of an older measurement or model code are measured again
+CURVE_VERSION = 5  # cached curves of an older measurement or model code are measured again
 
 
 @dataclass
@@ -172,7 +172,7 @@ def cost_curve_for(model: torch.nn.Module, max_batch_size: int, max_width: int,
     path = root / "cost_curves" / (hashlib.sha256(key.encode()).hexdigest()[:20] + ".json")
     if path.exists():
         return CostCurve.from_dict(json.loads(path.read_text()))
-    curve = measure_cost_curve(model, batch_sizes, max_width=max_width, context=128, reps=3)
+    curve = measure_cost_curve(model, batch_sizes, max_width=max_width, context=128)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(curve.as_dict()))

@@ -139,31 +139,27 @@ def measure_cost_curve(model: Transformer, batch_sizes: list[int], max_width: in
                        reps: int = 5, tick: Callable[[], None] | None = None) -> CostCurve:
     """Time one pass over T = 1..max_width new tokens at each batch size, with the target distribution at
     every position (a verify step builds it over [B, T, vocabulary]: 3 ms of a 50 ms step at batch 4,
-    T = 9, left out, made widened passes look cheaper than they were), widths interleaved within
-    each repetition so machine drift hits them alike; the fastest of `reps` after a warm-up (other
-    work on a shared machine only ever adds time)."""
-    curve = CostCurve(context)
+    T = 9, left out, made widened passes look cheaper than they were). Every batch size and width is
+    measured once per repetition, so a burst of other work on a shared machine hits them alike (measured
+    one batch size after another, a burst once made a whole batch size look flat and adaptive k draft
+    there at a loss); the fastest of `reps` after a warm-up round (other work only ever adds time)."""
     vocab = model.cfg.vocab_size
     gen = torch.Generator().manual_seed(0)
-    for b in batch_sizes:
-        cache = model.new_cache(b, context + max_width + 1)
-        slots = torch.arange(b, device=model.device)
-        # Cached keys are never read for their values here: a length is all the timing needs.
-        cache.lengths[:] = context
-        times: list[list[float]] = [[] for _ in range(max_width)]
-        for rep in range(reps + 1):
+    caches = {b: model.new_cache(b, context + max_width + 1) for b in batch_sizes}
+    times: dict[int, list[list[float]]] = {b: [[] for _ in range(max_width)] for b in batch_sizes}
+    for rep in range(reps + 1):
+        for b, cache in caches.items():
+            slots = torch.arange(b, device=model.device)
             for t in range(1, max_width + 1):
+                # Cached keys are never read for their values here: a length is all the timing needs.
+                cache.lengths[:] = context
                 tokens = torch.randint(vocab, (b, t), generator=gen).to(model.device)
                 start = time.perf_counter()
                 torch.softmax(model.logits(model(tokens, cache, slots)), dim=-1)
                 if model.device.type == "cuda":
                     torch.cuda.synchronize()
-                elapsed = time.perf_counter() - start
-                cache.lengths[:] = context
                 if rep:  # the first round warms kernels and allocator up
-                    times[t - 1].append(elapsed)
+                    times[b][t - 1].append(time.perf_counter() - start)
                 if tick:
                     tick()
-        curve.seconds[b] = monotone([min(ts) for ts in times])
-        del cache
-    return curve
+    return CostCurve(context, {b: monotone([min(ts) for ts in times[b]]) for b in batch_sizes})
