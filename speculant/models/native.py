@@ -12,6 +12,7 @@ the instructions and a C++ compiler is installed; callers fall back to PyTorch's
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -40,7 +41,10 @@ def _build(name: str, source: str, cflags: list[str], needed_flags: tuple[str, .
         from torch.utils.cpp_extension import load
 
         log.info("%s: compiled on first use (~30 s), then cached by PyTorch", name)
-        return load(f"speculant_{name}", [str(CSRC / source)], extra_cflags=cflags, extra_ldflags=["-fopenmp"])
+        # PyTorch rebuilds when a source or a flag changes, not a header: the header's hash is a flag.
+        header = hashlib.sha256((CSRC / "bf16.h").read_bytes()).hexdigest()[:12]
+        return load(f"speculant_{name}", [str(CSRC / source)], extra_cflags=[*cflags, f"-DSPECULANT_HEADER={header}"],
+                    extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler, no ninja, a compiler without AMX: all mean the fallback
         log.warning("%s: PyTorch's kernel (the native one did not build: %s)", name, str(e).splitlines()[0][:200])
         return None

@@ -8,20 +8,14 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include "bf16.h"
 #include <cmath>
 
 namespace {
 
-inline uint16_t to_bf16(float f) {  // round to nearest even, as PyTorch does
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  u += 0x7FFF + ((u >> 16) & 1);
-  return u >> 16;
-}
-
-inline __m512 load_bf16(const uint16_t* p) {
-  return _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i*)p));
-}
+using speculant::load_bf16;
+using speculant::to_bf16;
 
 // e^x for x ≤ 0 (scores minus their maximum): 2^n · p(r), r = x − n ln2 in [−ln2/2, ln2/2], degree-6
 // Taylor polynomial (relative error < 2e-7, below bf16's resolution by far).

@@ -13,10 +13,15 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include "bf16.h"
 #include <sys/syscall.h>
 #include <unistd.h>
 
 namespace {
+
+using speculant::load_bf16;
+using speculant::to_bf16;
 
 struct TileConfig {
   uint8_t palette_id;
@@ -30,17 +35,6 @@ bool amx_permitted() {
   // Linux hands out the tile state on request only (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
   static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
   return ok;
-}
-
-inline uint16_t to_bf16(float f) {  // round to nearest even, as PyTorch does
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  u += 0x7FFF + ((u >> 16) & 1);
-  return u >> 16;
-}
-
-inline __m512 load_bf16(const uint16_t* p) {
-  return _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i*)p));
 }
 
 // One block's group: 16 rows of 16 bytes (byte j of row r: q[j][2r] | q[j][2r+1] << 4) → the B tile,
