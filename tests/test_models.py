@@ -85,9 +85,17 @@ def test_bfloat16_runs_close_to_float32(tiny_pair):
     assert (out["bfloat16"] - out["float32"]).abs().max() < 0.1
 
 
-def test_bfloat16_verify_pass_equals_single_steps_bitwise(tmp_path):
+@pytest.mark.parametrize("native_attention", [True, False])
+def test_bfloat16_verify_pass_equals_single_steps_bitwise(tmp_path, monkeypatch, native_attention):
     """A k+1-wide verify pass must give each row the very logits plain decoding gives it, or bf16
-    speculation would flip near-ties. SmolLM2's attention shape (9 query heads, 3 key heads of 64)."""
+    speculation would flip near-ties. SmolLM2's attention shape (9 query heads, 3 key heads of 64);
+    with the native attention kernel and with the fallback (PyTorch's attention, row by row)."""
+    from speculant.models import native
+
+    if native_attention and not native.attention_usable(64):
+        pytest.skip("the native attention kernel does not run here (no AVX512-BF16, or no compiler)")
+    if not native_attention:
+        monkeypatch.setattr(native, "attention_usable", lambda head_dim: False)
     folder = save_tiny(tmp_path, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
                        intermediate_size=256, init_std=0.05)
     model = load_model(folder, dtype="bfloat16").model
@@ -132,10 +140,17 @@ def test_bfloat16_batch_rows_equal_single_rows_bitwise(tmp_path):
                 assert torch.equal(single[0, 0], batched[b, t]), (b, t)
 
 
-def test_int4_keeps_weights_already_on_a_q4_1_grid():
+@pytest.mark.parametrize("amx", [True, False])
+def test_int4_keeps_weights_already_on_a_q4_1_grid(monkeypatch, amx):
     """A layer whose weights are w = d·q + m per 32 (what a Q4_1 GGUF file holds) comes back on the
-    same grid: only bf16 rounding of the products remains."""
+    same grid: only bf16 rounding of the products remains (AMX kernel, and PyTorch's where it is not)."""
+    from speculant.models import native
     from speculant.models.quantize import Int4Linear
+
+    if amx and not native.int4_usable(64, 128):
+        pytest.skip("the AMX int4 kernel does not run here (no AMX, or no compiler)")
+    if not amx:
+        monkeypatch.setattr(native, "int4_usable", lambda out_features, in_features: False)
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randint(0, 16, (64, 4, 32), generator=gen).float()
@@ -145,7 +160,9 @@ def test_int4_keeps_weights_already_on_a_q4_1_grid():
     linear = torch.nn.Linear(128, 64, bias=False)
     linear.weight.data = (d * q + m).view(64, 128)
     x = torch.randn(5, 128, generator=gen)
-    got = Int4Linear(linear)(x)
+    layer = Int4Linear(linear)
+    assert layer.amx == amx
+    got = layer(x)
     err = ((got - linear(x)).norm() / linear(x).norm()).item()
     assert err < 0.01, err  # bf16 activations and scales; a 4-bit requantization off the grid is ~8%
 
