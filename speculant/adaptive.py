@@ -40,6 +40,10 @@ MIN_GAIN = 1.05
 MIN_GAIN_BATCHED = 1.25
 MAX_PROBE_INTERVAL = 64
 PROBE_WIDTH = 2
+# The widening cost measured in this run may scale the curve's by this much, no more: a few noisy
+# steps must not make wide passes look free, nor switch speculation off for good.
+CALIBRATION_RANGE = (0.5, 1.5)
+CALIBRATION_MIN_PASSES = 8  # of each width compared, plain passes included
 CURVE_VERSION = 5  # cached curves of an older measurement or model code are measured again
 
 
@@ -63,6 +67,8 @@ class AdaptiveK:
     smoothing: float = 0.15
     probe_every: int = 16  # while a bucket is off, verify its drafts after n idle steps to keep it current
     buckets: dict[int, Bucket] = field(default_factory=dict)
+    # batch size → pass width → [passes seen, decayed mean seconds]: the engine's own pass times
+    pass_times: dict[int, dict[int, list[float]]] = field(default_factory=dict)
 
     def bucket(self, key: int) -> Bucket:
         if key not in self.buckets:
@@ -124,13 +130,45 @@ class AdaptiveK:
         expected = {key: expected_tokens_upto([1.0] * self.k_max if key in optimistic else self.acceptance(key))
                     for key in set(buckets)}
         batch = len(buckets)
+        scale = self.calibration(batch)
         scored = [(0.0, 0)]
         for k in range(1, min(max(available, default=0), self.k_max) + 1):
             drafts = [min(k, n) for n in available]
             tokens = sum(expected[key][n] for key, n in zip(buckets, drafts)) / batch
-            scored.append((speedup_from(tokens, sum(drafts) / batch, self.curve.ratio(batch, k + 1), draft_ratio), k))
+            ratio = 1 + scale * (self.curve.ratio(batch, k + 1) - 1)
+            scored.append((speedup_from(tokens, sum(drafts) / batch, ratio, draft_ratio), k))
         gain, k = max(scored)
         return (k, gain) if gain >= (MIN_GAIN if batch == 1 else MIN_GAIN_BATCHED) else (0, 1.0)
+
+    def calibration(self, batch_size: int) -> float:
+        """How the widening cost of this run's passes compares with the curve's: C_B(w)/C_B(1) − 1 is
+        taken as this factor × the curve's. The curve is the fastest of a few repetitions, measured
+        once; on a shared machine a pass typically costs more, and not in proportion: at batch 1
+        (int4) fixed k = 4 gained 1.57× where the curve predicted 1.27×, and adaptive k had skipped
+        drafts that would have paid.
+
+        Σ (measured − 1) / Σ (curve − 1) over the widened pass widths seen at this batch size, each
+        C(w)/C(1) with enough passes of both; 1 until then, clamped to CALIBRATION_RANGE."""
+        seen = self.pass_times.get(batch_size, {})
+        plain = seen.get(1)
+        if plain is None or plain[0] < CALIBRATION_MIN_PASSES:
+            return 1.0
+        measured = expected = 0.0
+        for width, (n, seconds) in seen.items():
+            if width > 1 and n >= CALIBRATION_MIN_PASSES:
+                measured += seconds / plain[1] - 1
+                expected += self.curve.ratio(batch_size, width) - 1
+        if expected <= 0:
+            return 1.0
+        low, high = CALIBRATION_RANGE
+        return min(max(measured / expected, low), high)
+
+    def observe_pass(self, batch_size: int, width: int, seconds: float) -> None:
+        """A target pass of this width (1: plain) took `seconds`, as the engine measured it."""
+        n_mean = self.pass_times.setdefault(batch_size, {}).setdefault(width, [0, 0.0])
+        n_mean[0] += 1
+        # The mean of the first passes, then a decayed one (~20 passes): the machine's load drifts.
+        n_mean[1] += (seconds - n_mean[1]) * max(1 - self.memory, 1 / n_mean[0])
 
     def observe(self, buckets: list[int], n_draft: list[int], n_accepted: list[int], draft_s: float,
                 batch_size: int) -> None:

@@ -162,6 +162,8 @@ class Engine:
         t2 = time.perf_counter()
         n_accepted, next_tokens = verify_logits(proposal.tokens, proposal.n_draft, logits, proposal.q, sb)
         n_accepted = n_accepted.tolist()
+        if self.adaptive:
+            self.adaptive.observe_pass(len(batch), proposal.tokens.shape[1] + 1, t2 - t1)
         if self.adaptive and proposal.tokens.shape[1]:
             self.adaptive.observe(proposal.bucket_list(), proposal.n_draft.tolist(), n_accepted, t1 - t0,
                                   len(batch))

@@ -130,3 +130,21 @@ def test_a_slowed_single_token_pass_does_not_make_wide_passes_look_free():
     # C(1) caught a stall (9.0): without the fix C(5)/C(1) would read 0.2 and speculation look free.
     measured = [9.0, 1.1, 1.3, 1.2, 1.8]
     assert monotone(measured) == [1.1, 1.1, 1.2, 1.2, 1.8]
+
+
+def test_widening_cost_measured_in_the_run_scales_the_curves():
+    """The curve says a 2-token pass costs 1.3× one token: a first draft accepted 3 times in 10 then
+    loses. If this run's own passes show widening at a sixth of that (1.05×) the scale is clamped to
+    0.5 (1.15×) and the draft pays; measured costlier (1.6×: clamped to 1.5, 1.45×) it stays off."""
+    steep = CostCurve(context=128, seconds={1: [1.0, 1.3, 1.6, 1.9, 2.2]})
+    runs = {}
+    for wide_seconds in (None, 0.0105, 0.016):
+        policy = AdaptiveK(steep, k_max=4, alpha=0.3)
+        if wide_seconds is not None:
+            for _ in range(10):
+                policy.observe_pass(1, 1, 0.010)
+                policy.observe_pass(1, 2, wide_seconds)
+        runs[wide_seconds] = (policy.calibration(1), policy.plan([0], [4])[0])
+    assert runs[None] == (1.0, 0)
+    assert runs[0.0105][0] == 0.5 and runs[0.0105][1] > 0
+    assert runs[0.016] == (1.5, 0)
