@@ -148,3 +148,4 @@ def test_widening_cost_measured_in_the_run_scales_the_curves():
     assert runs[None] == (1.0, 0)
     assert runs[0.0105][0] == 0.5 and runs[0.0105][1] > 0
     assert runs[0.016] == (1.5, 0)
+    assert policy.calibration(2) == 1.0  # batches keep the curve
