@@ -67,8 +67,8 @@ class AdaptiveK:
     smoothing: float = 0.15
     probe_every: int = 16  # while a bucket is off, verify its drafts after n idle steps to keep it current
     buckets: dict[int, Bucket] = field(default_factory=dict)
-    # batch size → pass width → [passes seen, decayed mean seconds]: the engine's own pass times
-    pass_times: dict[int, dict[int, list[float]]] = field(default_factory=dict)
+    # pass width → [passes seen, decayed mean seconds]: the engine's own pass times at batch 1
+    pass_times: dict[int, list[float]] = field(default_factory=dict)
 
     def bucket(self, key: int) -> Bucket:
         if key not in self.buckets:
@@ -147,29 +147,29 @@ class AdaptiveK:
         (int4) fixed k = 4 gained 1.57× where the curve predicted 1.27×, and adaptive k had skipped
         drafts that would have paid.
 
-        Σ (measured − 1) / Σ (curve − 1) over the widened pass widths seen at this batch size, each
+        Σ (measured − 1) / Σ (curve − 1) over the widened pass widths seen at batch 1, each
         C(w)/C(1) with enough passes of both; 1 until then, clamped to CALIBRATION_RANGE. Batch 1 only:
         in batches few passes are widened and the factor came out low on too few of them (bench, bf16
         batch 8: drafting where the measured acceptance predicted 0.86×, 0.92× measured)."""
-        if batch_size > 1:
-            return 1.0
-        seen = self.pass_times.get(batch_size, {})
-        plain = seen.get(1)
-        if plain is None or plain[0] < CALIBRATION_MIN_PASSES:
+        plain = self.pass_times.get(1)
+        if batch_size > 1 or plain is None or plain[0] < CALIBRATION_MIN_PASSES:
             return 1.0
         measured = expected = 0.0
-        for width, (n, seconds) in seen.items():
+        for width, (n, seconds) in self.pass_times.items():
             if width > 1 and n >= CALIBRATION_MIN_PASSES:
                 measured += seconds / plain[1] - 1
-                expected += self.curve.ratio(batch_size, width) - 1
+                expected += self.curve.ratio(1, width) - 1
         if expected <= 0:
             return 1.0
         low, high = CALIBRATION_RANGE
         return min(max(measured / expected, low), high)
 
     def observe_pass(self, batch_size: int, width: int, seconds: float) -> None:
-        """A target pass of this width (1: plain) took `seconds`, as the engine measured it."""
-        n_mean = self.pass_times.setdefault(batch_size, {}).setdefault(width, [0, 0.0])
+        """A target pass of this width (1: plain) took `seconds`, as the engine measured it (kept at
+        batch 1, the only batch size calibrated)."""
+        if batch_size > 1:
+            return
+        n_mean = self.pass_times.setdefault(width, [0, 0.0])
         n_mean[0] += 1
         # The mean of the first passes, then a decayed one (~20 passes): the machine's load drifts.
         n_mean[1] += (seconds - n_mean[1]) * max(1 - self.memory, 1 / n_mean[0])

@@ -28,9 +28,7 @@ def verify_greedy(draft: torch.Tensor, n_draft: torch.Tensor,
                   target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`verify` with one-hot p at target [B, k+1] (the argmax tokens): a draft is accepted while it
     equals the target's token, and the next token is the target's at the first mismatch."""
-    k = draft.shape[1]
-    real = torch.arange(k, device=draft.device)[None, :] < n_draft[:, None]  # [B, k]
-    n_accepted = ((draft == target[:, :k]) & real).int().cumprod(dim=1).sum(dim=1)  # [B]
+    n_accepted = accepted_run(draft == target[:, :draft.shape[1]], n_draft)
     return n_accepted, target.gather(1, n_accepted[:, None].long()).squeeze(1)
 
 
@@ -44,11 +42,9 @@ def verify(draft: torch.Tensor, n_draft: torch.Tensor, p: torch.Tensor, q: torch
     """
     B, k = draft.shape
     rows = torch.arange(B, device=draft.device)
-    real = torch.arange(k, device=draft.device)[None, :] < n_draft[:, None]  # [B, k]
     p_d = p[:, :k].gather(-1, draft[..., None]).squeeze(-1)  # [B, k]
     q_d = None if q is None else q.gather(-1, draft[..., None]).squeeze(-1)
-    accepted = (uniforms(k, generators, draft.device) < acceptance_probability(p_d, q_d)) & real
-    n_accepted = accepted.int().cumprod(dim=1).sum(dim=1)  # [B]
+    n_accepted = accepted_run(uniforms(k, generators, draft.device) < acceptance_probability(p_d, q_d), n_draft)
 
     p_next = p[rows, n_accepted]  # [B, V]
     rejected = n_accepted < n_draft
@@ -57,6 +53,13 @@ def verify(draft: torch.Tensor, n_draft: torch.Tensor, p: torch.Tensor, q: torch
         fix = residual(p_next, None if q is None else q[rows, at], draft[rows, at])
         p_next = torch.where(rejected[:, None], fix, p_next)
     return n_accepted, sample(p_next, generators)
+
+
+def accepted_run(accepted: torch.Tensor, n_draft: torch.Tensor) -> torch.Tensor:
+    """accepted [B, k] per draft → [B] how many drafts in a row were accepted, counting only each
+    row's first n_draft[b] (the rest is padding)."""
+    real = torch.arange(accepted.shape[1], device=accepted.device)[None, :] < n_draft[:, None]  # [B, k]
+    return (accepted & real).int().cumprod(dim=1).sum(dim=1)
 
 
 def acceptance_probability(p_d: torch.Tensor, q_d: torch.Tensor | None) -> torch.Tensor:
