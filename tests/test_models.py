@@ -89,13 +89,14 @@ def test_bfloat16_runs_close_to_float32(tiny_pair):
 def test_bfloat16_verify_pass_equals_single_steps_bitwise(tmp_path, monkeypatch, native_attention):
     """A k+1-wide verify pass must give each row the very logits plain decoding gives it, or bf16
     speculation would flip near-ties. SmolLM2's attention shape (9 query heads, 3 key heads of 64);
-    with the native attention kernel and with the fallback (PyTorch's attention, row by row)."""
+    with the native kernels and with the fallback (PyTorch's attention row by row, its layer operations)."""
     from speculant.models import native
 
     if native_attention and not native.attention_usable(64):
         pytest.skip("the native attention kernel does not run here (no AVX512-BF16, or no compiler)")
     if not native_attention:
         monkeypatch.setattr(native, "attention_usable", lambda head_dim: False)
+        monkeypatch.setattr(native, "layer_ops_usable", lambda x: False)
     folder = save_tiny(tmp_path, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
                        intermediate_size=256, init_std=0.05)
     model = load_model(folder, dtype="bfloat16").model
@@ -138,6 +139,49 @@ def test_bfloat16_batch_rows_equal_single_rows_bitwise(tmp_path):
             for t in range(int(n_new[b])):
                 single = model.logits(model(steps[b:b + 1, t:t + 1], alone, torch.tensor([0])))
                 assert torch.equal(single[0, 0], batched[b, t]), (b, t)
+
+
+def test_native_layer_ops_match_pytorch_in_fp32_and_give_a_row_the_same_bits_in_any_call():
+    """RMSNorm, rotary embedding and silu(gate)·up, one call each: within bf16 rounding of an fp32
+    computation, sizes that are not multiples of the vector width included, and a row's bits do not
+    depend on the other rows of the call."""
+    import torch.nn.functional as F
+
+    from speculant.models import native
+    from speculant.models.llama import rope_tables
+
+    if native.layer_ops_kernel() is None:
+        pytest.skip("the native layer operations do not run here (no AVX512-BF16, or no compiler)")
+    gen = torch.Generator().manual_seed(0)
+
+    def close(got, ref):
+        return ((got.float() - ref).abs() <= 2 ** -8 * ref.abs() + 1e-5).all()  # one bf16 rounding
+
+    for D in (576, 100):
+        x, w = torch.randn(3, 7, D, generator=gen).bfloat16(), torch.randn(D, generator=gen).bfloat16()
+        y = native.rms_norm(x, w, 1e-5)
+        assert close(y, F.rms_norm(x.float(), (D,), w.float(), 1e-5))
+        assert torch.equal(native.rms_norm(x[1:2, 3:4], w, 1e-5), y[1:2, 3:4])
+
+        gate_up = torch.randn(3, 7, 2 * D, generator=gen).bfloat16() * 4
+        gate, up = gate_up.float().chunk(2, dim=-1)
+        y = native.silu_mul(gate_up)
+        assert close(y, F.silu(gate) * up)
+        assert torch.equal(native.silu_mul(gate_up[2:3, :1]), y[2:3, :1])
+
+    for head_dim in (64, 40):
+        cos, sin = rope_tables(torch.rand(head_dim // 2, generator=gen), 50, torch.bfloat16)
+        positions = torch.randint(0, 50, (2, 4), generator=gen)
+        c, s = cos[positions][:, :, None], sin[positions][:, :, None]
+        x = torch.randn(2, 4, 15, head_dim, generator=gen).bfloat16()
+        heads = x[:, :, :12].float()
+        ref = heads * c.float() + heads.roll(head_dim // 2, -1) * s.float()
+        y = x.clone()
+        native.rope_(y, c, s, 12)
+        assert close(y[:, :, :12], ref) and torch.equal(y[:, :, 12:], x[:, :, 12:])
+        one = x[1:2, 2:3].clone()
+        native.rope_(one, c[1:2, 2:3], s[1:2, 2:3], 12)
+        assert torch.equal(one, y[1:2, 2:3])
 
 
 @pytest.mark.parametrize("amx", [True, False])

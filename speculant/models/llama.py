@@ -101,6 +101,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == x.dtype and native.layer_ops_usable(x):
+            return native.rms_norm(x, self.weight, self.eps)
         # One call (it normalises bf16/fp16 in fp32 and rounds once): a separate upcast, cast back and
         # weight product were three more operations per norm, 61 norms per pass.
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -130,8 +132,13 @@ def rope_tables(inv_freq: torch.Tensor, n_positions: int, dtype: torch.dtype) ->
     return torch.cat((angles.cos(),) * 2, -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, T, H, Dh]; cos/sin: [B, T, 1, Dh]
+def apply_rope(x: torch.Tensor, n_heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, Dh], cos/sin [B, T, 1, Dh] → x's first n_heads heads rotated, [B, T, n_heads, Dh]
+    (in x's own memory where the native kernel rotates them in place)."""
+    if native.layer_ops_usable(x) and x.is_contiguous():
+        native.rope_(x, cos, sin, n_heads)
+        return x[:, :, :n_heads]
+    x = x[:, :, :n_heads]
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
 
 
@@ -259,11 +266,8 @@ class Attention(nn.Module):
         cfg = self.cfg
         qkv = self.qkv_proj(x).view(B, T, -1, cfg.head_dim)  # [B, T, Hq + 2 Hkv, Dh]
         q, k, v = qkv.split(self.split, dim=2)
-        if cfg.qk_norm:
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=2)
-        else:
-            qk = qkv[:, :, :cfg.n_heads + cfg.n_kv_heads]
-        q, k = apply_rope(qk, fwd.cos, fwd.sin).split(self.split[:2], dim=2)
+        qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=2) if cfg.qk_norm else qkv
+        q, k = apply_rope(qk, cfg.n_heads + cfg.n_kv_heads, fwd.cos, fwd.sin).split(self.split[:2], dim=2)
         keys, values = cache.update(self.layer, fwd.at, k.transpose(1, 2), v.transpose(1, 2))
         out = attend(q.transpose(1, 2), keys, values, fwd, cfg.n_kv_heads != cfg.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim))
@@ -278,7 +282,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(n, cfg.dim, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if native.layer_ops_usable(gate_up):
+            return self.down_proj(native.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

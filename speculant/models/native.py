@@ -7,6 +7,8 @@ the instructions and a C++ compiler is installed; callers fall back to PyTorch's
 - attention.cpp: bf16 decode attention, one query row over exactly its keys, so rows score alike alone
   or in a verify pass or batch. SmolLM2's 30 layers, 300 cached keys, 1 / 4 / 8 rows: 0.53 / 1.6 / 3.1 ms;
   PyTorch's attention called row by row (its exact use) 2.1 / 8.2 / 12.2 ms.
+- layer_ops.cpp: RMSNorm, rotary embedding and SwiGLU's product for bf16 rows, one call each where
+  PyTorch dispatches several operations (its RMSNorm ~10).
 """
 
 from __future__ import annotations
@@ -61,6 +63,11 @@ def attention_kernel() -> ModuleType | None:
     return _build("attention", "attention.cpp", AVX512, ("avx512_bf16", "avx512bw"))
 
 
+@functools.cache
+def layer_ops_kernel() -> ModuleType | None:
+    return _build("layer_ops", "layer_ops.cpp", AVX512, ("avx512_bf16", "avx512bw"))
+
+
 def int4_usable(out_features: int, in_features: int) -> bool:
     return out_features % 16 == 0 and in_features % 64 == 0 and int4_kernel() is not None
 
@@ -92,3 +99,24 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n_keys:
     """q [B, Hq, T, D], keys/values [B, Hkv, S, D] bf16, n_keys [B, T]: row (b, t) attends to the first
     n_keys[b, t] keys → [B, Hq, T, D], scaled by 1/√D as scaled_dot_product_attention does."""
     return attention_kernel().attention(q, keys, values, n_keys, q.shape[-1] ** -0.5)
+
+
+def layer_ops_usable(x: torch.Tensor) -> bool:
+    """Whether the fused layer operations take `x`: bf16 on CPU, no gradient wanted (they have none)."""
+    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and not x.requires_grad
+            and layer_ops_kernel() is not None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return layer_ops_kernel().rms_norm(x, weight, eps)
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int) -> None:
+    """Rotate, in place, the first n_heads heads of x [B, T, H, Dh] (contiguous) by cos and signed sin
+    [B, T, 1, Dh] (see llama.rope_tables)."""
+    layer_ops_kernel().rope_(x.flatten(0, 1), cos, sin, n_heads)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2n] (gate, then up) → silu(gate) · up [..., n]."""
+    return layer_ops_kernel().silu_mul(gate_up)

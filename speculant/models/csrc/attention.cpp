@@ -14,25 +14,9 @@
 
 namespace {
 
+using speculant::exp_ps;
 using speculant::load_bf16;
 using speculant::to_bf16;
-
-// e^x for x ≤ 0 (scores minus their maximum): 2^n · p(r), r = x − n ln2 in [−ln2/2, ln2/2], degree-6
-// Taylor polynomial (relative error < 2e-7, below bf16's resolution by far).
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // One query row q [D] over keys/values k, v [n, D] (row stride `stride` elements) → out [D].
 void attend_row(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t stride, int64_t n, int64_t D,
@@ -51,7 +35,7 @@ void attend_row(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t
   __m512 total = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 live = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
-    __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, scores + j), _mm512_set1_ps(top)));
+    __m512 p = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, scores + j), _mm512_set1_ps(top)));
     p = _mm512_maskz_mov_ps(live, p);
     _mm512_mask_storeu_ps(scores + j, live, p);
     total = _mm512_add_ps(total, p);
