@@ -9,6 +9,9 @@ from pathlib import Path
 from speculant.errors import SpeculantError
 
 MAX_SPECULATIVE_TOKENS = 32
+# A target pass over one sequence is a verify pass (a pending token and its drafts) up to this wide; a
+# wider one is a prompt, computed the same way in every configuration.
+MAX_VERIFY_WIDTH = MAX_SPECULATIVE_TOKENS + 1
 MAX_LOGPROBS = 20
 METHODS = ("draft_model", "ngram", "eagle")
 

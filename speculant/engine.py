@@ -185,13 +185,16 @@ class Engine:
     def propose(self, batch: list[Sequence], sb: SamplingBatch) -> Proposal:
         """Each row's drafts for this step: as many as adaptive k plans (all of them without it)."""
         free = self.proposer is not None and self.proposer.free_drafts
-        k = self.adaptive.choose(len(batch)) if self.adaptive and self.k and not free else self.k
+        # With no request waiting for a slot the batch is done when its last row is (adaptive.batch_progress).
+        remaining = None if self.waiting else [s.max_tokens - s.num_generated for s in batch]
+        k = self.adaptive.choose(len(batch), remaining) if self.adaptive and self.k and not free else self.k
         ks = [self._k_for(s, k) for s in batch]
         if not any(ks):
             return Proposal.from_lists([[] for _ in batch], self.device)
         proposal = self.proposer.propose(batch, ks, sb)
         if self.adaptive and free:
-            proposal = proposal.trimmed(self.adaptive.plan(proposal.bucket_list(), proposal.n_draft.tolist()))
+            proposal = proposal.trimmed(self.adaptive.plan(proposal.bucket_list(), proposal.n_draft.tolist(),
+                                                           remaining=remaining))
         return proposal
 
     def score(self, batch: list[Sequence], proposal: Proposal) -> tuple[torch.Tensor, torch.Tensor]:

@@ -149,3 +149,14 @@ def test_widening_cost_measured_in_the_run_scales_the_curves():
     assert runs[0.0105][0] == 0.5 and runs[0.0105][1] > 0
     assert runs[0.016] == (1.5, 0)
     assert policy.calibration(2) == 1.0  # batches keep the curve
+
+
+def test_without_a_queue_a_batch_drafts_for_the_rows_it_waits_for():
+    """With nobody waiting for a slot a batch is done when its last row is: drafts for one row of two
+    that are as far from done save no step, so that pass is not widened (it is with a queue, where
+    the row's early finish admits the next request); drafts for the row furthest behind are."""
+    policy = AdaptiveK(curve(4), k_max=4, alpha=0.9)
+    assert policy.plan([0, 0], [4, 0]) == [4, 0]  # requests waiting: every token counts
+    assert policy.plan([0, 0], [4, 0], remaining=[40, 40]) == [0, 0]
+    assert policy.plan([0, 0], [4, 0], remaining=[40, 10]) == [4, 0]
+    assert policy.plan([0, 0], [4, 4], remaining=[40, 40]) == [4, 4]

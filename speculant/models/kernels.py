@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from speculant.config import MAX_SPECULATIVE_TOKENS
+from speculant.config import MAX_VERIFY_WIDTH
 
 ONEDNN_BATCH_HINT = 8  # the row count oneDNN lays the packed weight out for: a typical verify pass
 # oneDNN's packed bf16 kernel gives a row the same bits whatever the row count up to 32 rows, other bits
@@ -83,7 +83,7 @@ class PackedLinear(nn.Module):
 
 def _one_prompt(x: torch.Tensor) -> bool:
     """[1, T, D] wider than any verify pass: a single sequence's prompt."""
-    return x.dim() == 3 and x.shape[0] == 1 and x.shape[1] > MAX_SPECULATIVE_TOKENS + 1
+    return x.dim() == 3 and x.shape[0] == 1 and x.shape[1] > MAX_VERIFY_WIDTH
 
 
 def packable(module: nn.Module) -> bool:
