@@ -121,3 +121,20 @@ def test_generated_tokens_stay_in_the_top_k_support(target):
     for i, tok in enumerate(seq.output_ids):
         top3 = logits[2 + i].topk(3).indices.tolist()  # position 2 is the last prompt token
         assert tok in top3
+
+
+def test_sample_draws_each_token_with_its_probability_and_never_a_zero_one():
+    """Unnormalized rows (the verifier's residual p − q) included: 40 000 draws, chi-square at 0.001."""
+    from scipy.stats import chisquare
+
+    from speculant.sampling import sample
+
+    weights = torch.tensor([0.0, 0.05, 0.0, 0.6, 0.3, 0.0, 0.001, 0.049]) * 2.5
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(len(weights))
+    for _ in range(40_000):
+        counts[sample(weights[None], [gen])[0]] += 1
+    support = weights > 0
+    assert counts[~support].sum() == 0
+    expected = (weights[support] / weights.sum() * counts.sum()).numpy()
+    assert chisquare(counts[support].numpy(), expected).pvalue > 0.001
