@@ -236,13 +236,16 @@ def fuse_on_load(module: nn.Module, fused: str, parts: dict[str, int]) -> None:
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, fwd: Pass, gqa: bool) -> torch.Tensor:
-    """q [B, Hq, T, Dh], keys/values [B, Hkv, span, Dh] → [B, Hq, T, Dh]."""
+    """q [B, T, Hq, Dh], keys/values [B, Hkv, span, Dh] → [B, T, Hq, Dh]."""
     if fwd.n_keys is not None:
         return native.attention(q, keys, values, fwd.n_keys)
+    q = q.transpose(1, 2)
     if fwd.row_spans is None:
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=fwd.mask, enable_gqa=gqa)
-    return torch.cat([F.scaled_dot_product_attention(q[:, :, r:r + 1], keys[:, :, :n], values[:, :, :n], enable_gqa=gqa)
-                      for r, n in enumerate(fwd.row_spans)], dim=2)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=fwd.mask, enable_gqa=gqa)
+    else:
+        out = torch.cat([F.scaled_dot_product_attention(q[:, :, r:r + 1], keys[:, :, :n], values[:, :, :n],
+                                                        enable_gqa=gqa) for r, n in enumerate(fwd.row_spans)], dim=2)
+    return out.transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -267,8 +270,8 @@ class Attention(nn.Module):
         qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=2) if cfg.qk_norm else qkv
         q, k = apply_rope(qk, cfg.n_heads + cfg.n_kv_heads, fwd.cos, fwd.sin).split(self.split[:2], dim=2)
         keys, values = cache.update(self.layer, fwd.at, k.transpose(1, 2), v.transpose(1, 2))
-        out = attend(q.transpose(1, 2), keys, values, fwd, cfg.n_kv_heads != cfg.n_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim))
+        out = attend(q, keys, values, fwd, cfg.n_kv_heads != cfg.n_heads)
+        return self.o_proj(out.reshape(B, T, cfg.n_heads * cfg.head_dim))
 
 
 class MLP(nn.Module):

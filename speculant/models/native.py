@@ -96,8 +96,9 @@ def attention_usable(head_dim: int) -> bool:
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n_keys: torch.Tensor) -> torch.Tensor:
-    """q [B, Hq, T, D], keys/values [B, Hkv, S, D] bf16, n_keys [B, T]: row (b, t) attends to the first
-    n_keys[b, t] keys → [B, Hq, T, D], scaled by 1/√D as scaled_dot_product_attention does."""
+    """q [B, T, Hq, D] (a strided view will do), keys/values [B, Hkv, S, D] bf16, n_keys [B, T]: row (b, t)
+    attends to the first n_keys[b, t] keys → [B, T, Hq, D], scaled by 1/√D as scaled_dot_product_attention
+    does."""
     return attention_kernel().attention(q, keys, values, n_keys, q.shape[-1] ** -0.5)
 
 

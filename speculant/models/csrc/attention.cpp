@@ -56,24 +56,26 @@ void attend_row(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t
 
 }  // namespace
 
-// q [B, Hq, T, D]; keys, values [B, Hkv, S, D] (last dimension contiguous); n_keys [B, T]: the keys row
-// (b, t) sees, the first n_keys[b, t] → [B, Hq, T, D] bf16. Query head h reads key head h / (Hq / Hkv).
+// q [B, T, Hq, D] (any strides, the last dimension contiguous: a view of the qkv projection); keys, values
+// [B, Hkv, S, D] (last dimension contiguous); n_keys [B, T]: the keys row (b, t) sees, the first n_keys[b, t]
+// → [B, T, Hq, D] bf16, the layout the output projection reads. Query head h reads key head h / (Hq / Hkv).
 torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor n_keys,
                         double scale) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16 &&
               values.scalar_type() == at::kBFloat16, "bf16 only");
-  const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hkv = keys.size(1), S = keys.size(2);
+  const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hkv = keys.size(1), S = keys.size(2);
   TORCH_CHECK(D % 32 == 0 && D <= 256 && Hq % Hkv == 0, "head size must be a multiple of 32, at most 256");
-  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1 && keys.strides() == values.strides(), "layout");
-  auto qc = q.contiguous();
+  TORCH_CHECK(q.stride(3) == 1 && keys.stride(3) == 1 && values.stride(3) == 1 && keys.strides() == values.strides(),
+              "layout");
   auto nk = n_keys.to(torch::kLong).contiguous();
-  auto out = torch::empty({B, Hq, T, D}, q.options());
-  const uint16_t* Q = (const uint16_t*)qc.data_ptr<at::BFloat16>();
+  auto out = torch::empty({B, T, Hq, D}, q.options());
+  const uint16_t* Q = (const uint16_t*)q.data_ptr<at::BFloat16>();
   const uint16_t* K = (const uint16_t*)keys.data_ptr<at::BFloat16>();
   const uint16_t* V = (const uint16_t*)values.data_ptr<at::BFloat16>();
   const int64_t* N = nk.data_ptr<int64_t>();
   uint16_t* O = (uint16_t*)out.data_ptr<at::BFloat16>();
   const int64_t sb = keys.stride(0), sh = keys.stride(1), ss = keys.stride(2);
+  const int64_t qb = q.stride(0), qt = q.stride(1), qh = q.stride(2);
   const int64_t group = Hq / Hkv;
   at::parallel_for(0, B * Hq * T, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(S);
@@ -81,7 +83,8 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
       const int64_t b = i / (Hq * T), h = (i / T) % Hq, t = i % T;
       const int64_t n = std::min<int64_t>(N[b * T + t], S);
       const int64_t base = b * sb + (h / group) * sh;
-      attend_row(Q + i * D, K + base, V + base, ss, n, D, (float)scale, scores.data(), O + i * D);
+      attend_row(Q + b * qb + t * qt + h * qh, K + base, V + base, ss, n, D, (float)scale, scores.data(),
+                 O + ((b * T + t) * Hq + h) * D);
     }
   });
   return out;
