@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import save_tiny, transformers
 
+from speculant.models.kv_cache import KVCache
 from speculant.models.loader import load_model
 
 TOL = 1e-4
@@ -150,7 +151,7 @@ def test_native_layer_ops_match_pytorch_in_fp32_and_give_a_row_the_same_bits_in_
     from speculant.models import native
     from speculant.models.llama import rope_tables
 
-    if native.layer_ops_kernel() is None:
+    if native.kernels() is None:
         pytest.skip("the native layer operations do not run here (no AVX512-BF16, or no compiler)")
     gen = torch.Generator().manual_seed(0)
 
@@ -182,6 +183,39 @@ def test_native_layer_ops_match_pytorch_in_fp32_and_give_a_row_the_same_bits_in_
         one = x[1:2, 2:3].clone()
         native.rope_(one, c[1:2, 2:3], s[1:2, 2:3], 12)
         assert torch.equal(one, y[1:2, 2:3])
+
+
+def test_fused_int4_layers_give_the_bits_of_the_layer_modules(tmp_path, monkeypatch):
+    """native.decoder_layer (one call a layer) against llama.Block's modules on the same weights: one
+    token, a verify pass, a ragged batch in cache rows out of order; logits and cache bit for bit."""
+    from speculant.models import native
+
+    if not native.amx():
+        pytest.skip("the AMX int4 kernel does not run here (no AMX, or no compiler): layers run as modules")
+    folder = save_tiny(tmp_path, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                       intermediate_size=256, init_std=0.05)
+    model = load_model(folder, dtype="bfloat16", quantization="int4").model
+    assert model.native_layers() is not None
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 96, (n,), generator=gen) for n in (40, 9, 23)]
+    steps = [torch.randint(0, 96, (len(prompts), t), generator=gen) for t in (1, 5, 3)]
+
+    def decode() -> tuple[list[torch.Tensor], KVCache]:
+        cache, slots = model.new_cache(4, 64), torch.tensor([2, 0, 3])
+        with torch.no_grad():
+            for slot, p in zip(slots, prompts):
+                model(p[None], cache, slot[None])
+            out = [model.logits(model(steps[0][:1], cache, slots[:1])),
+                   model.logits(model(steps[1][:1], cache, slots[:1])),
+                   model.logits(model(steps[2], cache, slots, torch.tensor([3, 1, 2])))]
+        return out, cache
+
+    fused, fused_cache = decode()
+    monkeypatch.setattr(model, "native_layers", lambda: None)
+    modules, module_cache = decode()
+    for a, b in zip(fused, modules):
+        assert torch.equal(a, b), f"max |Δ| {(a - b).abs().max():.3g}"
+    assert torch.equal(fused_cache.k, module_cache.k) and torch.equal(fused_cache.v, module_cache.v)
 
 
 @pytest.mark.parametrize("amx", [True, False])
@@ -216,7 +250,7 @@ def test_amx_int4_kernel_gives_every_row_the_same_result_whatever_the_row_count(
     in both (and within bf16 rounding of the float product of the Q4_1 weights)."""
     from speculant.models import native
 
-    if native.int4_kernel() is None:
+    if not native.amx():
         pytest.skip("the AMX int4 kernel does not run here (no AMX, or no compiler): PyTorch's kernel is used")
     gen = torch.Generator().manual_seed(0)
     N, K = 96, 192

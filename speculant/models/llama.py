@@ -17,6 +17,7 @@ from speculant.config import MAX_VERIFY_WIDTH
 from speculant.errors import SpeculantError
 from speculant.models import native
 from speculant.models.kv_cache import CacheIndex, KVCache
+from speculant.models.quantize import Int4Linear
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -302,6 +303,17 @@ class Block(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cache, fwd)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def native_weights(self) -> list | None:
+        """This layer's tensors as native.decoder_layer takes them, or None where it does not apply
+        (a projection off the AMX int4 kernel, biases, per-head q/k norms)."""
+        attn, mlp = self.self_attn, self.mlp
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
+        if (attn.cfg.qk_norm or any(n.dtype != torch.bfloat16 for n in norms)
+                or not all(isinstance(p, Int4Linear) and p.amx and p.bias is None for p in projections)):
+            return None
+        return [*norms, attn.cfg.norm_eps, *([p.weight, p.scale, p.minimum] for p in projections)]
+
 
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -323,6 +335,8 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.rope = Rope()
+        self._native_layers: list | None = None
+        self._native_checked = False
 
     @property
     def device(self) -> torch.device:
@@ -347,10 +361,27 @@ class Transformer(nn.Module):
         fwd = prepare_pass(cache, slots, tokens.shape[1], n_new, self.rope, self.inv_freq, self.dtype,
                            self.cfg.sliding_window)
         x = self.model.embed_tokens(tokens)
-        for block in self.model.layers:
-            x = block(x, cache, fwd)
+        layers = self.native_layers() if fwd.n_keys is not None else None
+        if layers:
+            cfg = self.cfg
+            for i, weights in enumerate(layers):
+                x = native.decoder_layer(x, weights, fwd.cos, fwd.sin, cache.k[i], cache.v[i], slots, fwd.n_keys,
+                                         cfg.n_heads, cfg.n_kv_heads)
+        else:
+            for block in self.model.layers:
+                x = block(x, cache, fwd)
         cache.lengths[slots] = fwd.end
         return self.model.norm(x)
+
+    def native_layers(self) -> list[list] | None:
+        """Every layer's weights for native.decoder_layer (one call a layer, see csrc/decoder.cpp), or
+        None: the layers run as modules. Read on the first pass: a model's weights are final by then
+        (quantized and packed at load)."""
+        if not self._native_checked:
+            layers = [block.native_weights() for block in self.model.layers]
+            self._native_layers = layers if all(w is not None for w in layers) else None
+            self._native_checked = True
+        return self._native_layers
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -1,14 +1,16 @@
-"""Compiled CPU kernels (csrc/), built on first use by PyTorch's extension loader where the CPU has
-the instructions and a C++ compiler is installed; callers fall back to PyTorch's own kernels otherwise.
+"""Compiled CPU kernels (csrc/), one extension module built on first use by PyTorch's extension loader
+where the CPU has AVX512-BF16 and a C++ compiler is installed; callers fall back to PyTorch's own kernels
+otherwise.
 
-- int4_amx.cpp: int4 (Q4_1) weight × bf16 activation products on AMX tiles. SmolLM2-135M's 120 int4
-  layers at 1 / 4 / 8 / 16 rows: PyTorch 5.1 / 9.9 / 14.7 / 29 ms, AMX 5.4 / 7.8 / 6.5 / 8.2 ms
+- int4_amx.cpp: int4 (Q4_1) weight × bf16 activation products on AMX tiles (CPUs with AMX). SmolLM2-135M's
+  120 int4 layers at 1 / 4 / 8 / 16 rows: PyTorch 5.1 / 9.9 / 14.7 / 29 ms, AMX 5.4 / 7.8 / 6.5 / 8.2 ms
   (interleaved, fastest of 15, this project's 2-core Sapphire Rapids VM).
 - attention.cpp: bf16 decode attention, one query row over exactly its keys, so rows score alike alone
   or in a verify pass or batch. SmolLM2's 30 layers, 300 cached keys, 1 / 4 / 8 rows: 0.53 / 1.6 / 3.1 ms;
   PyTorch's attention called row by row (its exact use) 2.1 / 8.2 / 12.2 ms.
 - layer_ops.cpp: RMSNorm, rotary embedding and SwiGLU's product for bf16 rows, one call each where
   PyTorch dispatches several operations (its RMSNorm ~10).
+- decoder.cpp: a whole decoder layer of int4 weights in one call, the same kernels in the same order.
 """
 
 from __future__ import annotations
@@ -27,49 +29,48 @@ from speculant.models.kernels import cpu_flags
 log = logging.getLogger("speculant")
 
 CSRC = Path(__file__).parent / "csrc"
-AVX512 = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+SOURCES = ["int4_amx.cpp", "attention.cpp", "layer_ops.cpp", "decoder.cpp"]
+HEADERS = ["bf16.h", "kernels.h"]
+CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi", "-mamx-tile", "-mamx-bf16",
+          "-fopenmp"]
+# The compiler may use any instruction CFLAGS allow anywhere: the module loads only where all of them run;
+# AMX instructions appear in int4_amx.cpp alone, called only where the CPU has AMX.
+NEEDED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi")
+AMX_FLAGS = ("amx_tile", "amx_bf16")
 # SPECULANT_NATIVE=off keeps PyTorch's kernels everywhere (to compare, or where a build misbehaves).
 SWITCH_ENV = "SPECULANT_NATIVE"
 
 
-def _build(name: str, source: str, cflags: list[str], needed_flags: tuple[str, ...]) -> ModuleType | None:
+@functools.cache
+def kernels() -> ModuleType | None:
+    """The compiled module, or None where it cannot run or be built (then every caller uses PyTorch)."""
     if os.environ.get(SWITCH_ENV, "on") == "off":
         return None
-    missing = [f for f in needed_flags if f not in cpu_flags()]
+    missing = [f for f in NEEDED_FLAGS if f not in cpu_flags()]
     if missing:
-        log.info("%s: PyTorch's kernel (this CPU lacks %s)", name, ", ".join(missing))
+        log.info("native kernels: PyTorch's instead (this CPU lacks %s)", ", ".join(missing))
         return None
     try:
         from torch.utils.cpp_extension import load
 
-        log.info("%s: compiled on first use (~30 s), then cached by PyTorch", name)
-        # PyTorch rebuilds when a source or a flag changes, not a header: the header's hash is a flag.
-        header = hashlib.sha256((CSRC / "bf16.h").read_bytes()).hexdigest()[:12]
-        return load(f"speculant_{name}", [str(CSRC / source)], extra_cflags=[*cflags, f"-DSPECULANT_HEADER={header}"],
-                    extra_ldflags=["-fopenmp"])
+        log.info("native kernels: compiled on first use (~1 min), then cached by PyTorch")
+        # PyTorch rebuilds when a source or a flag changes, not a header: the headers' hash is a flag.
+        headers = hashlib.sha256(b"".join((CSRC / h).read_bytes() for h in HEADERS)).hexdigest()[:12]
+        return load("speculant_native", [str(CSRC / s) for s in SOURCES],
+                    extra_cflags=[*CFLAGS, f"-DSPECULANT_HEADERS={headers}"], extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler, no ninja, a compiler without AMX: all mean the fallback
-        log.warning("%s: PyTorch's kernel (the native one did not build: %s)", name, str(e).splitlines()[0][:200])
+        log.warning("native kernels: PyTorch's instead (they did not build: %s)", str(e).splitlines()[0][:200])
         return None
 
 
 @functools.cache
-def int4_kernel() -> ModuleType | None:
-    return _build("int4_amx", "int4_amx.cpp", AVX512 + ["-mavx512vbmi", "-mamx-tile", "-mamx-bf16"],
-                  ("amx_tile", "amx_bf16", "avx512_bf16", "avx512vbmi", "avx512bw"))
-
-
-@functools.cache
-def attention_kernel() -> ModuleType | None:
-    return _build("attention", "attention.cpp", AVX512, ("avx512_bf16", "avx512bw"))
-
-
-@functools.cache
-def layer_ops_kernel() -> ModuleType | None:
-    return _build("layer_ops", "layer_ops.cpp", AVX512, ("avx512_bf16", "avx512bw"))
+def amx() -> bool:
+    """Whether the AMX int4 kernel runs here."""
+    return kernels() is not None and all(f in cpu_flags() for f in AMX_FLAGS)
 
 
 def int4_usable(out_features: int, in_features: int) -> bool:
-    return out_features % 16 == 0 and in_features % 64 == 0 and int4_kernel() is not None
+    return out_features % 16 == 0 and in_features % 64 == 0 and amx()
 
 
 def int4_layout(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -88,36 +89,45 @@ def int4_layout(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> 
 
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
     """x [M, K] bf16 → [M, N] bf16."""
-    return int4_kernel().int4_mm(x, packed, scale, minimum)
+    return kernels().int4_mm(x, packed, scale, minimum)
 
 
 def attention_usable(head_dim: int) -> bool:
-    return head_dim % 32 == 0 and head_dim <= 256 and attention_kernel() is not None
+    return head_dim % 32 == 0 and head_dim <= 256 and kernels() is not None
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n_keys: torch.Tensor) -> torch.Tensor:
     """q [B, T, Hq, D] (a strided view will do), keys/values [B, Hkv, S, D] bf16, n_keys [B, T]: row (b, t)
     attends to the first n_keys[b, t] keys → [B, T, Hq, D], scaled by 1/√D as scaled_dot_product_attention
     does."""
-    return attention_kernel().attention(q, keys, values, n_keys, q.shape[-1] ** -0.5)
+    return kernels().attention(q, keys, values, n_keys, q.shape[-1] ** -0.5)
 
 
 def layer_ops_usable(x: torch.Tensor) -> bool:
     """Whether the fused layer operations take `x`: bf16 on CPU, no gradient wanted (they have none)."""
     return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and not x.requires_grad
-            and layer_ops_kernel() is not None)
+            and kernels() is not None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return layer_ops_kernel().rms_norm(x, weight, eps)
+    return kernels().rms_norm(x, weight, eps)
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int) -> None:
     """Rotate, in place, the first n_heads heads of x [B, T, H, Dh] (contiguous) by cos and signed sin
     [B, T, 1, Dh] (see llama.rope_tables)."""
-    layer_ops_kernel().rope_(x.flatten(0, 1), cos, sin, n_heads)
+    kernels().rope_(x.flatten(0, 1), cos, sin, n_heads)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[..., 2n] (gate, then up) → silu(gate) · up [..., n]."""
-    return layer_ops_kernel().silu_mul(gate_up)
+    return kernels().silu_mul(gate_up)
+
+
+def decoder_layer(x: torch.Tensor, weights: list, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slots: torch.Tensor, n_keys: torch.Tensor, n_heads: int,
+                  n_kv_heads: int) -> torch.Tensor:
+    """One decoder layer (llama.Block) over x [B, T, D]: `weights` from Block.native_weights, k_cache and
+    v_cache one layer of the KV cache [rows, Hkv, L, Dh] (row b's keys go to row slots[b], position
+    n_keys[b, t] − 1)."""
+    return kernels().decoder_layer(x, *weights, cos, sin, k_cache, v_cache, slots, n_keys, n_heads, n_kv_heads)

@@ -10,6 +10,7 @@
 #include <immintrin.h>
 
 #include "bf16.h"
+#include "kernels.h"
 #include <cmath>
 
 namespace {
@@ -57,10 +58,11 @@ void attend_row(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t
 }  // namespace
 
 // q [B, T, Hq, D] (any strides, the last dimension contiguous: a view of the qkv projection); keys, values
-// [B, Hkv, S, D] (last dimension contiguous); n_keys [B, T]: the keys row (b, t) sees, the first n_keys[b, t]
-// → [B, T, Hq, D] bf16, the layout the output projection reads. Query head h reads key head h / (Hq / Hkv).
+// [B, Hkv, S, D] (last dimension contiguous), or with `slots` [B] a whole cache layer [rows, Hkv, S, D] whose row
+// slots[b] is sequence b's; n_keys [B, T]: the keys row (b, t) sees, the first n_keys[b, t] → [B, T, Hq, D]
+// bf16, the layout the output projection reads. Query head h reads key head h / (Hq / Hkv).
 torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor n_keys,
-                        double scale) {
+                        double scale, c10::optional<torch::Tensor> slots) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16 &&
               values.scalar_type() == at::kBFloat16, "bf16 only");
   const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hkv = keys.size(1), S = keys.size(2);
@@ -68,11 +70,13 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
   TORCH_CHECK(q.stride(3) == 1 && keys.stride(3) == 1 && values.stride(3) == 1 && keys.strides() == values.strides(),
               "layout");
   auto nk = n_keys.to(torch::kLong).contiguous();
+  auto rows = slots ? slots->to(torch::kLong).contiguous() : torch::arange(B, torch::kLong);
   auto out = torch::empty({B, T, Hq, D}, q.options());
   const uint16_t* Q = (const uint16_t*)q.data_ptr<at::BFloat16>();
   const uint16_t* K = (const uint16_t*)keys.data_ptr<at::BFloat16>();
   const uint16_t* V = (const uint16_t*)values.data_ptr<at::BFloat16>();
   const int64_t* N = nk.data_ptr<int64_t>();
+  const int64_t* R = rows.data_ptr<int64_t>();
   uint16_t* O = (uint16_t*)out.data_ptr<at::BFloat16>();
   const int64_t sb = keys.stride(0), sh = keys.stride(1), ss = keys.stride(2);
   const int64_t qb = q.stride(0), qt = q.stride(1), qh = q.stride(2);
@@ -82,12 +86,10 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
     for (int64_t i = i0; i < i1; i++) {
       const int64_t b = i / (Hq * T), h = (i / T) % Hq, t = i % T;
       const int64_t n = std::min<int64_t>(N[b * T + t], S);
-      const int64_t base = b * sb + (h / group) * sh;
+      const int64_t base = R[b] * sb + (h / group) * sh;
       attend_row(Q + b * qb + t * qt + h * qh, K + base, V + base, ss, n, D, (float)scale, scores.data(),
                  O + ((b * T + t) * Hq + h) * D);
     }
   });
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) { mod.def("attention", &attention); }

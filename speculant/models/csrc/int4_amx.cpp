@@ -15,6 +15,7 @@
 #include <immintrin.h>
 
 #include "bf16.h"
+#include "kernels.h"
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -143,5 +144,3 @@ torch::Tensor int4_mm(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::
   });
   return y;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) { mod.def("int4_mm", &int4_mm); }

@@ -11,6 +11,7 @@
 #include <immintrin.h>
 
 #include "bf16.h"
+#include "kernels.h"
 #include <cmath>
 
 namespace {
@@ -122,10 +123,4 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
     }
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("rms_norm", &rms_norm);
-  mod.def("rope_", &rope_);
-  mod.def("silu_mul", &silu_mul);
 }

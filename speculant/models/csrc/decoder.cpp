@@ -1,0 +1,71 @@
+// A whole Llama decoder layer in one call, for bf16 activations and int4 (AMX) weights: what
+// llama.Block computes with the same kernels, in the same order, so the bits are the same.
+//
+// Called layer by layer from Python, a decode pass spent more time between kernels than in them
+// (SmolLM2-135M int4, one token: ~4 of 11 ms in Python and PyTorch's dispatch), and the AMX unit runs
+// slower after each idle gap (120 int4 products back to back 3.0 ms, 4.5 ms between the model's
+// other operations).
+#include <torch/extension.h>
+#include <cmath>
+
+#include "kernels.h"
+
+namespace {
+
+// Row (b, t)'s key and value heads (rotated) into its cache row slots[b] at position n_keys[b, t] − 1.
+void write_kv(const torch::Tensor& qkv, torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots,
+              const torch::Tensor& n_keys, int64_t n_heads, int64_t n_kv_heads) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && qkv.is_contiguous(), "layout");
+  const int64_t B = n_keys.size(0), T = n_keys.size(1), L = k_cache.size(2), Dh = k_cache.size(3);
+  const int64_t heads = n_heads + 2 * n_kv_heads;
+  auto nk = n_keys.to(torch::kLong).contiguous();
+  auto rows = slots.to(torch::kLong).contiguous();
+  const int64_t *N = nk.data_ptr<int64_t>(), *R = rows.data_ptr<int64_t>();
+  const at::BFloat16* src = qkv.data_ptr<at::BFloat16>();
+  at::BFloat16 *K = k_cache.data_ptr<at::BFloat16>(), *V = v_cache.data_ptr<at::BFloat16>();
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t t = 0; t < T; t++) {
+      const int64_t pos = N[b * T + t] - 1;
+      TORCH_CHECK(pos >= 0 && pos < L, "cache position out of range");
+      const at::BFloat16* row = src + (b * T + t) * heads * Dh;
+      for (int64_t j = 0; j < n_kv_heads; j++) {
+        const int64_t dst = ((R[b] * n_kv_heads + j) * L + pos) * Dh;
+        std::memcpy(K + dst, row + (n_heads + j) * Dh, Dh * sizeof(at::BFloat16));
+        std::memcpy(V + dst, row + (n_heads + n_kv_heads + j) * Dh, Dh * sizeof(at::BFloat16));
+      }
+    }
+}
+
+}  // namespace
+
+// x [B, T, D]; each projection as (q, d, m) in int4_mm's layout; cos, sin [B, T, 1, Dh]; k_cache, v_cache
+// one layer of the KV cache [rows, Hkv, L, Dh]; slots [B]: each sequence's cache row; n_keys [B, T]: row
+// (b, t) sits at position n_keys[b, t] − 1 and sees the keys before it → the layer's output [B, T, D].
+torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor input_norm, torch::Tensor post_attention_norm, double eps,
+                            std::vector<torch::Tensor> qkv_proj, std::vector<torch::Tensor> o_proj,
+                            std::vector<torch::Tensor> gate_up_proj, std::vector<torch::Tensor> down_proj,
+                            torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor slots, torch::Tensor n_keys, int64_t n_heads, int64_t n_kv_heads) {
+  const int64_t B = x.size(0), T = x.size(1), D = x.size(2), Dh = k_cache.size(3);
+  const int64_t heads = n_heads + 2 * n_kv_heads;
+  auto rows = x.reshape({B * T, D});
+  auto qkv = int4_mm(rms_norm(rows, input_norm, eps), qkv_proj[0], qkv_proj[1], qkv_proj[2]).view({B * T, heads, Dh});
+  rope_(qkv, cos, sin, n_heads + n_kv_heads);
+  write_kv(qkv, k_cache, v_cache, slots, n_keys, n_heads, n_kv_heads);
+  auto q = qkv.view({B, T, heads, Dh}).narrow(2, 0, n_heads);
+  auto mixed = attention(q, k_cache, v_cache, n_keys, std::pow((double)Dh, -0.5), slots).view({B * T, n_heads * Dh});
+  auto h = rows + int4_mm(mixed, o_proj[0], o_proj[1], o_proj[2]);
+  auto gate_up = int4_mm(rms_norm(h, post_attention_norm, eps), gate_up_proj[0], gate_up_proj[1], gate_up_proj[2]);
+  auto out = h + int4_mm(silu_mul(gate_up), down_proj[0], down_proj[1], down_proj[2]);
+  return out.view({B, T, D});
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("int4_mm", &int4_mm);
+  mod.def("attention", &attention, pybind11::arg("q"), pybind11::arg("keys"), pybind11::arg("values"),
+          pybind11::arg("n_keys"), pybind11::arg("scale"), pybind11::arg("slots") = pybind11::none());
+  mod.def("rms_norm", &rms_norm);
+  mod.def("rope_", &rope_);
+  mod.def("silu_mul", &silu_mul);
+  mod.def("decoder_layer", &decoder_layer);
+}

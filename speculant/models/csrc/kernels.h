@@ -1,0 +1,15 @@
+// The compiled kernels, one extension module (decoder.cpp binds them): each file defines its own.
+#pragma once
+#include <torch/extension.h>
+
+// int4_amx.cpp: x [M, K] bf16 × Q4_1 weights in the kernel's layout (native.int4_layout) → [M, N] bf16.
+torch::Tensor int4_mm(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m);
+
+// attention.cpp: each query row over exactly its keys.
+torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor n_keys,
+                        double scale, c10::optional<torch::Tensor> slots);
+
+// layer_ops.cpp: RMSNorm, rotary embedding in place, silu(gate) · up.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t n_heads);
+torch::Tensor silu_mul(torch::Tensor gate_up);
