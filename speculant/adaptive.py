@@ -45,7 +45,7 @@ PROBE_WIDTH = 2
 # steps must not make wide passes look free, nor switch speculation off for good.
 CALIBRATION_RANGE = (0.5, 1.5)
 CALIBRATION_MIN_PASSES = 8  # of each width compared, plain passes included
-CURVE_VERSION = 7  # cached curves of an older measurement or model code are measured again
+CURVE_VERSION = 8  # cached curves of an older measurement or model code are measured again
 
 
 @dataclass

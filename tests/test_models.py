@@ -185,16 +185,18 @@ def test_native_layer_ops_match_pytorch_in_fp32_and_give_a_row_the_same_bits_in_
         assert torch.equal(one, y[1:2, 2:3])
 
 
-def test_fused_int4_layers_give_the_bits_of_the_layer_modules(tmp_path, monkeypatch):
-    """native.decoder_layer (one call a layer) against llama.Block's modules on the same weights: one
-    token, a verify pass, a ragged batch in cache rows out of order; logits and cache bit for bit."""
+@pytest.mark.parametrize("quantization", ["int4", "none"])
+def test_fused_layers_give_the_bits_of_the_layer_modules(tmp_path, monkeypatch, quantization):
+    """native.decoder_layer (one call a layer; int4 and bf16 weights) against llama.Block's modules on
+    the same weights: one token, a verify pass, a ragged batch in cache rows out of order; logits and
+    cache bit for bit."""
     from speculant.models import native
 
     if not native.amx():
-        pytest.skip("the AMX int4 kernel does not run here (no AMX, or no compiler): layers run as modules")
+        pytest.skip("the AMX kernels do not run here (no AMX, or no compiler): layers run as modules")
     folder = save_tiny(tmp_path, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
                        intermediate_size=256, init_std=0.05)
-    model = load_model(folder, dtype="bfloat16", quantization="int4").model
+    model = load_model(folder, dtype="bfloat16", quantization=quantization).model
     assert model.native_layers() is not None
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 96, (n,), generator=gen) for n in (40, 9, 23)]
@@ -268,17 +270,25 @@ def test_amx_int4_kernel_gives_every_row_the_same_result_whatever_the_row_count(
     assert torch.equal(native.int4_mm(x[7:8], *weights), y[7:8])  # and whatever rows come before it
 
 
-def test_packed_bf16_linear_gives_every_row_the_same_bits_whatever_the_row_count():
-    """oneDNN's packed bf16 kernel is row-exact up to 32 rows only (measured: on SmolLM2's qkv shape a
-    40-row call changed rows 1, 6, 16 …); a batched verify pass is wider, so PackedLinear goes in chunks."""
+@pytest.mark.parametrize("amx", [True, False])
+def test_packed_bf16_linear_gives_every_row_the_same_bits_whatever_the_row_count(monkeypatch, amx):
+    """The AMX bf16 kernel computes every row alike; oneDNN's packed bf16 kernel (where AMX is not) is
+    row-exact up to 32 rows only (measured: on SmolLM2's qkv shape a 40-row call changed rows 1, 6,
+    16 …), so a batched verify pass goes to it in chunks."""
+    from speculant.models import native
     from speculant.models.kernels import PackedLinear, fast_bfloat16
 
     if not fast_bfloat16(torch.device("cpu")):
         pytest.skip("no oneDNN bf16 kernel on this CPU (no AMX or AVX512-BF16)")
+    if amx and not native.bf16_usable(960, 576):
+        pytest.skip("the AMX bf16 kernel does not run here (no AMX, or no compiler)")
+    if not amx:
+        monkeypatch.setattr(native, "bf16_usable", lambda out_features, in_features: False)
     gen = torch.Generator().manual_seed(0)
     linear = torch.nn.Linear(576, 960, bias=False)
     linear.weight.data = (torch.randn(960, 576, generator=gen) * 0.05).bfloat16()
     packed = PackedLinear(linear)
+    assert packed.kind == ("amx" if amx else "onednn")
     x = torch.randn(8, 5, 576, generator=gen).bfloat16()  # a batch of 8 verify rows of 5 tokens
     with torch.no_grad():
         single = torch.stack([torch.cat([packed(x[b, t][None]) for t in range(5)]) for b in range(8)])

@@ -10,13 +10,12 @@ weight's memory layout and the kernel differ.
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 import torch
 from torch import nn
 
 from speculant.config import MAX_VERIFY_WIDTH
+from speculant.models import native
+from speculant.models.native import cpu_flags
 
 ONEDNN_BATCH_HINT = 8  # the row count oneDNN lays the packed weight out for: a typical verify pass
 # oneDNN's packed bf16 kernel gives a row the same bits whatever the row count up to 32 rows, other bits
@@ -41,17 +40,9 @@ def fast_bfloat16(device: torch.device) -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo is not there)."""
-    try:
-        return frozenset(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return frozenset()
-
-
 class PackedLinear(nn.Module):
-    """y = x Wᵀ + b (frozen, inference only) with W transposed (CPU fp32) or prepacked (CPU bf16/fp16)."""
+    """y = x Wᵀ + b (frozen, inference only) with W transposed (CPU fp32), in AMX tiles (CPU bf16 where the
+    native kernel runs) or prepacked for oneDNN (other CPU bf16/fp16)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -61,11 +52,20 @@ class PackedLinear(nn.Module):
         if w.dtype == torch.float32:
             self.kind = "transposed"
             self.register_buffer("weight", w.t().contiguous())  # [in, out]
+        elif w.dtype == torch.bfloat16 and native.bf16_usable(*w.shape):
+            # Row-exact at any row count and faster than oneDNN's (SmolLM2's 120 layers at 1 / 9 / 72
+            # rows: 12.1 / 12.6 / 20.7 ms, oneDNN 19.1 / 18.2 / 38.9; its 49152-row head 1.58 / 1.48 / 5.23,
+            # oneDNN 2.12 / 1.64 / 5.67, interleaved).
+            self.kind = "amx"
+            self.register_buffer("weight", native.bf16_layout(w))
         else:
             self.kind = "onednn"
             self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_BATCH_HINT))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "amx":
+            y = native.bf16_mm(x.reshape(-1, self.in_features), self.weight).unflatten(0, x.shape[:-1])
+            return y if self.bias is None else y + self.bias
         if self.kind == "onednn":
             rows = x.flatten(0, -2)
             if rows.shape[0] <= ONEDNN_EXACT_ROWS or _one_prompt(x):

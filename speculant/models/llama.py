@@ -16,6 +16,7 @@ from torch import nn
 from speculant.config import MAX_VERIFY_WIDTH
 from speculant.errors import SpeculantError
 from speculant.models import native
+from speculant.models.kernels import PackedLinear
 from speculant.models.kv_cache import CacheIndex, KVCache
 from speculant.models.quantize import Int4Linear
 
@@ -305,14 +306,23 @@ class Block(nn.Module):
 
     def native_weights(self) -> list | None:
         """This layer's tensors as native.decoder_layer takes them, or None where it does not apply
-        (a projection off the AMX int4 kernel, biases, per-head q/k norms)."""
+        (a projection off the AMX kernels, biases, per-head q/k norms)."""
         attn, mlp = self.self_attn, self.mlp
-        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
-        if (attn.cfg.qk_norm or any(n.dtype != torch.bfloat16 for n in norms)
-                or not all(isinstance(p, Int4Linear) and p.amx and p.bias is None for p in projections)):
+        projections = [amx_weights(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if attn.cfg.qk_norm or any(n.dtype != torch.bfloat16 for n in norms) or None in projections:
             return None
-        return [*norms, attn.cfg.norm_eps, *([p.weight, p.scale, p.minimum] for p in projections)]
+        return [*norms, attn.cfg.norm_eps, *projections]
+
+
+def amx_weights(linear: nn.Module) -> list[torch.Tensor] | None:
+    """A projection's weights as the native layer takes them: (q, scale, minimum) for the AMX int4
+    kernel, (w) for the AMX bf16 one; None for any other kernel, or a bias."""
+    if isinstance(linear, Int4Linear) and linear.amx and linear.bias is None:
+        return [linear.weight, linear.scale, linear.minimum]
+    if isinstance(linear, PackedLinear) and linear.kind == "amx" and linear.bias is None:
+        return [linear.weight]
+    return None
 
 
 class Backbone(nn.Module):

@@ -5,6 +5,7 @@ otherwise.
 - int4_amx.cpp: int4 (Q4_1) weight × bf16 activation products on AMX tiles (CPUs with AMX). SmolLM2-135M's
   120 int4 layers at 1 / 4 / 8 / 16 rows: PyTorch 5.1 / 9.9 / 14.7 / 29 ms, AMX 5.4 / 7.8 / 6.5 / 8.2 ms
   (interleaved, fastest of 15, this project's 2-core Sapphire Rapids VM).
+- bf16_amx.cpp: bf16 weight × bf16 activation products on AMX tiles, every row alike at any row count.
 - attention.cpp: bf16 decode attention, one query row over exactly its keys, so rows score alike alone
   or in a verify pass or batch. SmolLM2's 30 layers, 300 cached keys, 1 / 4 / 8 rows: 0.53 / 1.6 / 3.1 ms;
   PyTorch's attention called row by row (its exact use) 2.1 / 8.2 / 12.2 ms.
@@ -24,21 +25,28 @@ from types import ModuleType
 
 import torch
 
-from speculant.models.kernels import cpu_flags
-
 log = logging.getLogger("speculant")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ["int4_amx.cpp", "attention.cpp", "layer_ops.cpp", "decoder.cpp"]
-HEADERS = ["bf16.h", "kernels.h"]
+SOURCES = ["int4_amx.cpp", "bf16_amx.cpp", "attention.cpp", "layer_ops.cpp", "decoder.cpp"]
+HEADERS = ["amx.h", "bf16.h", "kernels.h"]
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi", "-mamx-tile", "-mamx-bf16",
           "-fopenmp"]
 # The compiler may use any instruction CFLAGS allow anywhere: the module loads only where all of them run;
-# AMX instructions appear in int4_amx.cpp alone, called only where the CPU has AMX.
+# AMX instructions appear in the *_amx.cpp kernels alone, called only where the CPU has AMX.
 NEEDED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi")
 AMX_FLAGS = ("amx_tile", "amx_bf16")
 # SPECULANT_NATIVE=off keeps PyTorch's kernels everywhere (to compare, or where a build misbehaves).
 SWITCH_ENV = "SPECULANT_NATIVE"
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo is not there)."""
+    try:
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return frozenset()
 
 
 @functools.cache
@@ -90,6 +98,23 @@ def int4_layout(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> 
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
     """x [M, K] bf16 → [M, N] bf16."""
     return kernels().int4_mm(x, packed, scale, minimum)
+
+
+def bf16_usable(out_features: int, in_features: int) -> bool:
+    return out_features % 16 == 0 and in_features % 32 == 0 and amx()
+
+
+def bf16_layout(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] → bf16 [N/16, K/32, 16, 32]: per block of 16 outputs and group of 32 inputs, the AMX
+    tile, row r holding each output's input pair (2r, 2r + 1)."""
+    N, K = w.shape
+    return w.to(torch.bfloat16).view(N // 16, 16, K // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(
+        N // 16, K // 32, 16, 32).contiguous()
+
+
+def bf16_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bf16 → [M, N] bf16."""
+    return kernels().bf16_mm(x, w)
 
 
 def attention_usable(head_dim: int) -> bool:

@@ -1,4 +1,4 @@
-// A whole Llama decoder layer in one call, for bf16 activations and int4 (AMX) weights: what
+// A whole Llama decoder layer in one call, for bf16 activations and AMX weights (int4 or bf16): what
 // llama.Block computes with the same kernels, in the same order, so the bits are the same.
 //
 // Called layer by layer from Python, a decode pass spent more time between kernels than in them
@@ -36,9 +36,14 @@ void write_kv(const torch::Tensor& qkv, torch::Tensor& k_cache, torch::Tensor& v
     }
 }
 
+// A projection's weights: (q, d, m) in int4_mm's layout, or (w) in bf16_mm's.
+torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& p) {
+  return p.size() == 3 ? int4_mm(x, p[0], p[1], p[2]) : bf16_mm(x, p[0]);
+}
+
 }  // namespace
 
-// x [B, T, D]; each projection as (q, d, m) in int4_mm's layout; cos, sin [B, T, 1, Dh]; k_cache, v_cache
+// x [B, T, D]; each projection's weights as project() takes them; cos, sin [B, T, 1, Dh]; k_cache, v_cache
 // one layer of the KV cache [rows, Hkv, L, Dh]; slots [B]: each sequence's cache row; n_keys [B, T]: row
 // (b, t) sits at position n_keys[b, t] − 1 and sees the keys before it → the layer's output [B, T, D].
 torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor input_norm, torch::Tensor post_attention_norm, double eps,
@@ -49,19 +54,20 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor input_norm, torch::Te
   const int64_t B = x.size(0), T = x.size(1), D = x.size(2), Dh = k_cache.size(3);
   const int64_t heads = n_heads + 2 * n_kv_heads;
   auto rows = x.reshape({B * T, D});
-  auto qkv = int4_mm(rms_norm(rows, input_norm, eps), qkv_proj[0], qkv_proj[1], qkv_proj[2]).view({B * T, heads, Dh});
+  auto qkv = project(rms_norm(rows, input_norm, eps), qkv_proj).view({B * T, heads, Dh});
   rope_(qkv, cos, sin, n_heads + n_kv_heads);
   write_kv(qkv, k_cache, v_cache, slots, n_keys, n_heads, n_kv_heads);
   auto q = qkv.view({B, T, heads, Dh}).narrow(2, 0, n_heads);
   auto mixed = attention(q, k_cache, v_cache, n_keys, std::pow((double)Dh, -0.5), slots).view({B * T, n_heads * Dh});
-  auto h = rows + int4_mm(mixed, o_proj[0], o_proj[1], o_proj[2]);
-  auto gate_up = int4_mm(rms_norm(h, post_attention_norm, eps), gate_up_proj[0], gate_up_proj[1], gate_up_proj[2]);
-  auto out = h + int4_mm(silu_mul(gate_up), down_proj[0], down_proj[1], down_proj[2]);
+  auto h = rows + project(mixed, o_proj);
+  auto gate_up = project(rms_norm(h, post_attention_norm, eps), gate_up_proj);
+  auto out = h + project(silu_mul(gate_up), down_proj);
   return out.view({B, T, D});
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("int4_mm", &int4_mm);
+  mod.def("bf16_mm", &bf16_mm);
   mod.def("attention", &attention, pybind11::arg("q"), pybind11::arg("keys"), pybind11::arg("values"),
           pybind11::arg("n_keys"), pybind11::arg("scale"), pybind11::arg("slots") = pybind11::none());
   mod.def("rms_norm", &rms_norm);

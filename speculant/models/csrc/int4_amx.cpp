@@ -14,29 +14,16 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "amx.h"
 #include "bf16.h"
 #include "kernels.h"
-#include <sys/syscall.h>
-#include <unistd.h>
 
 namespace {
 
+using speculant::amx_permitted;
 using speculant::load_bf16;
+using speculant::TileConfig;
 using speculant::to_bf16;
-
-struct TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-bool amx_permitted() {
-  // Linux hands out the tile state on request only (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-}
 
 // One block's group: 16 rows of 16 bytes (byte j of row r: q[j][2r] | q[j][2r+1] << 4) → the B tile,
 // row r = for each output j the input pair (2r, 2r+1) as bf16 128 + q.

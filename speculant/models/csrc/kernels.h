@@ -5,6 +5,9 @@
 // int4_amx.cpp: x [M, K] bf16 × Q4_1 weights in the kernel's layout (native.int4_layout) → [M, N] bf16.
 torch::Tensor int4_mm(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m);
 
+// bf16_amx.cpp: x [M, K] bf16 × bf16 weights in the kernel's layout (native.bf16_layout) → [M, N] bf16.
+torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor w);
+
 // attention.cpp: each query row over exactly its keys.
 torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor n_keys,
                         double scale, c10::optional<torch::Tensor> slots);

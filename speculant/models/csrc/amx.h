@@ -1,0 +1,23 @@
+// What the AMX kernels share: the tile configuration and Linux's permission to use the tiles.
+#pragma once
+#include <cstdint>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+namespace speculant {
+
+struct TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+inline bool amx_permitted() {
+  // Linux hands out the tile state on request only (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+}  // namespace speculant
