@@ -40,6 +40,7 @@ MIN_GAIN = 1.05
 # batch 2-32: ragged rows, per-row work it leaves out). Below this it cannot tell a gain from a loss.
 MIN_GAIN_BATCHED = 1.25
 MAX_PROBE_INTERVAL = 64
+MAX_SKIPPED = 8  # steps a batch goes without looking for drafts after a step that drafted none
 PROBE_WIDTH = 2
 # The widening cost measured in this run may scale the curve's by this much, no more: a few noisy
 # steps must not make wide passes look free, nor switch speculation off for good.
@@ -70,6 +71,8 @@ class AdaptiveK:
     buckets: dict[int, Bucket] = field(default_factory=dict)
     # pass width → [passes seen, decayed mean seconds]: the engine's own pass times at batch 1
     pass_times: dict[int, list[float]] = field(default_factory=dict)
+    skipped: int = 0  # steps the last look-up-free stretch lasted (worth_proposing)
+    skip_left: int = 0
 
     def bucket(self, key: int) -> Bucket:
         if key not in self.buckets:
@@ -91,6 +94,18 @@ class AdaptiveK:
         """How many drafts to ask of a proposer whose drafts cost a pass of its own."""
         return max(self.plan([0] * batch_size, [self.k_max] * batch_size, self.draft_ratio, remaining))
 
+    def worth_proposing(self, batch_size: int) -> bool:
+        """Whether a free proposer should look for drafts this step. In a batch, after a step whose
+        drafts were all left out the next 1, 2, 4 … MAX_SKIPPED steps do not look (each counts as an
+        idle step for the probes), until a step drafts again: looking up and planning cost ~3% of a
+        batch-32 step (int4) where speculation widened 1% of the steps."""
+        if batch_size == 1 or self.skip_left == 0:
+            return True
+        self.skip_left -= 1
+        for b in self.buckets.values():
+            b.idle_steps += 1
+        return False
+
     def plan(self, buckets: list[int], available: list[int], draft_ratio: float = 0.0,
              remaining: list[int] | None = None) -> list[int]:
         """How many of its `available` drafts each row sends to the verify pass. The pass is as wide as
@@ -105,6 +120,11 @@ class AdaptiveK:
                 b.idle_steps, b.probe_interval = 0, self.probe_every
         else:
             width = self._probe(buckets, available, draft_ratio, drafting, remaining)
+        if width or len(buckets) == 1:
+            self.skipped = 0
+        else:
+            self.skipped = min(2 * self.skipped or 1, MAX_SKIPPED)
+            self.skip_left = self.skipped
         return [min(width, n) for n in available]
 
     def _probe(self, buckets: list[int], available: list[int], draft_ratio: float, drafting: set[int],

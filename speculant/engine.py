@@ -187,7 +187,12 @@ class Engine:
         free = self.proposer is not None and self.proposer.free_drafts
         # With no request waiting for a slot the batch is done when its last row is (adaptive.batch_progress).
         remaining = None if self.waiting else [s.max_tokens - s.num_generated for s in batch]
-        k = self.adaptive.choose(len(batch), remaining) if self.adaptive and self.k and not free else self.k
+        if self.adaptive and free and not self.adaptive.worth_proposing(len(batch)):
+            k = 0
+        elif self.adaptive and self.k and not free:
+            k = self.adaptive.choose(len(batch), remaining)
+        else:
+            k = self.k
         ks = [self._k_for(s, k) for s in batch]
         if not any(ks):
             return Proposal.from_lists([[] for _ in batch], self.device)

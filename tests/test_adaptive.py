@@ -160,3 +160,20 @@ def test_without_a_queue_a_batch_drafts_for_the_rows_it_waits_for():
     assert policy.plan([0, 0], [4, 0], remaining=[40, 40]) == [0, 0]
     assert policy.plan([0, 0], [4, 0], remaining=[40, 10]) == [4, 0]
     assert policy.plan([0, 0], [4, 4], remaining=[40, 40]) == [4, 4]
+
+
+def test_a_batch_that_drafts_nothing_looks_for_drafts_less_and_less_often():
+    """After a batch step whose drafts were all left out, 1, 2, 4 … 8 steps go without a look-up (idle
+    for the probes); a step that drafts resets it; batch 1 always looks."""
+    policy = AdaptiveK(curve(4), k_max=4, alpha=0.5)
+    looked = []
+    for _ in range(40):
+        looked.append(policy.worth_proposing(16))
+        if looked[-1]:
+            assert policy.plan([0] * 16, [4] + [0] * 15) == [0] * 16
+    assert looked[:12] == [True, False, True, False, False, True, False, False, False, False, True, False]
+    assert sum(looked[20:]) <= 3  # every 9th step at most, once the wait is 8
+    assert policy.worth_proposing(1)
+    memory_bound = AdaptiveK(curve(32), k_max=4, alpha=0.9, skipped=8)
+    assert memory_bound.plan([0] * 16, [4] * 16) == [4] * 16 and memory_bound.worth_proposing(16)
+    assert memory_bound.skipped == 0
