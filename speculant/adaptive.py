@@ -121,7 +121,7 @@ class AdaptiveK:
         else:
             width = self._probe(buckets, available, draft_ratio, drafting, remaining)
         if width or len(buckets) == 1:
-            self.skipped = 0
+            self.skipped = self.skip_left = 0
         else:
             self.skipped = min(2 * self.skipped or 1, MAX_SKIPPED)
             self.skip_left = self.skipped
