@@ -6,6 +6,7 @@ q/k RMSNorm (Qwen3). Parameter names follow Hugging Face's so checkpoints load a
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -149,13 +150,22 @@ def apply_rope(x: torch.Tensor, n_heads: int, cos: torch.Tensor, sin: torch.Tens
 class Pass:
     """What every layer of one forward pass shares: where the cache is written and read, the
     attention mask, the rotary tables at the new positions."""
-    at: CacheIndex
+    cache: KVCache
+    slots: torch.Tensor  # [B]
+    positions: torch.Tensor  # [B, T]
+    span: int  # keys the widest row sees after the pass
     mask: torch.Tensor | None  # additive [B, 1, T, span]; None when every key is visible
     cos: torch.Tensor  # [B, T, 1, Dh]
     sin: torch.Tensor
     end: torch.Tensor  # [B] the rows' cache lengths after the pass
     n_keys: torch.Tensor | None = None  # [B, T] keys each row sees, for the native kernel (see prepare_pass)
     row_spans: list[int] | None = None  # attend row by row over these key counts (see prepare_pass)
+
+    @functools.cached_property
+    def at(self) -> CacheIndex:
+        """Where the layer modules write and read the cache, built when the first one asks: a pass of
+        native.decoder_layer calls writes the cache itself (the index cost ~30 µs a pass at batch 1)."""
+        return self.cache.index(self.slots, self.positions, self.span)
 
 
 class Rope:
@@ -200,7 +210,7 @@ def prepare_pass(cache: KVCache, slots: torch.Tensor, T: int, n_new: torch.Tenso
         row_spans = list(range(first + 1, first + T + 1))
     elif not (len(slots) == 1 and T == 1 and (window is None or span <= window)):
         mask = attention_mask(positions, span, window, dtype)
-    return Pass(cache.index(slots, positions, span), mask, cos, sin, end, n_keys, row_spans)
+    return Pass(cache, slots, positions, span, mask, cos, sin, end, n_keys, row_spans)
 
 
 def attention_mask(positions: torch.Tensor, span: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
