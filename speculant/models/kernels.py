@@ -15,7 +15,6 @@ from torch import nn
 
 from speculant.config import MAX_VERIFY_WIDTH
 from speculant.models import native
-from speculant.models.native import cpu_flags
 
 ONEDNN_BATCH_HINT = 8  # the row count oneDNN lays the packed weight out for: a typical verify pass
 # oneDNN's packed bf16 kernel gives a row the same bits whatever the row count up to 32 rows, other bits
@@ -36,7 +35,7 @@ def fast_bfloat16(device: torch.device) -> bool:
         return True
     if device.type != "cpu" or not _onednn_usable(torch.bfloat16):
         return False
-    flags = cpu_flags()
+    flags = native.cpu_flags()
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 

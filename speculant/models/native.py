@@ -11,7 +11,8 @@ otherwise.
   PyTorch's attention called row by row (its exact use) 2.1 / 8.2 / 12.2 ms.
 - layer_ops.cpp: RMSNorm, rotary embedding and SwiGLU's product for bf16 rows, one call each where
   PyTorch dispatches several operations (its RMSNorm ~10).
-- decoder.cpp: a whole decoder layer of int4 weights in one call, the same kernels in the same order.
+- decoder.cpp: a whole decoder layer of AMX weights (int4 or bf16) in one call, the same kernels in the
+  same order.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def kernels() -> ModuleType | None:
 
 @functools.cache
 def amx() -> bool:
-    """Whether the AMX int4 kernel runs here."""
+    """Whether the AMX kernels (int4 and bf16 weights) run here."""
     return kernels() is not None and all(f in cpu_flags() for f in AMX_FLAGS)
 
 
