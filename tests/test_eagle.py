@@ -18,19 +18,19 @@ from speculant.sampling import probabilities
 BATCH = 400
 
 
-def random_head(target, seed: int = 0, std: float = 0.3) -> EagleHead:
+def random_head(target, seed: int = 0, std: float = 0.3, vocab: torch.Tensor | None = None) -> EagleHead:
     """An untrained head with large weights: its drafts are sometimes right, often wrong, and its
     q clearly differs from p, which is what the losslessness tests need."""
     torch.manual_seed(seed)
-    head = EagleHead(head_config(target.config))
+    head = EagleHead(head_config(target.config), vocab)
     for p in head.parameters():
         if p.dim() == 2:
             torch.nn.init.normal_(p, std=std)
     return head.eval().requires_grad_(False)
 
 
-def saved_head(target, folder, seed: int = 0):
-    save_eagle(random_head(target, seed), folder, target, dtype=torch.float32)
+def saved_head(target, folder, seed: int = 0, vocab: torch.Tensor | None = None):
+    save_eagle(random_head(target, seed, vocab=vocab), folder, target, dtype=torch.float32)
     return folder
 
 
@@ -38,6 +38,16 @@ def saved_head(target, folder, seed: int = 0):
 def small(small_vocab_pair, tmp_path_factory):
     target = load_model(small_vocab_pair[0])
     return target, load_eagle(saved_head(target, tmp_path_factory.mktemp("head")), target)
+
+
+DRAFT_VOCAB = torch.tensor([0, 2, 3, 5, 6])  # of the small target's 8 tokens
+
+
+@pytest.fixture(scope="module")
+def small_draft_vocab(small_vocab_pair, tmp_path_factory):
+    """A head that drafts from 5 of the 8 tokens: q is 0 on the other 3, where p is not."""
+    target = load_model(small_vocab_pair[0])
+    return target, load_eagle(saved_head(target, tmp_path_factory.mktemp("head"), vocab=DRAFT_VOCAB), target)
 
 
 def eagle_engine(target, head, k: int, batch: int, proposer_cls=EagleProposer, max_len: int = 32) -> Engine:
@@ -100,12 +110,66 @@ def test_eagle_sampling_matches_target(small, setting):
     assert p > ALPHA
 
 
+@pytest.mark.parametrize("setting", ["t1", "t0.7_topk"])
+def test_draft_vocabulary_sampling_matches_target(small_draft_vocab, setting):
+    target, head = small_draft_vocab
+    assert head.vocab.tolist() == DRAFT_VOCAB.tolist()  # saved and loaded with the head
+    params = SETTINGS[setting]
+    engine = eagle_engine(target, head, 2, BATCH)
+    drafted = []
+    original = engine.proposer.propose
+
+    def spy(seqs, ks, sb):
+        out = original(seqs, ks, sb)
+        drafted.extend(out.tokens[out.n_draft > 0].flatten().tolist())
+        return out
+
+    engine.proposer.propose = spy
+    p = g_test(sampled_joint(engine, params, N_SAMPLES), exact_joint(target.model, params, N_TOKENS))
+    print(f"eagle, draft vocabulary {DRAFT_VOCAB.tolist()}, {setting}: G-test p = {p:.4f}")
+    assert drafted and set(drafted) <= set(DRAFT_VOCAB.tolist())
+    assert engine.stats.num_accepted_tokens > 0
+    assert p > ALPHA
+
+
+def test_draft_vocabulary_greedy_is_plain_greedy(small_draft_vocab):
+    target, head = small_draft_vocab
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = Engine(target, max_batch_size=2, max_model_len=40)
+    expected = [s.output_ids for s in plain.generate([plain.add_request(PROMPT, params),
+                                                       plain.add_request([1, 2, 3], params)])]
+    engine = eagle_engine(target, head, 3, 2, max_len=40)
+    got = [s.output_ids for s in engine.generate([engine.add_request(PROMPT, params),
+                                                   engine.add_request([1, 2, 3], params)])]
+    assert got == expected
+    assert engine.stats.num_accepted_tokens > 0
+
+
 class GreedyHeadSoftmaxQ(EagleProposer):
     """Drafts the head's argmax but reports the softmax as q: the classic lossy bug."""
 
     def draw(self, logits, sb):
         q = probabilities(logits, sb)[:, 0]
         return q.argmax(dim=-1), q
+
+
+class DraftVocabQMisplaced(EagleProposer):
+    """Reports q over the draft vocabulary at the first N ids instead of the vocabulary's own."""
+
+    def draw_from_vocab(self, logits, sb):
+        token, q = self.draw(logits, sb)
+        n = len(self.head.vocab)
+        full = torch.zeros(q.shape[0], self.target.cfg.vocab_size)
+        full[:, :n] = q
+        return self.head.vocab[token], full
+
+
+def test_draft_vocabulary_mutant_is_caught(small_draft_vocab):
+    target, head = small_draft_vocab
+    params = SETTINGS["t1"]
+    engine = eagle_engine(target, head, 2, BATCH, proposer_cls=DraftVocabQMisplaced)
+    p = g_test(sampled_joint(engine, params, N_SAMPLES), exact_joint(target.model, params, N_TOKENS))
+    assert p < ALPHA
 
 
 def test_eagle_mutant_is_caught(small):

@@ -46,12 +46,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="eagle: weight of the KL to the target's distribution next to feature regression")
     t.add_argument("--kl-fraction", type=float, default=defaults.kl_fraction,
                    help="eagle: fraction of positions that pay for the full-vocabulary softmax")
+    t.add_argument("--draft-vocab", type=int, default=defaults.draft_vocab,
+                   help="eagle: draft from the target's N most frequent next tokens in the data, a cheaper "
+                        "head than the whole vocabulary (0: the whole vocabulary)")
     t.add_argument("--draft-dim", type=int, default=defaults.draft_dim, help="draft_model hidden size")
     t.add_argument("--draft-layers", type=int, default=defaults.draft_layers, help="draft_model layers")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; 1 is fastest on a busy machine)")
-    t.add_argument("--dtype", default="float32", help="dtype the target runs in while recording")
+    t.add_argument("--dtype", default="auto",
+                   help="dtype the target runs in while recording (default auto, as `generate`: the features "
+                        "a draft learns from are those of the target it will draft for)")
+    t.add_argument("--quantization", default="auto", help="the target's weights while recording (as `generate`)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    target = load_model(args.target, dtype=args.dtype)
+    target = load_model(args.target, dtype=args.dtype, quantization=args.quantization)
     data_dir = args.data or args.out / "data"
     manifest = build_dataset(target, data_dir, n_text_chars=args.text_chars, n_prompts=args.prompts,
                              answer_tokens=args.answer_tokens, top_k=args.top_k, seed=args.seed,
@@ -81,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = TrainConfig(kind=args.kind, epochs=args.epochs, max_minutes=args.max_minutes,
                       batch_size=args.batch_size, window=args.window,
                       lr=args.lr or (1e-3 if args.kind == "eagle" else 2e-3),
-                      kl_weight=args.kl_weight, kl_fraction=args.kl_fraction, draft_dim=args.draft_dim,
+                      kl_weight=args.kl_weight, kl_fraction=args.kl_fraction, draft_vocab=args.draft_vocab,
+                      draft_dim=args.draft_dim,
                       draft_layers=args.draft_layers, seed=args.seed)
     summary = train(target, load_dataset(data_dir), cfg, args.out)
     summary["data"] = {"folder": str(data_dir), "tokens": manifest["tokens"],

@@ -117,14 +117,93 @@ def build_items(n_text_chars: int, n_prompts: int, seed: int = 0) -> list[Item]:
         ("complete", lambda f, d: "Complete this Python code:\n```python\n" + _head(f[0]) + "\n```"),
         ("explain", lambda f, d: "Explain what this function does:\n```python\n" + f[0] + "\n```"),
         ("write", lambda f, d: f"Write a Python function that does this: {first_sentence(f[1])}."),
-        ("rewrite", lambda f, d: "Rewrite this paragraph in simpler words:\n\n" + d),
+        ("rewrite", lambda f, d: rewrite_prompt(d, rng)),
         ("chat", lambda f, d: f"In two or three sentences, what is this about?\n\n{d}"),
     ]
     functions = [f for f in functions if len(f[0]) < 1500]  # prompts stay short: answers matter more
+    questions = general_questions(rng)
     for i in range(n_prompts):
         task, make = tasks[i % len(tasks)]
-        items.append(Item(f"chat:{task}", make(functions[i % len(functions)], prose[-1 - i % len(prose)])))
+        if task == "chat" and i // len(tasks) % 2:  # half the chat prompts: everyday questions
+            text = questions[i // (2 * len(tasks)) % len(questions)]
+        else:
+            text = make(functions[i % len(functions)], prose[-1 - i % len(prose)])
+        items.append(Item(f"chat:{task}", text))
     return items
+
+
+# Everyday questions for the chat share of the prompts: what users ask an assistant, which
+# neither the stdlib nor package descriptions contain. The bench's chat prompts (sleep, the sky's
+# colour, viruses, guitar, cats, meetings, hiking) are left out so the bench measures held-out text.
+TOPICS = (
+    "learning a new language", "saving money", "growing tomatoes", "running a marathon", "baking bread",
+    "writing a resume", "public speaking", "keeping a journal", "training a puppy", "painting with watercolors",
+    "starting a small business", "planning a wedding", "cleaning a kitchen", "learning to swim",
+    "volcanoes", "the water cycle", "black holes", "the French Revolution", "electric cars", "solar panels",
+    "recycling plastic", "the human heart", "honey bees", "earthquakes", "the moon's phases", "rainbows",
+    "compound interest", "climate change", "the printing press", "vaccines", "coffee", "chess", "yoga",
+    "meditation", "time management", "remote work", "job interviews", "first aid", "camping in the desert",
+    "moving to a new city", "choosing a laptop", "password security", "backing up photos", "email etiquette",
+    "the Roman Empire", "ancient Egypt", "the Olympic Games", "jazz music", "photography", "birdwatching",
+    "composting", "houseplants", "cooking rice", "making pasta", "healthy breakfasts", "drinking water",
+    "stretching", "cycling to work", "learning to code", "databases", "the internet", "machine learning",
+    "spreadsheets", "3D printing", "the stock market", "renting an apartment", "buying a used car",
+    "negotiating a salary", "writing a cover letter", "studying for exams", "reading more books",
+    "teaching children to read", "board games", "tea", "chocolate", "sharks", "elephants", "dolphins",
+    "penguins", "rainforests", "deserts", "glaciers", "tides", "gravity", "magnets", "electricity",
+    "the speed of light", "DNA", "the immune system", "antibiotics", "nutrition labels", "fermentation",
+    "bicycles", "airplanes", "trains", "bridges", "skyscrapers", "lighthouses", "maps", "calendars",
+)
+QUESTION_TEMPLATES = (
+    "Tell me about {topic}.",
+    "What are the main benefits of {topic}?",
+    "How do I get started with {topic}?",
+    "Write a short paragraph about {topic}.",
+    "Give me three tips about {topic}.",
+    "Explain {topic} to a ten-year-old.",
+    "What are common mistakes people make with {topic}?",
+    "Write a short list of facts about {topic}.",
+)
+
+
+REWRITE_INSTRUCTIONS = (
+    "Rewrite this paragraph in simpler words:",
+    "Rewrite the following paragraph in a formal tone:",
+    "Rewrite the following paragraph in the past tense:",
+    "Rewrite this paragraph as a bulleted list of its facts:",
+    "Rewrite the following paragraph in plain English for a child:",
+    "Rewrite the following paragraph to make it shorter, keeping its meaning:",
+)
+FIX_INSTRUCTIONS = (
+    "Fix the typos in this paragraph and return the corrected paragraph:",
+    "Rewrite the following paragraph with correct grammar and spelling, keeping its meaning:",
+    "Rewrite the following paragraph with correct punctuation and capital letters:",
+)
+
+
+def rewrite_prompt(paragraph: str, rng: random.Random) -> str:
+    """A rewrite request; a third of them ask to fix a paragraph with typos put in on purpose."""
+    if rng.random() < 1 / 3:
+        return rng.choice(FIX_INSTRUCTIONS) + "\n\n" + add_typos(paragraph, rng)
+    return rng.choice(REWRITE_INSTRUCTIONS) + "\n\n" + paragraph
+
+
+def add_typos(text: str, rng: random.Random, rate: float = 0.08) -> str:
+    """Swap, drop or double a letter in about `rate` of the words; lowercase some sentence starts."""
+    words = text.split(" ")
+    for i, w in enumerate(words):
+        if len(w) > 3 and w.isalpha() and rng.random() < rate:
+            j = rng.randrange(1, len(w) - 1)
+            words[i] = rng.choice((w[:j] + w[j + 1] + w[j] + w[j + 2:], w[:j] + w[j + 1:], w[:j] + w[j] + w[j:]))
+        elif i and words[i - 1].endswith(".") and rng.random() < 0.5:
+            words[i] = w.lower()
+    return " ".join(words)
+
+
+def general_questions(rng: random.Random) -> list[str]:
+    questions = [t.format(topic=topic) for topic in TOPICS for t in QUESTION_TEMPLATES]
+    rng.shuffle(questions)
+    return questions
 
 
 def _take(texts: list[str], n_chars: int, kind: str) -> list[Item]:

@@ -27,7 +27,7 @@ from torch import nn
 
 from speculant.models.llama import ModelConfig, Transformer
 from speculant.models.loader import LoadedModel
-from speculant.proposers.eagle import EagleHead, head_config, save_eagle
+from speculant.proposers.eagle import EagleHead, draft_lm_head, head_config, save_eagle
 
 KINDS = ("eagle", "draft_model")
 
@@ -51,6 +51,7 @@ class TrainConfig:
     kl_weight: float = 0.1
     feature_noise: float = 0.1  # std of the noise on input features, relative to their RMS
     unroll: int = 2
+    draft_vocab: int = 8192  # the head drafts from the target's N most frequent next tokens (0: all)
     # draft_model
     draft_dim: int = 256
     draft_layers: int = 3
@@ -79,22 +80,37 @@ class WindowCache:
 
 
 def top_k_kl(logits: torch.Tensor, topk_logprobs: torch.Tensor,
-                       topk_ids: torch.Tensor) -> torch.Tensor:
+             topk_ids: torch.Tensor) -> torch.Tensor:
     """KL(p ‖ q) restricted to the target's top-k tokens, p renormalised on them (0 when the draft
-    matches the target there). logits [N, V], topk [N, K] → mean over N."""
-    logp = torch.log_softmax(topk_logprobs.float(), dim=-1)
-    logq = torch.log_softmax(logits.float(), dim=-1).gather(-1, topk_ids)
-    return (logp.exp() * (logp - logq)).sum(-1).mean()
+    matches the target there). logits [N, V], topk [N, K] → mean over N. Ids of -1 (tokens outside
+    a draft vocabulary) take no part; a row with none inside counts 0."""
+    inside = topk_ids >= 0
+    logp = torch.log_softmax(topk_logprobs.float().masked_fill(~inside, -torch.inf), dim=-1)
+    logq = torch.log_softmax(logits.float(), dim=-1).gather(-1, topk_ids.clamp(min=0))
+    terms = torch.where(inside, logp.exp() * (logp - logq), 0.0)
+    return terms.sum(-1).mean()
+
+
+def frequent_next_tokens(data: dict[str, torch.Tensor], n: int, vocab_size: int) -> torch.Tensor | None:
+    """The n tokens the target most often ranks first in the data, sorted by id (None: n covers all)."""
+    if not n or n >= vocab_size:
+        return None
+    counts = torch.bincount(data["topk_ids"][:, 0].long(), minlength=vocab_size)
+    return counts.topk(n).indices.sort().values
 
 
 # -- objectives ---------------------------------------------------------------------------------
 
 
 class EagleObjective(nn.Module):
-    def __init__(self, target: LoadedModel, cfg: TrainConfig, feature_rms: float):
+    def __init__(self, target: LoadedModel, cfg: TrainConfig, feature_rms: float, vocab: torch.Tensor | None):
         super().__init__()
         self.cfg, self.target_model = cfg, target.model  # frozen: embeddings and lm_head are the target's
-        self.model = EagleHead(head_config(target.config)).float()
+        self.model = EagleHead(head_config(target.config), vocab).float()
+        self.lm_head = draft_lm_head(target.model, vocab)
+        # full-vocabulary id → index in the draft vocabulary (-1 outside it)
+        self.register_buffer("index", None if vocab is None else torch.full(
+            (target.config.vocab_size,), -1, dtype=torch.long).index_copy_(0, vocab, torch.arange(len(vocab))))
         self.model.layer.load_state_dict(target.model.model.layers[-1].state_dict())
         self.model.norm.weight.data.copy_(target.model.model.norm.weight.float())
         self.noise = cfg.feature_noise * feature_rms
@@ -117,11 +133,12 @@ class EagleObjective(nn.Module):
             reg = F.smooth_l1_loss(pred[mask], target_features[mask])
             fraction = self.cfg.kl_fraction if train else 1.0
             pick = mask & (torch.rand(mask.shape, device=mask.device) < fraction)
-            logits = self.target_model.logits(pred[pick])
+            logits = self.lm_head(pred[pick]).float()
             top_ids = batch["topk_ids"][:, 1:][pick]
-            kl = top_k_kl(logits, batch["topk_logprobs"][:, 1:][pick], top_ids)
+            draft_ids = top_ids if self.index is None else self.index[top_ids]
+            kl = top_k_kl(logits, batch["topk_logprobs"][:, 1:][pick], draft_ids)
             total = total + reg + self.cfg.kl_weight * kl
-            top1 = (logits.argmax(-1) == top_ids[:, 0]).float().mean()
+            top1 = (logits.argmax(-1) == draft_ids[:, 0]).float().mean()
             n = step + 1
             metrics.update({f"reg{n}": reg.item(), f"kl{n}": kl.item(), f"top1_{n}": top1.item()})
             # Next pass: the head reads its own predictions, as when drafting token 2, 3, …
@@ -199,7 +216,7 @@ def tokenizer_folder(target: LoadedModel) -> Path:
 def make_objective(target: LoadedModel, cfg: TrainConfig, data: dict[str, torch.Tensor]) -> nn.Module:
     if cfg.kind == "eagle":
         rms = float(data["hidden"][:4096].float().pow(2).mean().sqrt())
-        return EagleObjective(target, cfg, rms)
+        return EagleObjective(target, cfg, rms, frequent_next_tokens(data, cfg.draft_vocab, target.config.vocab_size))
     if cfg.kind == "draft_model":
         return DraftModelObjective(target, cfg)
     raise ValueError(f"unknown draft kind {cfg.kind!r}; choose one of {', '.join(KINDS)}")
