@@ -158,13 +158,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--dtype", default="auto", help="the target's dtype (default auto, as `speculant generate`)")
+    p.add_argument("--quantization", default="auto", help="the target's weights (default auto, as `generate`)")
     p.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
     p.add_argument("--no-default", action="store_true",
                    help="leave out the configuration `speculant generate` uses by default")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = run(load_model(args.model), args.eagle, args.draft_model, [int(k) for k in args.ks.split(",")],
+    target = load_model(args.model, dtype=args.dtype, quantization=args.quantization)
+    result = run(target, args.eagle, args.draft_model, [int(k) for k in args.ks.split(",")],
                  args.max_tokens, [float(t) for t in args.temperatures.split(",")], out=args.out,
                  default=None if args.no_default else default_speculative_config(args.model))
     print(markdown(result))
