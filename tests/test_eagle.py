@@ -164,19 +164,13 @@ class DraftVocabQMisplaced(EagleProposer):
         return self.head.vocab[token], full
 
 
-def test_draft_vocabulary_mutant_is_caught(small_draft_vocab):
-    target, head = small_draft_vocab
-    params = SETTINGS["t1"]
-    engine = eagle_engine(target, head, 2, BATCH, proposer_cls=DraftVocabQMisplaced)
-    p = g_test(sampled_joint(engine, params, N_SAMPLES), exact_joint(target.model, params, N_TOKENS))
-    assert p < ALPHA
-
-
-def test_eagle_mutant_is_caught(small):
-    target, head = small
-    params = SETTINGS["t0.7_topk"]
-    engine = eagle_engine(target, head, 2, BATCH, proposer_cls=GreedyHeadSoftmaxQ)
-    p = g_test(sampled_joint(engine, params, N_SAMPLES), exact_joint(target.model, params, N_TOKENS))
+@pytest.mark.parametrize("mutant, head_fixture, setting", [(GreedyHeadSoftmaxQ, "small", "t0.7_topk"),
+                                                           (DraftVocabQMisplaced, "small_draft_vocab", "t1")])
+def test_eagle_mutant_is_caught(mutant, head_fixture, setting, request):
+    target, head = request.getfixturevalue(head_fixture)
+    engine = eagle_engine(target, head, 2, BATCH, proposer_cls=mutant)
+    p = g_test(sampled_joint(engine, SETTINGS[setting], N_SAMPLES),
+               exact_joint(target.model, SETTINGS[setting], N_TOKENS))
     assert p < ALPHA
 
 
