@@ -14,6 +14,7 @@ from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.engine import Engine
 from speculant.models.loader import load_model
 from speculant.proposers import build_proposer
+from speculant.proposers.eagle import load_eagle
 from speculant.sampling import SamplingBatch
 from speculant.training.data import build_dataset, describe, load_dataset, record
 from speculant.training.train import TrainConfig, split_windows, train
@@ -107,6 +108,22 @@ def proposals(spec: SpeculativeConfig, target) -> list[list[int]]:
     proposer.propose = spy
     engine.generate([seq])
     return seen
+
+
+def test_eagle_with_a_draft_vocabulary(tiny_target, tiny_data, tmp_path):
+    """--draft-vocab N: the head keeps the N tokens the target most often ranks first, trains its
+    KL over them, and drafts only them after reloading."""
+    target = load_model(tiny_target, pack=False)
+    data = load_dataset(tiny_data)
+    summary = train(target, data, quick("eagle", draft_vocab=16), tmp_path, progress_bar=False)
+    assert 0 <= summary["val_top1_1"] <= 1
+    counts = torch.bincount(data["topk_ids"][:, 0].long(), minlength=target.config.vocab_size)
+    head = load_eagle(tmp_path, target)
+    assert len(head.vocab) == 16 and head.vocab.tolist() == sorted(head.vocab.tolist())
+    assert counts[head.vocab].min() >= counts[~torch.isin(torch.arange(len(counts)), head.vocab)].max()
+    spec = SpeculativeConfig.parse({"method": "eagle", "model": str(tmp_path), "num_speculative_tokens": 4})
+    drafted = {t for step in proposals(spec, target) for t in step}
+    assert drafted and drafted <= set(head.vocab.tolist())
 
 
 def test_distilled_draft_loads_in_transformers(tiny_target, tiny_data, tmp_path):
