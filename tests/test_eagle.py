@@ -186,6 +186,14 @@ def test_head_for_another_target_is_refused(tiny_pair, tmp_path):
     load_eagle(head, load_model(tiny_pair[0], dtype="bfloat16"))  # the same target in another dtype is fine
 
 
+def test_draft_vocabulary_outside_the_target_is_refused(tiny_pair, tmp_path):
+    target = load_model(tiny_pair[0])
+    vocab = torch.tensor([0, 3, target.config.vocab_size])
+    head = saved_head(target, tmp_path, vocab=vocab)
+    with pytest.raises(SpeculantError, match=r"draft vocabulary must list token ids in \[0, "):
+        load_eagle(head, target)
+
+
 def test_missing_files_are_reported(tiny_pair, tmp_path):
     target = load_model(tiny_pair[0])
     with pytest.raises(SpeculantError, match="eagle.safetensors and eagle_config.json"):

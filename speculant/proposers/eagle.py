@@ -149,8 +149,13 @@ def load_eagle(folder: str | Path, target: LoadedModel) -> EagleHead:
     config = json.loads((folder / CONFIG).read_text())
     check_target(config["target"], target, folder)
     state = load_file(str(folder / WEIGHTS))
+    vocab = state.get("vocab")
+    if vocab is not None and (vocab.dim() != 1 or not len(vocab) or int(vocab.min()) < 0
+                              or int(vocab.max()) >= target.config.vocab_size):
+        raise SpeculantError(f"{folder}: the head's draft vocabulary must list token ids in "
+                             f"[0, {target.config.vocab_size}), the target's vocabulary")
     with torch.device("meta"):
-        head = EagleHead(ModelConfig(**config["head"]), state.get("vocab"))
+        head = EagleHead(ModelConfig(**config["head"]), vocab)
     head.load_state_dict(state, assign=True)
     head.inv_freq = rope_inv_freq(head.cfg)
     model = target.model

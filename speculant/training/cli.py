@@ -14,6 +14,16 @@ from speculant.training.train import KINDS, TrainConfig
 log = logging.getLogger("speculant")
 
 
+def non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {value}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None,
                    help="the target: HF folder or .gguf (default: the bundled SmolLM2-135M-Instruct)")
@@ -46,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="eagle: weight of the KL to the target's distribution next to feature regression")
     t.add_argument("--kl-fraction", type=float, default=defaults.kl_fraction,
                    help="eagle: fraction of positions that pay for the full-vocabulary softmax")
-    t.add_argument("--draft-vocab", type=int, default=defaults.draft_vocab,
+    t.add_argument("--draft-vocab", type=non_negative, default=defaults.draft_vocab,
                    help="eagle: draft from the target's N most frequent next tokens in the data, a cheaper "
                         "head than the whole vocabulary (0: the whole vocabulary)")
     t.add_argument("--draft-dim", type=int, default=defaults.draft_dim, help="draft_model hidden size")
