@@ -314,15 +314,25 @@ class Block(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cache, fwd)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    @functools.cached_property
     def native_weights(self) -> list | None:
         """This layer's tensors as native.decoder_layer takes them, or None where it does not apply
-        (a projection off the AMX kernels, biases, per-head q/k norms)."""
+        (a projection off the AMX kernels, biases, per-head q/k norms). Read on the first pass that
+        asks: a model's weights are final by then (quantized and packed at load)."""
         attn, mlp = self.self_attn, self.mlp
         norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
         projections = [amx_weights(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         if attn.cfg.qk_norm or any(n.dtype != torch.bfloat16 for n in norms) or None in projections:
             return None
         return [*norms, attn.cfg.norm_eps, *projections]
+
+    def forward_native(self, x: torch.Tensor, cache: KVCache, fwd: Pass) -> torch.Tensor:
+        """forward in one native call (csrc/decoder.cpp: the same kernels in the same order), for a
+        pass with native attention (fwd.n_keys) and a layer whose native_weights is not None. It
+        writes the layer's cache entries itself."""
+        cfg, i = self.self_attn.cfg, self.self_attn.layer
+        return native.decoder_layer(x, self.native_weights, fwd.cos, fwd.sin, cache.k[i], cache.v[i], fwd.slots,
+                                    fwd.n_keys, cfg.n_heads, cfg.n_kv_heads)
 
 
 def amx_weights(linear: nn.Module) -> list[torch.Tensor] | None:
@@ -355,8 +365,6 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.rope = Rope()
-        self._native_layers: list | None = None
-        self._native_checked = False
 
     @property
     def device(self) -> torch.device:
@@ -381,27 +389,18 @@ class Transformer(nn.Module):
         fwd = prepare_pass(cache, slots, tokens.shape[1], n_new, self.rope, self.inv_freq, self.dtype,
                            self.cfg.sliding_window)
         x = self.model.embed_tokens(tokens)
-        layers = self.native_layers() if fwd.n_keys is not None else None
-        if layers:
-            cfg = self.cfg
-            for i, weights in enumerate(layers):
-                x = native.decoder_layer(x, weights, fwd.cos, fwd.sin, cache.k[i], cache.v[i], slots, fwd.n_keys,
-                                         cfg.n_heads, cfg.n_kv_heads)
+        if fwd.n_keys is not None and self.native_layers():
+            for block in self.model.layers:
+                x = block.forward_native(x, cache, fwd)
         else:
             for block in self.model.layers:
                 x = block(x, cache, fwd)
         cache.lengths[slots] = fwd.end
         return self.model.norm(x)
 
-    def native_layers(self) -> list[list] | None:
-        """Every layer's weights for native.decoder_layer (one call a layer, see csrc/decoder.cpp), or
-        None: the layers run as modules. Read on the first pass: a model's weights are final by then
-        (quantized and packed at load)."""
-        if not self._native_checked:
-            layers = [block.native_weights() for block in self.model.layers]
-            self._native_layers = layers if all(w is not None for w in layers) else None
-            self._native_checked = True
-        return self._native_layers
+    def native_layers(self) -> bool:
+        """Whether every layer runs as one native call (Block.forward_native); else all run as modules."""
+        return all(block.native_weights is not None for block in self.model.layers)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -27,7 +27,6 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from speculant.errors import SpeculantError
-from speculant.models import native
 from speculant.models.kernels import pack_linears
 from speculant.models.kv_cache import KVCache
 from speculant.models.llama import Block, ModelConfig, RMSNorm, Rope, Transformer, prepare_pass, rope_inv_freq
@@ -66,11 +65,8 @@ class EagleHead(nn.Module):
         dtype = self.fc.weight.dtype
         fwd = prepare_pass(cache, slots, embeds.shape[1], n_new, self.rope, self.inv_freq, dtype)
         x = self.fc(torch.cat((embeds, features), dim=-1).to(dtype))
-        weights = self.layer.native_weights() if fwd.n_keys is not None else None
-        if weights:
-            c = self.cfg
-            x = native.decoder_layer(x, weights, fwd.cos, fwd.sin, cache.k[0], cache.v[0], slots, fwd.n_keys,
-                                     c.n_heads, c.n_kv_heads)
+        if fwd.n_keys is not None and self.layer.native_weights is not None:
+            x = self.layer.forward_native(x, cache, fwd)
         else:
             x = self.layer(x, cache, fwd)
         cache.lengths[slots] = fwd.end
