@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from speculant.adaptive import AdaptiveK, cost_curve_for
+from speculant.cli import add_target_arguments
 from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.engine import Engine
 from speculant.models.loader import LoadedModel, load_model
@@ -151,22 +152,19 @@ def markdown(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="target (default: the bundled SmolLM2-135M-Instruct)")
+    add_target_arguments(p)
     p.add_argument("--eagle", type=Path, default=SHIPPED / "eagle")
     p.add_argument("--draft-model", type=Path, default=SHIPPED / "draft_model")
     p.add_argument("--ks", default="2,4,6")
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--dtype", default="auto", help="the target's dtype (default auto, as `speculant generate`)")
-    p.add_argument("--quantization", default="auto", help="the target's weights (default auto, as `generate`)")
     p.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
     p.add_argument("--no-default", action="store_true",
                    help="leave out the configuration `speculant generate` uses by default")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    target = load_model(args.model, dtype=args.dtype, quantization=args.quantization)
+    target = load_model(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization)
     result = run(target, args.eagle, args.draft_model, [int(k) for k in args.ks.split(",")],
                  args.max_tokens, [float(t) for t in args.temperatures.split(",")], out=args.out,
                  default=None if args.no_default else default_speculative_config(args.model))
