@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from speculant.models import native
+from speculant.proposers.base import MODEL_BUCKET
 from speculant.speedup import CostCurve, measure_cost_curve, speedup_from
 
 # Gains below this are noise on a shared CPU: not worth the risk of a loss.
@@ -92,7 +93,7 @@ class AdaptiveK:
 
     def choose(self, batch_size: int, remaining: list[int] | None = None) -> int:
         """How many drafts to ask of a proposer whose drafts cost a pass of its own."""
-        return max(self.plan([0] * batch_size, [self.k_max] * batch_size, self.draft_ratio, remaining))
+        return self._width([MODEL_BUCKET] * batch_size, [self.k_max] * batch_size, self.draft_ratio, remaining)
 
     def worth_proposing(self, batch_size: int) -> bool:
         """Whether a free proposer should look for drafts this step. In a batch, after a step whose
@@ -112,20 +113,25 @@ class AdaptiveK:
         its widest row, and every row fills it up to that width: a widened pass costs the same
         whatever fills it. `remaining`: each row's tokens left to its limit when no request waits for
         a slot (see batch_progress); None when one does."""
-        width, _ = self.best(buckets, available, draft_ratio, remaining=remaining)
-        drafting = {key for key, n in zip(buckets, available) if n}
-        if width:
-            for key in drafting:
-                b = self.bucket(key)
-                b.idle_steps, b.probe_interval = 0, self.probe_every
-        else:
-            width = self._probe(buckets, available, draft_ratio, drafting, remaining)
+        width = self._width(buckets, available, draft_ratio, remaining)
         if width or len(buckets) == 1:
             self.skipped = self.skip_left = 0
         else:
             self.skipped = min(2 * self.skipped or 1, MAX_SKIPPED)
             self.skip_left = self.skipped
         return [min(width, n) for n in available]
+
+    def _width(self, buckets: list[int], available: list[int], draft_ratio: float,
+               remaining: list[int] | None) -> int:
+        """The pass width plan() and choose() settle on: the best one, else a probe, else 0."""
+        width, _ = self.best(buckets, available, draft_ratio, remaining=remaining)
+        drafting = {key for key, n in zip(buckets, available) if n}
+        if not width:
+            return self._probe(buckets, available, draft_ratio, drafting, remaining)
+        for key in drafting:
+            b = self.bucket(key)
+            b.idle_steps, b.probe_interval = 0, self.probe_every
+        return width
 
     def _probe(self, buckets: list[int], available: list[int], draft_ratio: float, drafting: set[int],
                remaining: list[int] | None) -> int:
@@ -213,8 +219,10 @@ class AdaptiveK:
             for i in range(min(drafted, accepted + 1, self.k_max)):
                 b.reached[i] += 1
                 b.kept[i] += i < accepted
-        if any(n_draft):
-            ratio = draft_s / max(n_draft) / self.curve.cost(batch_size, 1)
+        # Only a model's drafts cost time (a lookup's are free): the longest of them set the step's.
+        model_drafts = max((n for key, n in zip(buckets, n_draft) if key == MODEL_BUCKET), default=0)
+        if model_drafts:
+            ratio = draft_s / model_drafts / self.curve.cost(batch_size, 1)
             self.draft_ratio += self.smoothing * (ratio - self.draft_ratio)
 
 

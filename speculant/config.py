@@ -67,6 +67,14 @@ class SpeculativeConfig:
     # Our extension: choose k per step (0..num_speculative_tokens) from the measured cost curve and
     # the running acceptance; speculation switches itself off where it would lose.
     adaptive: bool = False
+    # Our extension, for draft_model and eagle: where prompt lookup finds a match (prompt_lookup_min
+    # to _max tokens) its drafts are verified instead, free; the model drafts the other steps.
+    lookup_first: bool = False
+
+    @property
+    def proposer(self) -> str:
+        """The proposer as reports name it: ngram, eagle, eagle+lookup (lookup first) …"""
+        return f"{self.method}+lookup" if self.lookup_first else self.method
 
     @classmethod
     def parse(cls, value: str | dict | None) -> SpeculativeConfig | None:
@@ -96,12 +104,16 @@ class SpeculativeConfig:
         cfg = cls(method=method, num_speculative_tokens=k, model=value.get("model"),
                   prompt_lookup_min=value.get("prompt_lookup_min", 1),
                   prompt_lookup_max=value.get("prompt_lookup_max", 4),
-                  adaptive=value.get("adaptive", False))
-        if not isinstance(cfg.adaptive, bool):
-            raise SpeculantError(f"speculative config: adaptive must be true or false, got {cfg.adaptive!r}")
+                  adaptive=value.get("adaptive", False), lookup_first=value.get("lookup_first", False))
+        for key in ("adaptive", "lookup_first"):
+            if not isinstance(getattr(cfg, key), bool):
+                raise SpeculantError(f"speculative config: {key} must be true or false, got {getattr(cfg, key)!r}")
+        if cfg.lookup_first and method == "ngram":
+            raise SpeculantError("speculative config: lookup_first puts prompt lookup ahead of a model's drafts; "
+                                 "it needs method draft_model or eagle")
         if method in ("draft_model", "eagle") and not cfg.model:
             raise SpeculantError(f"speculative config: method {method!r} needs \"model\" (the draft's path)")
-        if method == "ngram":
+        if method == "ngram" or cfg.lookup_first:
             lo, hi = cfg.prompt_lookup_min, cfg.prompt_lookup_max
             if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
                 raise SpeculantError(f"speculative config: need 1 <= prompt_lookup_min <= prompt_lookup_max, "

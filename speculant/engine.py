@@ -23,6 +23,7 @@ from speculant.models.loader import LoadedModel
 from speculant.models.tokenizer import Detokenizer
 from speculant.proposers import Proposal, Proposer, TargetHidden
 from speculant.proposers.base import pad_rows
+from speculant.proposers.lookup_first import LookupFirstProposer
 from speculant.sampling import SamplingBatch, make_generator
 from speculant.sequence import Sequence, SpecStats, TokenLogprob
 from speculant.verify import verify_logits
@@ -184,23 +185,36 @@ class Engine:
 
     def propose(self, batch: list[Sequence], sb: SamplingBatch) -> Proposal:
         """Each row's drafts for this step: as many as adaptive k plans (all of them without it)."""
-        free = self.proposer is not None and self.proposer.free_drafts
+        proposer = self.proposer
+        if proposer is None:
+            return Proposal.from_lists([[] for _ in batch], self.device)
+        if not self.adaptive:
+            return self._drafts(proposer, batch, self.k, sb)
         # With no request waiting for a slot the batch is done when its last row is (adaptive.batch_progress).
         remaining = None if self.waiting else [s.max_tokens - s.num_generated for s in batch]
-        if self.adaptive and free and not self.adaptive.worth_proposing(len(batch)):
-            k = 0
-        elif self.adaptive and self.k and not free:
-            k = self.adaptive.choose(len(batch), remaining)
-        else:
-            k = self.k
+        if proposer.free_drafts:
+            return self._planned_lookup(proposer, batch, sb, remaining)
+        if isinstance(proposer, LookupFirstProposer):
+            found = self._planned_lookup(proposer.lookup, batch, sb, remaining)
+            empty = [n == 0 for n in found.n_draft.tolist()]
+            k = self.adaptive.choose(len(batch), remaining) if any(empty) else 0
+            return proposer.complete(batch, found, [self._k_for(s, k) if e else 0 for s, e in zip(batch, empty)], sb)
+        return self._drafts(proposer, batch, self.adaptive.choose(len(batch), remaining), sb)
+
+    def _drafts(self, proposer: Proposer, batch: list[Sequence], k: int, sb: SamplingBatch) -> Proposal:
+        """Up to k drafts per row from the proposer."""
         ks = [self._k_for(s, k) for s in batch]
         if not any(ks):
             return Proposal.from_lists([[] for _ in batch], self.device)
-        proposal = self.proposer.propose(batch, ks, sb)
-        if self.adaptive and free:
-            proposal = proposal.trimmed(self.adaptive.plan(proposal.bucket_list(), proposal.n_draft.tolist(),
-                                                           remaining=remaining))
-        return proposal
+        return proposer.propose(batch, ks, sb)
+
+    def _planned_lookup(self, proposer: Proposer, batch: list[Sequence], sb: SamplingBatch,
+                        remaining: list[int] | None) -> Proposal:
+        """Free drafts: all the lookup finds, then only as many as adaptive k plans to verify."""
+        if not self.adaptive.worth_proposing(len(batch)):
+            return Proposal.from_lists([[] for _ in batch], self.device)
+        found = self._drafts(proposer, batch, self.k, sb)
+        return found.trimmed(self.adaptive.plan(found.bucket_list(), found.n_draft.tolist(), remaining=remaining))
 
     def score(self, batch: list[Sequence], proposal: Proposal) -> tuple[torch.Tensor, torch.Tensor]:
         """One target pass over each row's unseen tokens plus its drafts → (the final hidden states

@@ -150,7 +150,8 @@ def test_bench_quick_end_to_end(tiny_pair, tmp_path, monkeypatch, capsys, one_th
     target, draft = tiny_pair
     out = tmp_path / "report"
     rc = main(["bench", "--model", str(target), "--draft-model", str(draft), "--quick", "--per-class", "1",
-               "--max-tokens", "12", "--price-per-hour", "2.5", "--out", str(out), "--no-progress"])
+               "--proposers", "ngram,draft_model,draft_model+lookup", "--max-tokens", "12", "--price-per-hour", "2.5",
+               "--out", str(out), "--no-progress"])
     assert rc == 0
     written = {p.name for p in out.iterdir()}
     assert written == {"report.md", "report.json", "speedup_vs_batch.png", "speedup_vs_k.png",
@@ -166,7 +167,8 @@ def test_bench_quick_end_to_end(tiny_pair, tmp_path, monkeypatch, capsys, one_th
     k_rows = report["experiments"]["k"]["summary"]
     names = {r["runner"] for r in k_rows}
     assert {"speculant k=0", "speculant ngram k=2", "speculant ngram k=4", "speculant draft_model k=4",
-            "transformers plain", "transformers prompt_lookup k=4", "transformers assistant k=4"} <= names
+            "speculant draft_model+lookup k=4", "transformers plain", "transformers prompt_lookup k=4",
+            "transformers assistant k=4"} <= names
     # Greedy speculation is lossless: every configuration wrote the plain output, token for token.
     assert all(r["identical"] == 1.0 for r in k_rows if r["family"] == "speculant" and r["method"])
     spec = [r for r in k_rows if r["method"] and r["family"] == "speculant" and r["prompt_class"] == "all"]

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from speculant.bench.prompts import PROMPT_CLASSES
-from speculant.bench.suite import PEERS, PROPOSERS, BenchPlan
+from speculant.bench.suite import DEFAULT_PROPOSERS, PEERS, PROPOSERS, BenchPlan
 from speculant.cli import add_target_arguments
 from speculant.errors import SpeculantError
 
@@ -58,8 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--eagle", default=None, help="an EAGLE head path: adds the eagle proposer")
     s.add_argument("--no-adaptive", action="store_true",
                    help="leave out the adaptive-k run of each proposer (k chosen per step, up to the largest --ks)")
-    s.add_argument("--proposers", type=name_list(PROPOSERS), default=list(PROPOSERS),
-                   help="comma list of ngram, draft_model, eagle (default: all that are available)")
+    s.add_argument("--proposers", type=name_list(PROPOSERS), default=list(DEFAULT_PROPOSERS),
+                   help="comma list of ngram, draft_model, eagle, and draft_model+lookup, eagle+lookup (prompt "
+                   "lookup first, the model's drafts where it finds nothing); default: the first three, those "
+                   "available")
     s.add_argument("--ks", type=int_list, default=None, help="k values, 2,4,6,8 (default) or 1..8")
     s.add_argument("--batch-k", type=int, default=None,
                    help="k for the batch and temperature sweeps (default: each proposer's best k at batch 1)")

@@ -86,7 +86,7 @@ def config_name(method: str | None, k: int) -> str:
 
 def spec_method(spec: SpeculativeConfig) -> str:
     """The method as the report names it: an adaptive configuration is its own entry."""
-    return f"{spec.method} adaptive" if spec.adaptive else spec.method
+    return f"{spec.proposer} adaptive" if spec.adaptive else spec.proposer
 
 
 @dataclass

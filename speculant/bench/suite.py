@@ -40,7 +40,8 @@ from speculant.errors import SpeculantError
 from speculant.models.loader import LoadedModel, default_model_path, load_model
 from speculant.speedup import CostCurve, measure_cost_curve
 
-PROPOSERS = ("ngram", "draft_model", "eagle")
+PROPOSERS = ("ngram", "draft_model", "eagle", "draft_model+lookup", "eagle+lookup")
+DEFAULT_PROPOSERS = ("ngram", "draft_model", "eagle")
 PEERS = ("transformers", "llama.cpp")
 DRAFTS_DIR = Path(__file__).resolve().parents[1] / "data" / "drafts"
 
@@ -54,7 +55,7 @@ class BenchPlan:
     quantization: str | None = None  # int8 | int4 | auto: weight-only quantization of target and drafts
     draft_model: str | None = None
     eagle: str | None = None
-    proposers: list[str] = field(default_factory=lambda: list(PROPOSERS))
+    proposers: list[str] = field(default_factory=lambda: list(DEFAULT_PROPOSERS))
     ks: list[int] = field(default_factory=lambda: [2, 4, 6, 8])
     batch_k: int | None = None  # None: each proposer's best k from the k sweep
     batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
@@ -171,15 +172,16 @@ def proposer_configs(plan: BenchPlan, k: int) -> tuple[list[SpeculativeConfig], 
     """The speculative configurations the plan asks for at this k, and why any is left out."""
     paths = draft_paths(plan)
     configs, notes = [], []
-    for method in plan.proposers:
+    for name in plan.proposers:
+        method = name.removesuffix("+lookup")
         if method == "ngram":
             configs.append(SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": k}))
         elif paths.get(method):
             configs.append(SpeculativeConfig.parse({"method": method, "model": str(paths[method]),
-                                                    "num_speculative_tokens": k}))
+                                                    "num_speculative_tokens": k, "lookup_first": name != method}))
         else:
             flag = "--draft-model" if method == "draft_model" else "--eagle"
-            notes.append(f"{method} skipped: no {method.replace('_', ' ')} given ({flag} PATH) or shipped "
+            notes.append(f"{name} skipped: no {method.replace('_', ' ')} given ({flag} PATH) or shipped "
                          f"under speculant/data/drafts/")
     return configs, notes
 
@@ -197,9 +199,9 @@ def try_runner(target: LoadedModel, spec: SpeculativeConfig | None, batch: int, 
     try:
         return engine_runner(target, spec, batch, max_len)
     except NotImplementedError as e:
-        notes.append(f"{spec.method} skipped: {e}")
+        notes.append(f"{spec.proposer} skipped: {e}")
     except SpeculantError as e:
-        notes.append(f"{spec.method} skipped: {e}")
+        notes.append(f"{spec.proposer} skipped: {e}")
     return None
 
 
@@ -327,7 +329,7 @@ def chosen_configs(plan: BenchPlan, best: dict[str, int]) -> list[SpeculativeCon
     for method in plan.proposers:
         k = plan.batch_k or best.get(method)
         if k:
-            configs += [c for c in proposer_configs(plan, k)[0] if c.method == method]
+            configs += [c for c in proposer_configs(plan, k)[0] if c.proposer == method]
     return configs + adaptive_configs(plan)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from speculant.config import SpeculativeConfig
 from speculant.models.loader import LoadedModel, load_model
 from speculant.proposers.base import Proposal, Proposer, TargetHidden
@@ -10,6 +12,12 @@ __all__ = ["Proposal", "Proposer", "TargetHidden", "build_proposer"]
 
 
 def build_proposer(cfg: SpeculativeConfig, target: LoadedModel, max_batch_size: int, max_len: int) -> Proposer:
+    if cfg.lookup_first:
+        from speculant.proposers.lookup_first import LookupFirstProposer
+        from speculant.proposers.ngram import NgramProposer
+
+        model = build_proposer(replace(cfg, lookup_first=False), target, max_batch_size, max_len)
+        return LookupFirstProposer(NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max), model)
     if cfg.method == "ngram":
         from speculant.proposers.ngram import NgramProposer
 

@@ -13,6 +13,10 @@ if TYPE_CHECKING:
     from speculant.sequence import Sequence
 
 
+# The bucket of drafts that cost a model pass; lookup buckets are match lengths, 1 and up.
+MODEL_BUCKET = 0
+
+
 def pad_rows(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged token rows → (tokens [B, T] padded with 0, lengths [B]), T the longest row."""
     lengths = [len(r) for r in rows]
@@ -36,7 +40,7 @@ class Proposal:
         return cls(*pad_rows(drafts, device), None, buckets)
 
     def bucket_list(self) -> list[int]:
-        return self.buckets if self.buckets is not None else [0] * len(self.n_draft)
+        return self.buckets if self.buckets is not None else [MODEL_BUCKET] * len(self.n_draft)
 
     def trimmed(self, keep: list[int]) -> Proposal:
         """The same drafts, row b's first keep[b] only."""

@@ -1,0 +1,65 @@
+"""Prompt lookup first, a model's drafts elsewhere.
+
+Lookup drafts cost nothing and, after a long suffix match, are nearly all accepted (88-90% after a
+4-token match); a learned drafter pays a pass per draft and is right less often, but it drafts
+where nothing repeats. Measured on the bundled prompts (int4, batch 1): the EAGLE head is the best
+drafter on code (1.14x), lookup on chat and rewrites (1.53x, 1.42x); lookup has a match on ~40% of
+code steps. So a row whose lookup finds a match verifies those drafts, the others get the model's.
+
+The model proposer keeps its state in step either way: its `commit` reads the verified tokens (and,
+for EAGLE, the target's features), whoever drafted them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.functional import one_hot, pad
+
+from speculant.proposers.base import MODEL_BUCKET, Proposal, Proposer, TargetHidden
+from speculant.proposers.ngram import NgramProposer
+from speculant.sampling import SamplingBatch
+from speculant.sequence import Sequence
+
+
+class LookupFirstProposer(Proposer):
+    def __init__(self, lookup: NgramProposer, model: Proposer):
+        self.lookup, self.model = lookup, model
+        self.name = f"{model.name}+lookup"
+
+    def add(self, seq: Sequence) -> None:
+        self.model.add(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        self.model.remove(seq)
+
+    def prefill(self, seqs: list[Sequence], target: TargetHidden) -> None:
+        self.model.prefill(seqs, target)
+
+    def commit(self, seqs: list[Sequence], target: TargetHidden) -> None:
+        self.model.commit(seqs, target)
+
+    def propose(self, seqs: list[Sequence], ks: list[int], sb: SamplingBatch) -> Proposal:
+        found = self.lookup.propose(seqs, ks, sb)
+        return self.complete(seqs, found, [0 if n else k for n, k in zip(found.n_draft.tolist(), ks)], sb)
+
+    def complete(self, seqs: list[Sequence], found: Proposal, ks: list[int], sb: SamplingBatch) -> Proposal:
+        """The lookup's drafts `found`, with the model's ks[b] drafts in the rows where ks[b] > 0 (rows
+        the lookup left empty)."""
+        if not any(ks):
+            return found
+        drafted = self.model.propose(seqs, ks, sb)
+        width = max(found.tokens.shape[1], drafted.tokens.shape[1])
+        by_model = drafted.n_draft > 0  # [B]
+        found_tokens = pad(found.tokens, (0, width - found.tokens.shape[1]))  # [B, width]
+        tokens = torch.where(by_model[:, None], pad(drafted.tokens, (0, width - drafted.tokens.shape[1])),
+                             found_tokens)
+        n_draft = torch.where(by_model, drafted.n_draft, found.n_draft)
+        q = None
+        if drafted.q is not None:
+            # A lookup draft is deterministic: its q is one-hot, which the acceptance rule reads as
+            # "accept with probability p(token)".
+            lookup_q = one_hot(found_tokens, drafted.q.shape[-1]).to(drafted.q.dtype)  # [B, width, V]
+            model_q = pad(drafted.q, (0, 0, 0, width - drafted.q.shape[1]))
+            q = torch.where(by_model[:, None, None], model_q, lookup_q)
+        buckets = [MODEL_BUCKET if m else key for m, key in zip(by_model.tolist(), found.bucket_list())]
+        return Proposal(tokens, n_draft, q, buckets)

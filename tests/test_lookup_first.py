@@ -1,0 +1,174 @@
+"""Lookup first, a model's drafts elsewhere: both kinds of draft in one run (often in one step) and
+the output stays the target's, greedy and sampled."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from test_adaptive import curve
+from test_distribution import ALPHA, N_SAMPLES, N_TOKENS, SETTINGS, exact_joint, g_test, sampled_joint
+from test_eagle import saved_head
+
+from speculant.adaptive import AdaptiveK
+from speculant.config import SamplingParams, SpeculativeConfig
+from speculant.engine import Engine
+from speculant.models.loader import load_model
+from speculant.proposers import build_proposer
+from speculant.proposers.base import MODEL_BUCKET, Proposal
+from speculant.proposers.draft_model import DraftModelProposer
+from speculant.proposers.lookup_first import LookupFirstProposer
+from speculant.proposers.ngram import NgramProposer
+from speculant.sampling import SamplingBatch
+
+# Repeats for the lookup to find, and stretches where it finds nothing.
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 12, 13], list(range(20, 45)) + list(range(20, 30)), [9]]
+GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+BATCH = 400
+
+
+def count_drafts(engine: Engine) -> dict[str, int]:
+    """Spy on the engine's proposals: steps with lookup drafts, with model drafts, with both."""
+    seen = {"lookup": 0, "model": 0, "both": 0}
+    original = engine.propose
+
+    def spy(batch, sb):
+        out = original(batch, sb)
+        kinds = {key == MODEL_BUCKET for key, n in zip(out.bucket_list(), out.n_draft.tolist()) if n}
+        seen["lookup"] += False in kinds
+        seen["model"] += True in kinds
+        seen["both"] += len(kinds) == 2
+        return out
+
+    engine.propose = spy
+    return seen
+
+
+def lookup_first_engine(target, spec: dict, batch: int, adaptive: AdaptiveK | None = None) -> Engine:
+    cfg = SpeculativeConfig.parse({**spec, "lookup_first": True})
+    proposer = build_proposer(cfg, target, batch, 128 + cfg.num_speculative_tokens + 1)
+    assert isinstance(proposer, LookupFirstProposer)
+    return Engine(target, proposer, cfg.num_speculative_tokens, max_batch_size=batch, max_model_len=128,
+                  adaptive=adaptive)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_pair):
+    return load_model(tiny_pair[0])
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    engine = Engine(target, max_batch_size=4, max_model_len=128)
+    return [s.output_ids for s in engine.generate([engine.add_request(p, GREEDY) for p in PROMPTS])]
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_greedy_output_is_plain_greedy(target, tiny_pair, tmp_path, plain, method, k, adaptive):
+    model = str(tiny_pair[1]) if method == "draft_model" else str(saved_head(target, tmp_path))
+    # Three slots for four requests: one joins mid-way. Adaptive on a flat curve: speculation pays.
+    policy = AdaptiveK(curve(32), k_max=k) if adaptive else None
+    engine = lookup_first_engine(target, {"method": method, "model": model, "num_speculative_tokens": k}, 3,
+                                 policy)
+    seen = count_drafts(engine)
+    got = [s.output_ids for s in engine.generate([engine.add_request(p, GREEDY) for p in PROMPTS])]
+    assert got == plain
+    assert seen["lookup"] and seen["model"], seen
+
+
+@pytest.fixture(scope="module")
+def small(small_vocab_pair):
+    return load_model(small_vocab_pair[0]), load_model(small_vocab_pair[1])
+
+
+class LookupRowsReportUniformQ(LookupFirstProposer):
+    """Reports a uniform q for the lookup's rows: their drafts were not drawn from it (the rule then
+    accepts them with probability 8·p instead of p)."""
+
+    def complete(self, seqs, found, ks, sb):
+        out = super().complete(seqs, found, ks, sb)
+        if out.q is None:
+            return out
+        lookup_rows = torch.tensor([key != MODEL_BUCKET for key in out.bucket_list()])
+        q = torch.where(lookup_rows[:, None, None], torch.full_like(out.q, 1 / out.q.shape[-1]), out.q)
+        return Proposal(out.tokens, out.n_draft, q, out.buckets)
+
+
+def small_engine(small, proposer_cls=LookupFirstProposer) -> Engine:
+    target, draft = small
+    proposer = proposer_cls(NgramProposer(1, 3), DraftModelProposer(draft, target.config.vocab_size, BATCH, 64))
+    return Engine(target, proposer, 2, max_batch_size=BATCH, max_model_len=32)
+
+
+@pytest.mark.parametrize("setting", ["t1", "t0.7_topk"])
+def test_sampling_matches_target(small, setting):
+    """Vocabulary of 8: lookup finds matches in some rows and not in others of the same step; each
+    kind of draft goes through the acceptance rule with its own q."""
+    engine = small_engine(small)
+    seen = count_drafts(engine)
+    params = SETTINGS[setting]
+    p = g_test(sampled_joint(engine, params, N_SAMPLES), exact_joint(small[0].model, params, N_TOKENS))
+    print(f"draft_model+lookup {setting}: G-test p = {p:.4f}, steps {seen}")
+    assert seen["both"] > 0
+    assert engine.stats.num_accepted_tokens > 0
+    assert p > ALPHA
+
+
+def test_mutant_is_caught(small):
+    engine = small_engine(small, LookupRowsReportUniformQ)
+    params = SETTINGS["t1"]
+    p = g_test(sampled_joint(engine, params, N_SAMPLES), exact_joint(small[0].model, params, N_TOKENS))
+    assert p < ALPHA
+
+
+def test_greedy_and_sampled_rows_in_one_step(small):
+    """A batch where greedy rows (q = None for them) and sampled rows draft by lookup and by the
+    model at once: the greedy rows still equal plain greedy."""
+    target = small[0]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompt = [1, 5, 3, 6, 1, 5]
+    plain = Engine(target, max_batch_size=1, max_model_len=32)
+    expected = plain.generate([plain.add_request(prompt, greedy)])[0].output_ids
+    engine = small_engine(small)
+    seen = count_drafts(engine)
+    sampled = [engine.add_request(prompt, replace(SETTINGS["t1"], seed=i, max_tokens=12, ignore_eos=True))
+               for i in range(20)]
+    rows = [engine.add_request(prompt, greedy) for _ in range(20)]
+    engine.generate(sampled + rows)
+    assert all(s.output_ids == expected for s in rows)
+    assert seen["both"] > 0
+
+
+def test_only_model_drafts_set_the_draft_cost():
+    policy = AdaptiveK(curve(32), k_max=4)
+    cost = policy.curve.cost(2, 1)
+    policy.observe([3, 4], [4, 4], [4, 1], draft_s=0.001 * cost, batch_size=2)  # lookup rows only: free
+    assert policy.draft_ratio == 0.0
+    policy.observe([3, MODEL_BUCKET], [4, 2], [4, 1], draft_s=0.4 * cost, batch_size=2)
+    assert policy.draft_ratio == pytest.approx(policy.smoothing * 0.2)  # 0.4 over the model's 2 drafts
+
+
+def test_lookup_first_needs_a_model():
+    with pytest.raises(Exception, match="lookup_first .* needs method draft_model or eagle"):
+        SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "lookup_first": True})
+    with pytest.raises(Exception, match="lookup_first must be true or false"):
+        SpeculativeConfig.parse({"method": "eagle", "model": "x", "num_speculative_tokens": 2, "lookup_first": "yes"})
+    cfg = SpeculativeConfig.parse({"method": "eagle", "model": "x", "num_speculative_tokens": 2, "lookup_first": True})
+    assert cfg.proposer == "eagle+lookup"
+
+
+def test_sampled_lookup_rows_get_one_hot_q(small):
+    """The q the verifier sees for a lookup row is one-hot at each real draft."""
+    engine = small_engine(small)
+    seq = engine.add_request([1, 5, 3, 6, 1, 5], SETTINGS["t1"])
+    other = engine.add_request([7, 4], SETTINGS["t1"])
+    engine._admit()
+    sb = SamplingBatch.build([seq.params, other.params], [seq.generator, other.generator], engine.device)
+    out = engine.proposer.propose([seq, other], [2, 2], sb)
+    assert out.bucket_list()[0] != MODEL_BUCKET and out.bucket_list()[1] == MODEL_BUCKET
+    n = int(out.n_draft[0])
+    assert n and torch.equal(out.q[0, :n], torch.nn.functional.one_hot(out.tokens[0, :n], 8).float())
+    assert out.q[1].sum(-1).allclose(torch.ones(2))
