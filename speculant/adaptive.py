@@ -107,6 +107,17 @@ class AdaptiveK:
             b.idle_steps += 1
         return False
 
+    def keep_lookup(self, buckets: list[int], available: list[int]) -> list[int]:
+        """Lookup first (proposers/lookup_first.py): each row's available lookup drafts, or 0 where the
+        model's drafts promise more. Judged per row as if alone, at batch 1: the question is which
+        drafter to trust for the row; plan() and choose() then size the pass for the batch."""
+        _, model_gain = self.best([MODEL_BUCKET], [self.k_max], self.draft_ratio)
+        gains: dict[tuple[int, int], float] = {}
+        for key, n in zip(buckets, available):
+            if n and (key, n) not in gains:
+                gains[key, n] = self.best([key], [n])[1]
+        return [n if n and gains[key, n] >= model_gain else 0 for key, n in zip(buckets, available)]
+
     def plan(self, buckets: list[int], available: list[int], draft_ratio: float = 0.0,
              remaining: list[int] | None = None) -> list[int]:
         """How many of its `available` drafts each row sends to the verify pass. The pass is as wide as
@@ -207,9 +218,9 @@ class AdaptiveK:
         n_mean[1] += (seconds - n_mean[1]) * max(1 - self.memory, 1 / n_mean[0])
 
     def observe(self, buckets: list[int], n_draft: list[int], n_accepted: list[int], draft_s: float,
-                batch_size: int) -> None:
+                batch_size: int, pass_s: float | None = None) -> None:
         """After a verify pass: each row's bucket, verified drafts and accepted count; the time spent
-        drafting."""
+        drafting and, when known, the verify pass's own time."""
         for key in {key for key, n in zip(buckets, n_draft) if n}:
             b = self.bucket(key)
             b.reached = [r * self.memory for r in b.reached]
@@ -222,7 +233,13 @@ class AdaptiveK:
         # Only a model's drafts cost time (a lookup's are free): the longest of them set the step's.
         model_drafts = max((n for key, n in zip(buckets, n_draft) if key == MODEL_BUCKET), default=0)
         if model_drafts:
-            ratio = draft_s / model_drafts / self.curve.cost(batch_size, 1)
+            # Against this run's own pass (scaled to one token by the curve): the curve's C(1) is the
+            # fastest of a few passes measured once, and the machine's speed drifts (measured: 11.5 ms
+            # in the curve, 9.0 ms in the run, which made a draft look 22% cheaper than it was).
+            width = max(n_draft) + 1
+            one_token = self.curve.cost(batch_size, 1) if pass_s is None else pass_s / self.curve.ratio(batch_size,
+                                                                                                       width)
+            ratio = draft_s / model_drafts / one_token
             self.draft_ratio += self.smoothing * (ratio - self.draft_ratio)
 
 

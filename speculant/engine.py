@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -167,7 +168,7 @@ class Engine:
             self.adaptive.observe_pass(len(batch), proposal.tokens.shape[1] + 1, t2 - t1)
         if self.adaptive and proposal.tokens.shape[1]:
             self.adaptive.observe(proposal.bucket_list(), proposal.n_draft.tolist(), n_accepted, t1 - t0,
-                                  len(batch))
+                                  len(batch), t2 - t1)
         start = [s.num_cached for s in batch]
         n_valid = [len(s.tokens) - s.num_cached + n for s, n in zip(batch, n_accepted)]
         outputs = self.commit(batch, proposal, n_accepted, next_tokens.tolist(), logits)
@@ -195,7 +196,7 @@ class Engine:
         if proposer.free_drafts:
             return self._planned_lookup(proposer, batch, sb, remaining)
         if isinstance(proposer, LookupFirstProposer):
-            found = self._planned_lookup(proposer.lookup, batch, sb, remaining)
+            found = self._planned_lookup(proposer.lookup, batch, sb, remaining, self.adaptive.keep_lookup)
             empty = [n == 0 for n in found.n_draft.tolist()]
             k = self.adaptive.choose(len(batch), remaining) if any(empty) else 0
             return proposer.complete(batch, found, [self._k_for(s, k) if e else 0 for s, e in zip(batch, empty)], sb)
@@ -209,12 +210,17 @@ class Engine:
         return proposer.propose(batch, ks, sb)
 
     def _planned_lookup(self, proposer: Proposer, batch: list[Sequence], sb: SamplingBatch,
-                        remaining: list[int] | None) -> Proposal:
-        """Free drafts: all the lookup finds, then only as many as adaptive k plans to verify."""
+                        remaining: list[int] | None,
+                        keep: Callable[[list[int], list[int]], list[int]] | None = None) -> Proposal:
+        """Free drafts: all the lookup finds, then only as many as adaptive k plans to verify; `keep`
+        (buckets, available) → available first leaves out the rows a model drafts better."""
         if not self.adaptive.worth_proposing(len(batch)):
             return Proposal.from_lists([[] for _ in batch], self.device)
         found = self._drafts(proposer, batch, self.k, sb)
-        return found.trimmed(self.adaptive.plan(found.bucket_list(), found.n_draft.tolist(), remaining=remaining))
+        available = found.n_draft.tolist()
+        if keep is not None:
+            available = keep(found.bucket_list(), available)
+        return found.trimmed(self.adaptive.plan(found.bucket_list(), available, remaining=remaining))
 
     def score(self, batch: list[Sequence], proposal: Proposal) -> tuple[torch.Tensor, torch.Tensor]:
         """One target pass over each row's unseen tokens plus its drafts → (the final hidden states

@@ -172,3 +172,17 @@ def test_sampled_lookup_rows_get_one_hot_q(small):
     n = int(out.n_draft[0])
     assert n and torch.equal(out.q[0, :n], torch.nn.functional.one_hot(out.tokens[0, :n], 8).float())
     assert out.q[1].sum(-1).allclose(torch.ones(2))
+
+
+def test_each_row_keeps_the_drafter_that_promises_more():
+    """Long matches (all 4 drafts kept) beat a model whose first draft is always kept, its second half
+    the time; 1-token matches (first draft kept a third of the time) do not. Where the model's drafts
+    cost more than they yield, every match keeps its drafts."""
+    policy = AdaptiveK(curve(32), k_max=4, draft_ratio=0.05)
+    for _ in range(30):
+        policy.observe([4, 1, MODEL_BUCKET], [4, 4, 2], [4, 0, 1], draft_s=0.0, batch_size=3)
+        policy.observe([1, MODEL_BUCKET], [4, 2], [1, 2], draft_s=0.0, batch_size=2)
+        policy.observe([1], [4], [0], draft_s=0.0, batch_size=1)
+    assert policy.keep_lookup([4, 1, 2, MODEL_BUCKET], [4, 3, 0, 0]) == [4, 0, 0, 0]
+    policy.draft_ratio = 2.0  # a draft costs two passes: the model never pays
+    assert policy.keep_lookup([4, 1], [4, 3]) == [4, 3]

@@ -51,7 +51,10 @@ class TrainConfig:
     kl_weight: float = 0.1
     feature_noise: float = 0.1  # std of the noise on input features, relative to their RMS
     unroll: int = 2
-    draft_vocab: int = 8192  # the head drafts from the target's N most frequent next tokens (0: all)
+    # The head drafts from the target's N most frequent next tokens (0: all). Measured on the shipped
+    # head (trained with 8192): its top-2048 cover 92% of the target's first choices and its agreement
+    # on the bench prompts moved 0.424 → 0.419 (code), while a draft token got 22% cheaper.
+    draft_vocab: int = 2048
     # draft_model
     draft_dim: int = 256
     draft_layers: int = 3
