@@ -7,6 +7,7 @@ import importlib
 import logging
 import sys
 import time
+from dataclasses import asdict
 
 from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.errors import SpeculantError
@@ -50,7 +51,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help='JSON object or a JSON/YAML file, as vLLM: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\'; methods: draft_model, ngram, eagle')
     s.add_argument("--draft-model", default=None, help="shortcut: a draft model path (method draft_model)")
+    s.add_argument("--eagle", default=None, help="shortcut: an EAGLE head folder (method eagle)")
     s.add_argument("--ngram", action="store_true", help="shortcut: prompt-lookup proposer (method ngram)")
+    s.add_argument("--lookup-first", action="store_true",
+                   help="with a draft model or EAGLE head: verify prompt-lookup drafts where the text repeats "
+                        "(free), the model's drafts elsewhere (\"lookup_first\": true)")
     s.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="draft length k (default 4)")
     s.add_argument("--adaptive", action="store_true",
                    help="choose k per step from the measured cost curve and acceptance (0 where it loses)")
@@ -67,11 +72,17 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig 
         if args.num_speculative_tokens is not None:
             cfg.num_speculative_tokens = args.num_speculative_tokens
         cfg.adaptive = cfg.adaptive or args.adaptive
+        if args.lookup_first:
+            cfg = SpeculativeConfig.parse({**asdict(cfg), "lookup_first": True})
         return cfg
     k = args.num_speculative_tokens if args.num_speculative_tokens is not None else 4
-    if args.draft_model:
-        return SpeculativeConfig.parse({"method": "draft_model", "model": args.draft_model,
-                                        "num_speculative_tokens": k, "adaptive": args.adaptive})
+    for method, model in (("draft_model", args.draft_model), ("eagle", args.eagle)):
+        if model:
+            return SpeculativeConfig.parse({"method": method, "model": model, "num_speculative_tokens": k,
+                                            "adaptive": args.adaptive, "lookup_first": args.lookup_first})
+    if args.lookup_first:
+        raise SpeculantError("--lookup-first puts prompt lookup ahead of a model's drafts: give --draft-model "
+                             "PATH or --eagle PATH with it")
     if args.ngram or args.num_speculative_tokens is not None:
         return SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": k, "adaptive": args.adaptive})
     # No flags: the bundled model speculates with its best measured proposer, adaptively (k per step,

@@ -202,3 +202,21 @@ def test_cli_errors_are_one_line_without_traceback(tmp_path):
         assert r.returncode == 1, r.stderr
         assert r.stderr.strip() == message or r.stderr.strip().startswith(message), r.stderr
         assert "Traceback" not in r.stderr
+
+
+def test_speculation_shortcut_flags():
+    from speculant.cli import build_parser, speculative_config_from_args
+
+    def config(*flags):
+        return speculative_config_from_args(build_parser().parse_args(["generate", "hi", *flags]))
+
+    cfg = config("--eagle", "some/head", "-k", "3", "--lookup-first", "--adaptive")
+    assert (cfg.method, cfg.model, cfg.num_speculative_tokens, cfg.lookup_first, cfg.adaptive) == \
+        ("eagle", "some/head", 3, True, True)
+    cfg = config("--speculative-config", '{"method": "draft_model", "model": "d", "num_speculative_tokens": 2}',
+                 "--lookup-first")
+    assert cfg.proposer == "draft_model+lookup"
+    with raises("--lookup-first puts prompt lookup ahead of a model's drafts: give --draft-model"):
+        config("--lookup-first")
+    with raises("lookup_first .* needs method draft_model or eagle"):
+        config("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}', "--lookup-first")

@@ -25,13 +25,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 from speculant.errors import SpeculantError
 from speculant.models.kernels import pack_linears
 from speculant.models.kv_cache import KVCache
 from speculant.models.llama import Block, ModelConfig, RMSNorm, Rope, Transformer, prepare_pass, rope_inv_freq
 from speculant.models.loader import LoadedModel
-from speculant.proposers.base import Proposal, Proposer, TargetHidden
+from speculant.proposers.base import Proposal, Proposer, TargetHidden, pad_rows
 from speculant.sampling import SamplingBatch
 from speculant.sequence import Sequence
 
@@ -163,7 +164,9 @@ def load_eagle(folder: str | Path, target: LoadedModel) -> EagleHead:
 
 class EagleProposer(Proposer):
     """Per sequence: the head's KV cache row, holding entries built from the target's real
-    features, and the features the verifier returned that the head has not read yet."""
+    features, and the features the verifier returned that the head has not read yet (kept as the
+    chunks each verify pass returned, joined when the head reads them: with lookup first or adaptive
+    k the head may sit out many steps, and joining at every step grew with the wait)."""
 
     name = "eagle"
 
@@ -174,20 +177,22 @@ class EagleProposer(Proposer):
         self.free = list(range(max_batch_size))
         self.slot: dict[str, int] = {}
         self.fed: dict[str, int] = {}  # head entries from real features: positions 0 .. fed-1
-        self.pending: dict[str, torch.Tensor] = {}  # target features of positions fed, fed+1, …
+        self.pending: dict[str, list[torch.Tensor]] = {}  # target features of positions fed, fed+1, …
+        self.n_pending: dict[str, int] = {}
+        self.guessed: set[str] = set()  # rows whose head cache holds entries built from drafts
 
     def add(self, seq: Sequence) -> None:
         rid = seq.request_id
         self.slot[rid] = self.free.pop(0)
         self.fed[rid] = 0
-        self.pending[rid] = torch.zeros(0, self.head.cfg.dim, dtype=self.target.dtype,
-                                        device=self.target.device)
+        self.pending[rid], self.n_pending[rid] = [], 0
         self.cache.rollback(self.slot[rid], 0)
 
     def remove(self, seq: Sequence) -> None:
         rid = seq.request_id
         self.free.append(self.slot.pop(rid))
-        del self.fed[rid], self.pending[rid]
+        del self.fed[rid], self.pending[rid], self.n_pending[rid]
+        self.guessed.discard(rid)
 
     def propose(self, seqs: list[Sequence], ks: list[int], sb: SamplingBatch) -> Proposal:
         device = self.target.device
@@ -195,7 +200,7 @@ class EagleProposer(Proposer):
         # Head entry t reads (feature t, token t+1): a row drafts once the target has returned the
         # features of every token but the newest (not before the first verify pass: no features).
         ready = [b for b, s in enumerate(seqs)
-                 if ks[b] and self._unread(s) == len(self.pending[s.request_id]) > 0]
+                 if ks[b] and self._unread(s) == self.n_pending[s.request_id] > 0]
         tokens = torch.zeros(len(seqs), k, dtype=torch.long, device=device)
         n_draft = torch.zeros(len(seqs), dtype=torch.long, device=device)
         q = None if sb.all_greedy else torch.zeros(len(seqs), k, self.target.cfg.vocab_size, device=device)
@@ -205,6 +210,8 @@ class EagleProposer(Proposer):
         sub = _rows(sb, ready)
         feature = self._catch_up(rows)
         slots = torch.tensor([self.slot[s.request_id] for s in rows], device=device)
+        if k > 1:
+            self.guessed.update(s.request_id for s in rows)
         drafts, qs = [], []
         for i in range(k):
             token, q_i = self.draw_from_vocab(self.lm_head(feature).float(), sub)
@@ -240,17 +247,13 @@ class EagleProposer(Proposer):
         """Feed the head every pending (feature, next token) pair; → the predicted feature of each
         row's newest token [B, 1, D]."""
         device = self.target.device
-        pending = [self.pending[s.request_id] for s in rows]
-        n_new = torch.tensor([len(p) for p in pending], device=device)
-        T = int(n_new.max())
-        features = torch.zeros(len(rows), T, self.head.cfg.dim, dtype=self.target.dtype, device=device)
-        next_tokens = torch.zeros(len(rows), T, dtype=torch.long, device=device)
-        for b, (s, p) in enumerate(zip(rows, pending)):
-            fed = self.fed[s.request_id]
-            features[b, :len(p)] = p
-            next_tokens[b, :len(p)] = torch.tensor(s.tokens[fed + 1:fed + 1 + len(p)], device=device)
-            self.fed[s.request_id] = fed + len(p)
-            self.pending[s.request_id] = p[:0]
+        pending = [torch.cat(self.pending[s.request_id]) for s in rows]
+        features = pad_sequence(pending, batch_first=True)  # [B, T, D]
+        next_tokens, n_new = pad_rows([s.tokens[self.fed[s.request_id] + 1:][:len(p)] for s, p in zip(rows, pending)],
+                                      device)  # the token after each pending feature's position
+        for s, p in zip(rows, pending):
+            self.fed[s.request_id] += len(p)
+            self.pending[s.request_id], self.n_pending[s.request_id] = [], 0
         slots = torch.tensor([self.slot[s.request_id] for s in rows], device=device)
         out = self.head(self.target.model.embed_tokens(next_tokens), features, self.cache, slots, n_new)
         return out[torch.arange(len(rows), device=device), n_new - 1][:, None]
@@ -260,12 +263,15 @@ class EagleProposer(Proposer):
             rid = s.request_id
             if rid not in self.slot:
                 continue
-            # The head's drafted entries were guesses: keep only those built from real features.
-            self.cache.rollback(self.slot[rid], self.fed[rid])
-            known = self.fed[rid] + len(self.pending[rid])  # positions whose feature we hold
-            skip = known - target.start[b]
-            new = target.hidden[b, max(skip, 0):target.n_valid[b]]
-            self.pending[rid] = torch.cat((self.pending[rid], new.to(self.target.dtype)))
+            if rid in self.guessed:
+                # The head's drafted entries were guesses: keep only those built from real features.
+                self.cache.rollback(self.slot[rid], self.fed[rid])
+                self.guessed.discard(rid)
+            known = self.fed[rid] + self.n_pending[rid]  # positions whose feature we hold
+            new = target.hidden[b, max(known - target.start[b], 0):target.n_valid[b]]
+            if len(new):
+                self.pending[rid].append(new.to(self.target.dtype))
+                self.n_pending[rid] += len(new)
 
 
 def _rows(sb: SamplingBatch, rows: list[int]) -> SamplingBatch:
