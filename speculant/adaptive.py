@@ -74,6 +74,7 @@ class AdaptiveK:
     pass_times: dict[int, list[float]] = field(default_factory=dict)
     skipped: int = 0  # steps the last look-up-free stretch lasted (worth_proposing)
     skip_left: int = 0
+    model_drafted: bool = False  # the last step verified a model's drafts
 
     def bucket(self, key: int) -> Bucket:
         if key not in self.buckets:
@@ -219,8 +220,8 @@ class AdaptiveK:
 
     def observe(self, buckets: list[int], n_draft: list[int], n_accepted: list[int], draft_s: float,
                 batch_size: int, pass_s: float | None = None) -> None:
-        """After a verify pass: each row's bucket, verified drafts and accepted count; the time spent
-        drafting and, when known, the verify pass's own time."""
+        """After every step: each row's bucket, verified drafts (none on a plain step) and accepted
+        count; the time spent drafting and, when known, the verify pass's own time."""
         for key in {key for key, n in zip(buckets, n_draft) if n}:
             b = self.bucket(key)
             b.reached = [r * self.memory for r in b.reached]
@@ -230,9 +231,13 @@ class AdaptiveK:
             for i in range(min(drafted, accepted + 1, self.k_max)):
                 b.reached[i] += 1
                 b.kept[i] += i < accepted
-        # Only a model's drafts cost time (a lookup's are free): the longest of them set the step's.
+        # Only a model's drafts cost time (a lookup's are free): the longest of them set the step's. A
+        # model that sat out the step before first reads every token it missed (an EAGLE head after 20
+        # lookup steps: ~4 ms where a steady draft costs ~1.3), a cost paid once per stretch: the cost
+        # of a draft is measured on consecutive drafting steps only.
         model_drafts = max((n for key, n in zip(buckets, n_draft) if key == MODEL_BUCKET), default=0)
-        if model_drafts:
+        steady, self.model_drafted = self.model_drafted, bool(model_drafts)
+        if model_drafts and steady:
             # Against this run's own pass (scaled to one token by the curve): the curve's C(1) is the
             # fastest of a few passes measured once, and the machine's speed drifts (measured: 11.5 ms
             # in the curve, 9.0 ms in the run, which made a draft look 22% cheaper than it was).

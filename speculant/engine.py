@@ -166,7 +166,7 @@ class Engine:
         n_accepted = n_accepted.tolist()
         if self.adaptive:
             self.adaptive.observe_pass(len(batch), proposal.tokens.shape[1] + 1, t2 - t1)
-        if self.adaptive and proposal.tokens.shape[1]:
+        if self.adaptive:
             self.adaptive.observe(proposal.bucket_list(), proposal.n_draft.tolist(), n_accepted, t1 - t0,
                                   len(batch), t2 - t1)
         start = [s.num_cached for s in batch]

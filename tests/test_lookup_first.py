@@ -147,8 +147,13 @@ def test_only_model_drafts_set_the_draft_cost():
     cost = policy.curve.cost(2, 1)
     policy.observe([3, 4], [4, 4], [4, 1], draft_s=0.001 * cost, batch_size=2)  # lookup rows only: free
     assert policy.draft_ratio == 0.0
+    policy.observe([3, MODEL_BUCKET], [4, 2], [4, 1], draft_s=0.9 * cost, batch_size=2)
+    assert policy.draft_ratio == 0.0  # the model first read what it missed while lookup drafted
     policy.observe([3, MODEL_BUCKET], [4, 2], [4, 1], draft_s=0.4 * cost, batch_size=2)
     assert policy.draft_ratio == pytest.approx(policy.smoothing * 0.2)  # 0.4 over the model's 2 drafts
+    policy.observe([3, MODEL_BUCKET], [0, 0], [0, 0], draft_s=0.0, batch_size=2)  # a plain step
+    policy.observe([3, MODEL_BUCKET], [4, 2], [4, 1], draft_s=0.9 * cost, batch_size=2)
+    assert policy.draft_ratio == pytest.approx(policy.smoothing * 0.2)
 
 
 def test_lookup_first_needs_a_model():
