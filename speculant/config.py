@@ -63,7 +63,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     model: str | None = None
     prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 4
+    # The earlier occurrence that matches a longer suffix continues right more often: up to 6 measured
+    # +3.5% over up to 4 (int4 SmolLM2, batch 1, adaptive k, two runs of 18 prompts).
+    prompt_lookup_max: int = 6
     # Our extension: choose k per step (0..num_speculative_tokens) from the measured cost curve and
     # the running acceptance; speculation switches itself off where it would lose.
     adaptive: bool = False
@@ -102,8 +104,8 @@ class SpeculativeConfig:
             raise SpeculantError(f"speculative config: num_speculative_tokens={k} is out of range "
                                  f"[1, {MAX_SPECULATIVE_TOKENS}]")
         cfg = cls(method=method, num_speculative_tokens=k, model=value.get("model"),
-                  prompt_lookup_min=value.get("prompt_lookup_min", 1),
-                  prompt_lookup_max=value.get("prompt_lookup_max", 4),
+                  prompt_lookup_min=value.get("prompt_lookup_min", cls.prompt_lookup_min),
+                  prompt_lookup_max=value.get("prompt_lookup_max", cls.prompt_lookup_max),
                   adaptive=value.get("adaptive", False), lookup_first=value.get("lookup_first", False))
         for key in ("adaptive", "lookup_first"):
             if not isinstance(getattr(cfg, key), bool):

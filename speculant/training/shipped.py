@@ -12,11 +12,8 @@ SHIPPED = Path(__file__).resolve().parent.parent / "data" / "drafts" / "smollm2-
 # The shipped EAGLE head gains 1.08-1.16x at k = 1 (int4, batch 1), n-gram lookup 1.26-1.35x on the
 # bench prompts (far more on copy-heavy ones); lookup first with the head as fallback measured the
 # same as lookup alone (1.34x vs 1.35x, 18 prompts, one run), so lookup stays the default until a
-# better draft is trained. Adaptive mode switches speculation off where it does not pay. Suffixes
-# up to 6 tokens: the earlier occurrence matching the longer suffix continues right more often (a
-# 6-token match's first draft kept 94% of the time, 3.1 of 4 drafts); measured 1.37x vs 1.33x with
-# up to 4 (two runs, 18 prompts, 128 tokens, +3.5% both times).
-BEST = {"method": "ngram", "num_speculative_tokens": 6, "adaptive": True, "prompt_lookup_max": 6}
+# better draft is trained. Adaptive mode switches speculation off where it does not pay.
+BEST = {"method": "ngram", "num_speculative_tokens": 6, "adaptive": True}
 REQUIRED_FILES = {"eagle": ("eagle.safetensors", "eagle_config.json"),
                   "draft_model": ("config.json", "model.safetensors", "tokenizer.json")}
 
