@@ -198,3 +198,21 @@ def test_missing_files_are_reported(tiny_pair, tmp_path):
     target = load_model(tiny_pair[0])
     with pytest.raises(SpeculantError, match="eagle.safetensors and eagle_config.json"):
         load_eagle(tmp_path, target)
+
+
+def test_a_long_prompt_joining_next_to_a_row_near_its_context_end(tiny_pair, tmp_path):
+    """The head catches up on a new row's whole prompt in the same pass as one token of a row with
+    few positions left: that row's padding lands in its cache's sink, and outputs stay plain greedy."""
+    target = load_model(tiny_pair[0])
+    spec = SpeculativeConfig.parse({"method": "eagle", "model": str(saved_head(target, tmp_path)),
+                                    "num_speculative_tokens": 2})
+    gen = torch.Generator().manual_seed(5)
+    near_end, short, long_prompt = ([1] + torch.randint(3, 96, (n,), generator=gen).tolist() for n in (44, 2, 40))
+    prompts = [near_end, short, long_prompt]
+    budgets = [18, 3, 8]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in budgets]
+    plain = Engine(target, max_batch_size=1, max_model_len=64)
+    expected = [plain.generate([plain.add_request(p, sp)])[0].output_ids for p, sp in zip(prompts, params)]
+    engine = Engine(target, build_proposer(spec, target, 2, 64 + 3), 2, max_batch_size=2, max_model_len=64)
+    got = [s.output_ids for s in engine.generate([engine.add_request(p, sp) for p, sp in zip(prompts, params)])]
+    assert got == expected

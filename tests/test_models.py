@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import save_tiny, transformers
 
+from speculant.errors import SpeculantError
 from speculant.models.kv_cache import KVCache
 from speculant.models.loader import load_model
 
@@ -73,6 +74,27 @@ def test_ragged_batch_equals_each_sequence_alone(tiny_pair):
             single = model.logits(model(step[b:b + 1], cache1, torch.tensor([0])))
         assert (batched_step[b] - single[0]).abs().max() <= TOL
     assert cache.lengths[slots].tolist() == [8, 4, 13, 2]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_row_at_the_end_of_its_context_shares_a_pass_with_a_long_row(tiny_pair, dtype):
+    """Row 0 has 1 position left, row 1 feeds 12 tokens: row 0's padding would run 11 positions past
+    its cache's end; it goes to the sink and row 0's real entry is what it is alone."""
+    model = load_model(tiny_pair[0], dtype=dtype).model
+    gen = torch.Generator().manual_seed(3)
+    history, last, long_row = (torch.randint(0, 96, (n,), generator=gen) for n in (15, 1, 12))
+    with torch.no_grad():
+        alone = model.new_cache(1, 16)
+        model(history[None], alone, torch.tensor([0]))
+        expected = model.logits(model(last[None], alone, torch.tensor([0])))[0, 0]
+        cache = model.new_cache(2, 16)
+        model(history[None], cache, torch.tensor([0]))
+        tokens = torch.stack((torch.cat((last, torch.zeros(11, dtype=torch.long))), long_row))
+        got = model.logits(model(tokens, cache, torch.tensor([0, 1]), torch.tensor([1, 12])))
+        assert cache.lengths.tolist() == [16, 12]
+        assert (got[0, 0].float() - expected.float()).abs().max() <= (TOL if dtype == "float32" else 0.05)
+        with pytest.raises(SpeculantError, match="needs 24 cache positions; the cache holds 16"):
+            model(tokens, cache, torch.tensor([0, 1]), torch.tensor([1, 12]))
 
 
 def test_bfloat16_runs_close_to_float32(tiny_pair):

@@ -2,6 +2,12 @@
 
 Rollback is O(1): shrinking a slot's length makes the keys past it invisible (the attention
 mask stops at the length) and the next append overwrites them.
+
+Each row has one position more than max_len, a sink: a ragged pass pads short rows to the widest,
+and a padded entry that would land past the last position is written there instead (prepare_pass).
+No row ever sees it (a row's length is at most max_len). Without it a row near the end of its
+context could not share a pass with a row feeding many tokens (an EAGLE head catching up on a
+long stretch in one row, one token in another).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from speculant.errors import SpeculantError
 class KVCache:
     def __init__(self, n_layers: int, max_batch: int, n_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
-        shape = (n_layers, max_batch, n_kv_heads, max_len, head_dim)
+        shape = (n_layers, max_batch, n_kv_heads, max_len + 1, head_dim)  # + the sink
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(max_batch, dtype=torch.long, device=device)

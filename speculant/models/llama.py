@@ -187,12 +187,14 @@ def prepare_pass(cache: KVCache, slots: torch.Tensor, T: int, n_new: torch.Tenso
                  inv_freq: torch.Tensor, dtype: torch.dtype, window: int | None = None) -> Pass:
     """Row b's T inputs go at positions cache.lengths[slots[b]] onward; only its first n_new[b]
     (default T) are real, the rest is padding whose keys are never attended to and are overwritten
-    later."""
+    later; padding past the last position goes to the cache's sink (KVCache)."""
     start = cache.lengths[slots]  # [B]
     end = start + (T if n_new is None else n_new)
-    positions = start[:, None] + torch.arange(T, device=slots.device)  # [B, T]
-    cache.check_capacity(int(positions[:, -1].max()) + 1)
     span = int(end.max())
+    cache.check_capacity(span)
+    positions = start[:, None] + torch.arange(T, device=slots.device)  # [B, T]
+    if n_new is not None and span + T > cache.max_len:
+        positions = positions.clamp(max=cache.max_len)
     cos, sin = rope(inv_freq, positions, dtype)
     mask = row_spans = n_keys = None
     # In bf16/fp16 PyTorch's CPU attention sums in an order that depends on the key count and the call's
