@@ -75,6 +75,12 @@ def test_off_policy_probes_less_and_less_while_probes_fail():
     assert [policy.choose(1) for _ in range(4)] == [0, 0, 0, 2]
 
 
+def test_a_model_that_is_off_is_probed_at_batch_1_only():
+    policy = AdaptiveK(curve(32), k_max=8, alpha=0.0, probe_every=4)
+    assert not any(policy.choose(4) for _ in range(40))  # a batch: no probe, the wait does not grow
+    assert [policy.choose(1) for _ in range(4)] == [0, 0, 0, 2]
+
+
 def test_adaptive_engine_stays_greedy_identical(tiny_pair, tmp_path):
     target = load_model(tiny_pair[0])
     measured = cost_curve_for(target.model, 4, 5, cache_dir=tmp_path)
