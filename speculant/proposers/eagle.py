@@ -249,8 +249,9 @@ class EagleProposer(Proposer):
         device = self.target.device
         pending = [torch.cat(self.pending[s.request_id]) for s in rows]
         features = pad_sequence(pending, batch_first=True)  # [B, T, D]
-        next_tokens, n_new = pad_rows([s.tokens[self.fed[s.request_id] + 1:][:len(p)] for s, p in zip(rows, pending)],
-                                      device)  # the token after each pending feature's position
+        fed = [self.fed[s.request_id] for s in rows]
+        # The token after each pending feature's position.
+        next_tokens, n_new = pad_rows([s.tokens[f + 1:f + 1 + len(p)] for s, f, p in zip(rows, fed, pending)], device)
         for s, p in zip(rows, pending):
             self.fed[s.request_id] += len(p)
             self.pending[s.request_id], self.n_pending[s.request_id] = [], 0
