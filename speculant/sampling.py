@@ -42,6 +42,15 @@ class SamplingBatch:
             all_greedy=all(p.greedy for p in params),
         )
 
+    def select(self, rows: list[int]) -> SamplingBatch:
+        """The batch restricted to `rows` (those a proposer drafts for); all_greedy stays the whole
+        batch's, so drafts report q exactly when the verifier reads it."""
+        if rows == list(range(len(self.generators))):
+            return self
+        at = torch.tensor(rows, device=self.temperature.device)
+        return SamplingBatch(self.temperature[at], self.top_k[at], self.top_p[at], self.min_p[at], self.greedy[at],
+                             [self.generators[b] for b in rows], self.all_greedy)
+
 
 def probabilities(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """logits [B, T, V] → probabilities [B, T, V] after temperature, top-k, top-p, min-p.

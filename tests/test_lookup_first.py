@@ -166,7 +166,8 @@ def test_lookup_first_needs_a_model():
 
 
 def test_sampled_lookup_rows_get_one_hot_q(small):
-    """The q the verifier sees for a lookup row is one-hot at each real draft."""
+    """The q the verifier sees for a lookup row is one-hot at each real draft; the draft model ran
+    for the other row only."""
     engine = small_engine(small)
     seq = engine.add_request([1, 5, 3, 6, 1, 5], SETTINGS["t1"])
     other = engine.add_request([7, 4], SETTINGS["t1"])
@@ -177,6 +178,9 @@ def test_sampled_lookup_rows_get_one_hot_q(small):
     n = int(out.n_draft[0])
     assert n and torch.equal(out.q[0, :n], torch.nn.functional.one_hot(out.tokens[0, :n], 8).float())
     assert out.q[1].sum(-1).allclose(torch.ones(2))
+    fed = engine.proposer.model.fed
+    assert fed[seq.request_id] == len(seq.tokens) - 1  # the prompt from prefill, nothing drafted
+    assert fed[other.request_id] == len(other.tokens) + 1  # its last token, then its first draft
 
 
 def test_each_row_keeps_the_drafter_that_promises_more():

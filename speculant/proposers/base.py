@@ -42,6 +42,17 @@ class Proposal:
     def bucket_list(self) -> list[int]:
         return self.buckets if self.buckets is not None else [MODEL_BUCKET] * len(self.n_draft)
 
+    def placed(self, rows: list[int], batch_size: int) -> Proposal:
+        """This proposal for a sub-batch, its row i put at row rows[i] of the whole batch (the other
+        rows draft nothing)."""
+        if rows == list(range(batch_size)):
+            return self
+        at = torch.tensor(rows, device=self.tokens.device)
+        tokens = self.tokens.new_zeros(batch_size, self.tokens.shape[1]).index_copy_(0, at, self.tokens)
+        n_draft = self.n_draft.new_zeros(batch_size).index_copy_(0, at, self.n_draft)
+        q = None if self.q is None else self.q.new_zeros(batch_size, *self.q.shape[1:]).index_copy_(0, at, self.q)
+        return Proposal(tokens, n_draft, q)
+
     def trimmed(self, keep: list[int]) -> Proposal:
         """The same drafts, row b's first keep[b] only."""
         width = max(keep, default=0)

@@ -72,6 +72,13 @@ class DraftModelProposer(Proposer):
 
     def propose(self, seqs: list[Sequence], ks: list[int], sb: SamplingBatch) -> Proposal:
         device = self.model.device
+        rows = [b for b, k in enumerate(ks) if k]
+        if len(rows) < len(seqs):
+            # Lookup first: the other rows have drafts of their own; these alone are fed and drafted.
+            if not rows:
+                return Proposal.from_lists([[] for _ in seqs], device)
+            sub = self.propose([seqs[b] for b in rows], [ks[b] for b in rows], sb.select(rows))
+            return sub.placed(rows, len(seqs))
         slots = torch.tensor([self.slot[s.request_id] for s in seqs], device=device)
         # Catch up on what the draft has not seen yet: the verifier's last tokens.
         unseen = [s.tokens[self.fed[s.request_id]:] for s in seqs]

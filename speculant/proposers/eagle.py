@@ -201,13 +201,10 @@ class EagleProposer(Proposer):
         # features of every token but the newest (not before the first verify pass: no features).
         ready = [b for b, s in enumerate(seqs)
                  if ks[b] and self._unread(s) == self.n_pending[s.request_id] > 0]
-        tokens = torch.zeros(len(seqs), k, dtype=torch.long, device=device)
-        n_draft = torch.zeros(len(seqs), dtype=torch.long, device=device)
-        q = None if sb.all_greedy else torch.zeros(len(seqs), k, self.target.cfg.vocab_size, device=device)
         if not ready:
-            return Proposal(tokens, n_draft, q)
+            return Proposal.from_lists([[] for _ in seqs], device)
         rows = [seqs[b] for b in ready]
-        sub = _rows(sb, ready)
+        sub = sb.select(ready)
         feature = self._catch_up(rows)
         slots = torch.tensor([self.slot[s.request_id] for s in rows], device=device)
         if k > 1:
@@ -220,12 +217,9 @@ class EagleProposer(Proposer):
             if i < k - 1:
                 embeds = self.target.model.embed_tokens(token[:, None])
                 feature = self.head(embeds, feature, self.cache, slots)
-        at = torch.tensor(ready, device=device)
-        tokens[at] = torch.stack(drafts, dim=1)
-        n_draft[at] = torch.tensor([ks[b] for b in ready], device=device)
-        if q is not None:
-            q[at] = torch.stack(qs, dim=1)
-        return Proposal(tokens, n_draft, q)
+        q = None if sb.all_greedy else torch.stack(qs, dim=1)
+        n_draft = torch.tensor([ks[b] for b in ready], device=device)
+        return Proposal(torch.stack(drafts, dim=1), n_draft, q).placed(ready, len(seqs))
 
     def draw_from_vocab(self, logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A draft token per row from logits over the draft vocabulary [B, 1, N] → full-vocabulary
@@ -273,12 +267,3 @@ class EagleProposer(Proposer):
             if len(new):
                 self.pending[rid].append(new.to(self.target.dtype))
                 self.n_pending[rid] += len(new)
-
-
-def _rows(sb: SamplingBatch, rows: list[int]) -> SamplingBatch:
-    """The sampling batch restricted to `rows` (the ones that draft this step)."""
-    if len(rows) == len(sb.generators):
-        return sb
-    at = torch.tensor(rows, device=sb.temperature.device)
-    return SamplingBatch(sb.temperature[at], sb.top_k[at], sb.top_p[at], sb.min_p[at], sb.greedy[at],
-                         [sb.generators[b] for b in rows], sb.all_greedy)

@@ -7,9 +7,6 @@ head was the best drafter on code (1.14x), lookup on chat and rewrites (1.53x, 1
 has a match on ~40% of code steps. So a row whose lookup finds a match verifies those drafts, the
 others get the model's (with adaptive k: the drafter whose acceptance promises more, per row).
 
-A draft model drafts for every row of the batch, ks[b] = 0 or not (its pass is batched): the drafts
-of lookup rows are dropped here, and its commit rolls its cache back past them.
-
 The model proposer keeps its state in step either way: its `commit` reads the verified tokens (and,
 for EAGLE, the target's features), whoever drafted them.
 """
