@@ -232,6 +232,8 @@ class AdaptiveK:
             b.reached = [r * self.memory for r in b.reached]
             b.kept = [c * self.memory for c in b.kept]
         for key, drafted, accepted in zip(buckets, n_draft, n_accepted):
+            if not drafted:  # observe() runs every step: plain rows have nothing to record
+                continue
             b = self.bucket(key)
             for i in range(min(drafted, accepted + 1, self.k_max)):
                 b.reached[i] += 1

@@ -166,7 +166,6 @@ class Engine:
         n_accepted = n_accepted.tolist()
         if self.adaptive:
             self.adaptive.observe_pass(len(batch), proposal.tokens.shape[1] + 1, t2 - t1)
-        if self.adaptive:
             self.adaptive.observe(proposal.bucket_list(), proposal.n_draft.tolist(), n_accepted, t1 - t0,
                                   len(batch), t2 - t1)
         start = [s.num_cached for s in batch]
@@ -188,7 +187,7 @@ class Engine:
         """Each row's drafts for this step: as many as adaptive k plans (all of them without it)."""
         proposer = self.proposer
         if proposer is None:
-            return Proposal.from_lists([[] for _ in batch], self.device)
+            return Proposal.empty(len(batch), self.device)
         if not self.adaptive:
             return self._drafts(proposer, batch, self.k, sb)
         # With no request waiting for a slot the batch is done when its last row is (adaptive.batch_progress).
@@ -206,7 +205,7 @@ class Engine:
         """Up to k drafts per row from the proposer."""
         ks = [self._k_for(s, k) for s in batch]
         if not any(ks):
-            return Proposal.from_lists([[] for _ in batch], self.device)
+            return Proposal.empty(len(batch), self.device)
         return proposer.propose(batch, ks, sb)
 
     def _planned_lookup(self, proposer: Proposer, batch: list[Sequence], sb: SamplingBatch,
@@ -215,7 +214,7 @@ class Engine:
         """Free drafts: all the lookup finds, then only as many as adaptive k plans to verify; `keep`
         (buckets, available) → available first leaves out the rows a model drafts better."""
         if not self.adaptive.worth_proposing(len(batch)):
-            return Proposal.from_lists([[] for _ in batch], self.device)
+            return Proposal.empty(len(batch), self.device)
         found = self._drafts(proposer, batch, self.k, sb)
         available = found.n_draft.tolist()
         if keep is not None:

@@ -39,6 +39,11 @@ class Proposal:
     def from_lists(cls, drafts: list[list[int]], device: torch.device, buckets: list[int] | None = None) -> Proposal:
         return cls(*pad_rows(drafts, device), None, buckets)
 
+    @classmethod
+    def empty(cls, batch_size: int, device: torch.device) -> Proposal:
+        """No drafts for any of the batch's rows."""
+        return cls.from_lists([[] for _ in range(batch_size)], device)
+
     def bucket_list(self) -> list[int]:
         return self.buckets if self.buckets is not None else [MODEL_BUCKET] * len(self.n_draft)
 

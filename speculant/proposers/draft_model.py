@@ -76,7 +76,7 @@ class DraftModelProposer(Proposer):
         if len(rows) < len(seqs):
             # Lookup first: the other rows have drafts of their own; these alone are fed and drafted.
             if not rows:
-                return Proposal.from_lists([[] for _ in seqs], device)
+                return Proposal.empty(len(seqs), device)
             sub = self.propose([seqs[b] for b in rows], [ks[b] for b in rows], sb.select(rows))
             return sub.placed(rows, len(seqs))
         slots = torch.tensor([self.slot[s.request_id] for s in seqs], device=device)

@@ -202,7 +202,7 @@ class EagleProposer(Proposer):
         ready = [b for b, s in enumerate(seqs)
                  if ks[b] and self._unread(s) == self.n_pending[s.request_id] > 0]
         if not ready:
-            return Proposal.from_lists([[] for _ in seqs], device)
+            return Proposal.empty(len(seqs), device)
         rows = [seqs[b] for b in ready]
         sub = sb.select(ready)
         feature = self._catch_up(rows)
