@@ -75,6 +75,8 @@ class AdaptiveK:
     skipped: int = 0  # steps the last look-up-free stretch lasted (worth_proposing)
     skip_left: int = 0
     model_drafted: bool = False  # the last step verified a model's drafts
+    # Nodes a model's drafts bring beyond k (a draft tree's other first candidates): they widen the pass.
+    extra_nodes: int = 0
 
     def bucket(self, key: int) -> Bucket:
         if key not in self.buckets:
@@ -177,6 +179,7 @@ class AdaptiveK:
         expected = {key: expected_tokens_upto([1.0] * self.k_max if key in optimistic else self.acceptance(key))
                     for key in set(buckets)}
         batch = len(buckets)
+        extra = self.extra_nodes if any(n and key == MODEL_BUCKET for key, n in zip(buckets, available)) else 0
         scale = self.calibration(batch)
         fixed_share = min(self.curve.cost(1, 1) / self.curve.cost(batch, 1), 1.0)
         catch_up = None if remaining is None or batch == 1 else [max(remaining) / max(r, 1) for r in remaining]
@@ -184,7 +187,7 @@ class AdaptiveK:
         for k in range(1, min(max(available, default=0), self.k_max) + 1):
             drafts = [min(k, n) for n in available]
             tokens = batch_progress([expected[key][n] for key, n in zip(buckets, drafts)], catch_up, fixed_share)
-            ratio = 1 + scale * (self.curve.ratio(batch, k + 1) - 1)
+            ratio = 1 + scale * (self.curve.ratio(batch, k + 1 + extra) - 1)
             scored.append((speedup_from(tokens, sum(drafts) / batch, ratio, draft_ratio), k))
         gain, k = max(scored)
         return (k, gain) if gain >= (MIN_GAIN if batch == 1 else MIN_GAIN_BATCHED) else (0, 1.0)
@@ -224,9 +227,10 @@ class AdaptiveK:
         n_mean[1] += (seconds - n_mean[1]) * max(1 - self.memory, 1 / n_mean[0])
 
     def observe(self, buckets: list[int], n_draft: list[int], n_accepted: list[int], draft_s: float,
-                batch_size: int, pass_s: float | None = None) -> None:
-        """After every step: each row's bucket, verified drafts (none on a plain step) and accepted
-        count; the time spent drafting and, when known, the verify pass's own time."""
+                batch_size: int, pass_s: float | None = None, width: int | None = None) -> None:
+        """After every step: each row's bucket, verified drafts (none on a plain step; a draft tree's
+        depth) and accepted count; the time spent drafting and, when known, the verify pass's own time
+        and width (default: the most drafts + 1)."""
         for key in {key for key, n in zip(buckets, n_draft) if n}:
             b = self.bucket(key)
             b.reached = [r * self.memory for r in b.reached]
@@ -249,7 +253,7 @@ class AdaptiveK:
             # Against this run's own pass (scaled to one token by the curve): the curve's C(1) is the
             # fastest of a few passes measured once, and the machine's speed drifts (measured: 11.5 ms
             # in the curve, 9.0 ms in the run, which made a draft look 22% cheaper than it was).
-            width = max(n_draft) + 1
+            width = width or max(n_draft) + 1
             one_token = self.curve.cost(batch_size, 1) if pass_s is None else pass_s / self.curve.ratio(batch_size,
                                                                                                        width)
             ratio = draft_s / model_drafts / one_token

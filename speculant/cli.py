@@ -56,6 +56,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--lookup-first", action="store_true",
                    help="with a draft model or EAGLE head: verify prompt-lookup drafts where the text repeats "
                         "(free), the model's drafts elsewhere (\"lookup_first\": true)")
+    s.add_argument("--tree-width", type=int, default=None,
+                   help="with an EAGLE head, greedy requests: verify the head's N best first drafts in one pass, "
+                        "the best continued to k (a draft tree; \"tree_width\": N, default 1)")
     s.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="draft length k (default 4)")
     s.add_argument("--adaptive", action="store_true",
                    help="choose k per step from the measured cost curve and acceptance (0 where it loses)")
@@ -72,17 +75,21 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig 
         if args.num_speculative_tokens is not None:
             cfg.num_speculative_tokens = args.num_speculative_tokens
         cfg.adaptive = cfg.adaptive or args.adaptive
-        if args.lookup_first:
-            cfg = SpeculativeConfig.parse({**asdict(cfg), "lookup_first": True})
+        if args.lookup_first or args.tree_width is not None:
+            cfg = SpeculativeConfig.parse({**asdict(cfg), "lookup_first": cfg.lookup_first or args.lookup_first,
+                                           "tree_width": args.tree_width or cfg.tree_width})
         return cfg
     k = args.num_speculative_tokens if args.num_speculative_tokens is not None else 4
     for method, model in (("draft_model", args.draft_model), ("eagle", args.eagle)):
         if model:
             return SpeculativeConfig.parse({"method": method, "model": model, "num_speculative_tokens": k,
-                                            "adaptive": args.adaptive, "lookup_first": args.lookup_first})
+                                            "adaptive": args.adaptive, "lookup_first": args.lookup_first,
+                                            "tree_width": args.tree_width or 1})
     if args.lookup_first:
         raise SpeculantError("--lookup-first puts prompt lookup ahead of a model's drafts: give --draft-model "
                              "PATH or --eagle PATH with it")
+    if args.tree_width is not None:
+        raise SpeculantError("--tree-width is the width of an EAGLE head's draft tree: give --eagle PATH with it")
     if args.ngram or args.num_speculative_tokens is not None:
         return SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": k, "adaptive": args.adaptive})
     # No flags: the bundled model speculates with its best measured proposer, adaptively (k per step,

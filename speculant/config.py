@@ -13,6 +13,7 @@ MAX_SPECULATIVE_TOKENS = 32
 # wider one is a prompt, computed the same way in every configuration.
 MAX_VERIFY_WIDTH = MAX_SPECULATIVE_TOKENS + 1
 MAX_LOGPROBS = 20
+MAX_TREE_WIDTH = 8
 METHODS = ("draft_model", "ngram", "eagle")
 
 
@@ -72,6 +73,9 @@ class SpeculativeConfig:
     # Our extension, for draft_model and eagle: where prompt lookup finds a match (prompt_lookup_min
     # to _max tokens) its drafts are verified instead, free; the model drafts the other steps.
     lookup_first: bool = False
+    # Our extension, for eagle: in greedy batches verify the head's tree_width best first drafts (the
+    # best one continued to k) in the same pass, a draft tree; sampled batches draft a chain.
+    tree_width: int = 1
 
     @property
     def proposer(self) -> str:
@@ -106,13 +110,22 @@ class SpeculativeConfig:
         cfg = cls(method=method, num_speculative_tokens=k, model=value.get("model"),
                   prompt_lookup_min=value.get("prompt_lookup_min", cls.prompt_lookup_min),
                   prompt_lookup_max=value.get("prompt_lookup_max", cls.prompt_lookup_max),
-                  adaptive=value.get("adaptive", False), lookup_first=value.get("lookup_first", False))
+                  adaptive=value.get("adaptive", False), lookup_first=value.get("lookup_first", False),
+                  tree_width=value.get("tree_width", 1))
         for key in ("adaptive", "lookup_first"):
             if not isinstance(getattr(cfg, key), bool):
                 raise SpeculantError(f"speculative config: {key} must be true or false, got {getattr(cfg, key)!r}")
         if cfg.lookup_first and method == "ngram":
             raise SpeculantError("speculative config: lookup_first puts prompt lookup ahead of a model's drafts; "
                                  "it needs method draft_model or eagle")
+        width = cfg.tree_width
+        if not isinstance(width, int) or isinstance(width, bool) or not 1 <= width <= MAX_TREE_WIDTH:
+            raise SpeculantError(f"speculative config: tree_width={width!r} is out of range [1, {MAX_TREE_WIDTH}]")
+        if width > 1 and method != "eagle":
+            raise SpeculantError("speculative config: tree_width (a draft tree) needs method eagle")
+        if k + width - 1 > MAX_SPECULATIVE_TOKENS:
+            raise SpeculantError(f"speculative config: num_speculative_tokens + tree_width - 1 = {k + width - 1} "
+                                 f"drafts a step; at most {MAX_SPECULATIVE_TOKENS}")
         if method in ("draft_model", "eagle") and not cfg.model:
             raise SpeculantError(f"speculative config: method {method!r} needs \"model\" (the draft's path)")
         if method == "ngram" or cfg.lookup_first:

@@ -25,9 +25,9 @@ from speculant.models.tokenizer import Detokenizer
 from speculant.proposers import Proposal, Proposer, TargetHidden
 from speculant.proposers.base import pad_rows
 from speculant.proposers.lookup_first import LookupFirstProposer
-from speculant.sampling import SamplingBatch, make_generator
+from speculant.sampling import SamplingBatch, argmax, make_generator
 from speculant.sequence import Sequence, SpecStats, TokenLogprob
-from speculant.verify import verify_logits
+from speculant.verify import verify_logits, verify_tree_greedy
 
 log = logging.getLogger("speculant")
 
@@ -91,8 +91,10 @@ class Engine:
         self.eos_ids = set(self.target.eos_token_ids)
         self.k = self.num_speculative_tokens if self.proposer is not None else 0
         self.max_model_len = resolve_max_model_len(self.model.cfg, self.max_model_len)
-        # k + 1 spare positions: a verify pass writes the drafts before knowing how many stay.
-        self.cache = self.model.new_cache(self.max_batch_size, self.max_model_len + self.k + 1)
+        # Spare positions: a verify pass writes the drafts (k, a tree's other candidates too) and the
+        # pending token before knowing how many stay.
+        extra = self.proposer.extra_nodes if self.proposer is not None else 0
+        self.cache = self.model.new_cache(self.max_batch_size, self.max_model_len + self.k + extra + 1)
         self.free_slots = list(range(self.max_batch_size))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -162,15 +164,18 @@ class Engine:
         t1 = time.perf_counter()
         hidden, logits = self.score(batch, proposal)
         t2 = time.perf_counter()
-        n_accepted, next_tokens = verify_logits(proposal.tokens, proposal.n_draft, logits, proposal.q, sb)
-        n_accepted = n_accepted.tolist()
+        accepted, next_tokens = self.verify(proposal, logits, sb)
+        n_accepted = [len(a) for a in accepted]
+        drafted = proposal.depths()
         if self.adaptive:
-            self.adaptive.observe_pass(len(batch), proposal.tokens.shape[1] + 1, t2 - t1)
-            self.adaptive.observe(proposal.bucket_list(), proposal.n_draft.tolist(), n_accepted, t1 - t0,
-                                  len(batch), t2 - t1)
+            width = proposal.tokens.shape[1] + 1
+            self.adaptive.observe_pass(len(batch), width, t2 - t1)
+            self.adaptive.observe(proposal.bucket_list(), drafted, n_accepted, t1 - t0, len(batch), t2 - t1, width)
         start = [s.num_cached for s in batch]
         n_valid = [len(s.tokens) - s.num_cached + n for s, n in zip(batch, n_accepted)]
-        outputs = self.commit(batch, proposal, n_accepted, next_tokens.tolist(), logits)
+        if proposal.parents is not None:
+            hidden = self.keep_branches(batch, accepted, hidden)
+        outputs = self.commit(batch, proposal, accepted, drafted, next_tokens, logits)
         if self.proposer is not None:
             self.proposer.commit(batch, TargetHidden(hidden, start, n_valid))
         self._release_finished()
@@ -229,7 +234,16 @@ class Engine:
         rows = [s.tokens[s.num_cached:] + d[:n] for s, d, n in zip(batch, drafts, n_draft)]
         tokens, n_new = pad_rows(rows, self.device)
         slots = torch.tensor([s.slot for s in batch], device=self.device)
-        hidden = self.model(tokens, self.cache, slots, n_new)  # [B, T, D]
+        parents = None
+        if proposal.parents is not None:
+            # The unseen tokens are a chain; draft j hangs below the last of them or below its parent draft.
+            T = tokens.shape[1]
+            parents = []
+            for row, tree, n in zip(rows, proposal.parents, n_draft):
+                unseen = len(row) - n
+                fed = [*range(-1, unseen - 1), *(unseen - 1 if p < 0 else unseen + p for p in tree[:n])]
+                parents.append(fed + list(range(len(fed) - 1, T - 1)))
+        hidden = self.model(tokens, self.cache, slots, n_new, parents)  # [B, T, D]
         # Row b's last unseen token predicts its first draft: positions n_unseen-1 .. n_new-1.
         k = proposal.tokens.shape[1]
         first = n_new - proposal.n_draft - 1
@@ -237,17 +251,49 @@ class Engine:
         scored = hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, k+1, D]
         return hidden, self.model.logits(scored)
 
-    def commit(self, batch: list[Sequence], proposal: Proposal, n_accepted: list[int],
+    def verify(self, proposal: Proposal, logits: torch.Tensor,
+               sb: SamplingBatch) -> tuple[list[list[int]], list[int]]:
+        """(Each row's accepted drafts, as indices into its drafts; each row's next token.)"""
+        if proposal.parents is None:
+            n_accepted, next_tokens = verify_logits(proposal.tokens, proposal.n_draft, logits, proposal.q, sb)
+            return [list(range(n)) for n in n_accepted.tolist()], next_tokens.tolist()
+        if not sb.all_greedy:
+            raise SpeculantError("draft trees are verified in greedy batches only")
+        paths, next_tokens = verify_tree_greedy(proposal.tokens, proposal.n_draft, proposal.parents, argmax(logits))
+        return paths, next_tokens.tolist()
+
+    def keep_branches(self, batch: list[Sequence], accepted: list[list[int]], hidden: torch.Tensor) -> torch.Tensor:
+        """After a draft tree's verification: move the accepted branch's keys and values where the
+        sequence continues (the other candidates sat between them) → the pass's hidden states [B, T, D]
+        reordered alike, so a proposer reads the branch's features in sequence order."""
+        T = hidden.shape[1]
+        order = [list(range(T)) for _ in batch]
+        for b, (seq, path) in enumerate(zip(batch, accepted)):
+            unseen = len(seq.tokens) - seq.num_cached
+            moves = [(unseen + j, unseen + i) for i, j in enumerate(path) if j != i]
+            if moves:
+                src, dst = zip(*moves)
+                self.cache.move(seq.slot, [seq.num_cached + p for p in src], [seq.num_cached + p for p in dst])
+                for p, q in moves:
+                    order[b][q] = p
+        if all(o == list(range(T)) for o in order):
+            return hidden
+        index = torch.tensor(order, device=hidden.device)[..., None].expand(-1, -1, hidden.shape[-1])
+        return hidden.gather(1, index)
+
+    def commit(self, batch: list[Sequence], proposal: Proposal, accepted: list[list[int]], drafted: list[int],
                next_tokens: list[int], logits: torch.Tensor) -> list[StepOutput]:
+        """Append each row's accepted drafts and next token; `drafted`: the drafts it could have accepted."""
         outputs = []
         drafts = proposal.tokens.tolist()
-        n_draft = proposal.n_draft.tolist()
         for b, seq in enumerate(batch):
-            new = drafts[b][:n_accepted[b]] + [next_tokens[b]]
-            seq.stats.record(n_draft[b], n_accepted[b])
-            self.stats.record(n_draft[b], n_accepted[b])
-            lps = None if seq.params.logprobs is None else token_logprobs(logits[b, :len(new)], new,
-                                                                          seq.params.logprobs)
+            path = accepted[b]
+            new = [drafts[b][j] for j in path] + [next_tokens[b]]
+            seq.stats.record(drafted[b], len(path))
+            self.stats.record(drafted[b], len(path))
+            # The logits that chose them: after the last token (0), after each accepted draft (j + 1).
+            lps = None if seq.params.logprobs is None else token_logprobs(logits[b, [0, *(j + 1 for j in path)]],
+                                                                          new, seq.params.logprobs)
             outputs.append(self._append(seq, new, lps))
             # The target has seen every token but the newest (it is the next pass's input).
             seq.num_cached = len(seq.tokens) - 1

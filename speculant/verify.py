@@ -24,6 +24,25 @@ def verify_logits(draft: torch.Tensor, n_draft: torch.Tensor, logits: torch.Tens
     return verify(draft, n_draft, probabilities(logits, sb), q, sb.generators)
 
 
+def verify_tree_greedy(draft: torch.Tensor, n_draft: torch.Tensor, parents: list[list[int]],
+                       target: torch.Tensor) -> tuple[list[list[int]], torch.Tensor]:
+    """Greedy verification of draft trees (see Proposal.parents): from the sequence's last token, follow
+    the child whose token is the target's there, while one is. target [B, k+1]: the target's token
+    after the last token (column 0) and after each draft j (column j + 1) → (each row's accepted
+    drafts, root to leaf, as draft indices; the next token [B], the target's after the last accepted)."""
+    drafts, targets, n_real = draft.tolist(), target.tolist(), n_draft.tolist()
+    paths, next_tokens = [], []
+    for tokens, wanted, tree, n in zip(drafts, targets, parents, n_real):
+        path, node = [], -1
+        while (child := next((j for j in range(n) if tree[j] == node and tokens[j] == wanted[node + 1]),
+                             None)) is not None:
+            path.append(child)
+            node = child
+        paths.append(path)
+        next_tokens.append(wanted[node + 1])
+    return paths, torch.tensor(next_tokens, device=draft.device)
+
+
 def verify_greedy(draft: torch.Tensor, n_draft: torch.Tensor,
                   target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`verify` with one-hot p at target [B, k+1] (the argmax tokens): a draft is accepted while it

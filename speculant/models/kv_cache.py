@@ -70,6 +70,13 @@ class KVCache:
     def rollback(self, slot: int, length: int) -> None:
         self.lengths[slot] = length
 
+    def move(self, slot: int, src: list[int], dst: list[int]) -> None:
+        """Copy the keys and values at positions `src` of a row to positions `dst`, every layer: the
+        branch a draft tree's verification kept goes where the sequence continues."""
+        at_src, at_dst = torch.tensor(src, device=self.k.device), torch.tensor(dst, device=self.k.device)
+        for cache in (self.k, self.v):
+            cache[:, slot, :, at_dst] = cache[:, slot, :, at_src]
+
 
 @dataclass
 class CacheIndex:

@@ -152,20 +152,36 @@ class Pass:
     attention mask, the rotary tables at the new positions."""
     cache: KVCache
     slots: torch.Tensor  # [B]
-    positions: torch.Tensor  # [B, T]
+    positions: torch.Tensor  # [B, T] where the new keys are written
     span: int  # keys the widest row sees after the pass
     mask: torch.Tensor | None  # additive [B, 1, T, span]; None when every key is visible
     cos: torch.Tensor  # [B, T, 1, Dh]
     sin: torch.Tensor
     end: torch.Tensor  # [B] the rows' cache lengths after the pass
     n_keys: torch.Tensor | None = None  # [B, T] keys each row sees, for the native kernel (see prepare_pass)
-    row_spans: list[int] | None = None  # attend row by row over these key counts (see prepare_pass)
+    row_keys: list | None = None  # attend row by row over these keys (slices or indices; see prepare_pass)
+    tree: torch.Tensor | None = None  # [B, T] int64: the new tokens row (b, t) sees, a bit each (draft trees)
 
     @functools.cached_property
     def at(self) -> CacheIndex:
         """Where the layer modules write and read the cache, built when the first one asks: a pass of
         native.decoder_layer calls writes the cache itself (the index cost ~30 µs a pass at batch 1)."""
         return self.cache.index(self.slots, self.positions, self.span)
+
+
+def tree_layout(parents: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
+    """A pass's new tokens as a draft tree, parents[b][t] the index of token t's parent among them (-1: the
+    cached token before the pass; parents come before children) → (each token's depth below the cache,
+    0 for a child of the cached token; each token's ancestors and itself as bits of the pass's tokens)."""
+    depths, bits = [], []
+    for row in parents:
+        d, m = [], []
+        for t, p in enumerate(row):
+            d.append(d[p] + 1 if p >= 0 else 0)
+            m.append((m[p] if p >= 0 else 0) | 1 << t)
+        depths.append(d)
+        bits.append(m)
+    return depths, bits
 
 
 class Rope:
@@ -184,19 +200,31 @@ class Rope:
 
 
 def prepare_pass(cache: KVCache, slots: torch.Tensor, T: int, n_new: torch.Tensor | None, rope: Rope,
-                 inv_freq: torch.Tensor, dtype: torch.dtype, window: int | None = None) -> Pass:
+                 inv_freq: torch.Tensor, dtype: torch.dtype, window: int | None = None,
+                 parents: list[list[int]] | None = None) -> Pass:
     """Row b's T inputs go at positions cache.lengths[slots[b]] onward; only its first n_new[b]
     (default T) are real, the rest is padding whose keys are never attended to and are overwritten
-    later; padding past the last position goes to the cache's sink (KVCache)."""
+    later; padding past the last position goes to the cache's sink (KVCache).
+
+    With `parents` (see tree_layout) the inputs are a draft tree: each is rotated for its depth and sees
+    the cache and its own ancestors only, as if its branch had been decoded alone; the caller moves
+    the keys of the branch it keeps into place (KVCache.move)."""
     start = cache.lengths[slots]  # [B]
     end = start + (T if n_new is None else n_new)
     span = int(end.max())
     cache.check_capacity(span)
-    positions = start[:, None] + torch.arange(T, device=slots.device)  # [B, T]
+    steps = torch.arange(T, device=slots.device)
+    positions = start[:, None] + steps  # [B, T]
     if n_new is not None and span + T > cache.max_len:
         positions = positions.clamp(max=cache.max_len)
-    cos, sin = rope(inv_freq, positions, dtype)
-    mask = row_spans = n_keys = None
+    tree = None
+    rotated = positions  # [B, T] the positions rotary embeddings see
+    if parents is not None:
+        depths, bits = tree_layout(parents)
+        rotated = start[:, None] + torch.tensor(depths, device=slots.device)
+        tree = torch.tensor(bits, device=slots.device)
+    cos, sin = rope(inv_freq, rotated, dtype)
+    mask = row_keys = n_keys = None
     # In bf16/fp16 PyTorch's CPU attention sums in an order that depends on the key count and the call's
     # other rows, and one rounding step makes that visible: a verify pass or a batch must score each row
     # exactly as plain decoding does, or speculative output drifts from plain output. The native kernel
@@ -209,16 +237,25 @@ def prepare_pass(cache: KVCache, slots: torch.Tensor, T: int, n_new: torch.Tenso
         n_keys = positions + 1
     elif verify and len(slots) == 1 and T > 1 and dtype != torch.float32 and window is None:
         first = int(positions[0, 0])
-        row_spans = list(range(first + 1, first + T + 1))
-    elif not (len(slots) == 1 and T == 1 and (window is None or span <= window)):
-        mask = attention_mask(positions, span, window, dtype)
-    return Pass(cache, slots, positions, span, mask, cos, sin, end, n_keys, row_spans)
+        if tree is None:
+            row_keys = [slice(0, first + t + 1) for t in range(T)]
+        else:
+            cached = torch.arange(first, device=slots.device)
+            row_keys = [torch.cat((cached, first + steps[(tree[0, t] >> steps) & 1 == 1])) for t in range(T)]
+    elif tree is not None or not (len(slots) == 1 and T == 1 and (window is None or span <= window)):
+        mask = attention_mask(rotated, start, span, window, dtype, tree)
+    return Pass(cache, slots, positions, span, mask, cos, sin, end, n_keys, row_keys, tree)
 
 
-def attention_mask(positions: torch.Tensor, span: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
-    # [B, 1, T, span]: query at position p sees keys 0..p (and no further back than the window).
+def attention_mask(positions: torch.Tensor, start: torch.Tensor, span: int, window: int | None, dtype: torch.dtype,
+                   tree: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, 1, T, span]: a query at position p sees keys 0..p (no further back than the window); in a
+    draft tree (`tree`, see Pass) only the new keys of its ancestors and itself."""
     keys = torch.arange(span, device=positions.device)
     allowed = keys[None, None, :] <= positions[..., None]
+    if tree is not None:
+        new = (keys[None, :] - start[:, None]).clamp(0, 63)  # [B, span] a new key's bit
+        allowed = (keys[None, None, :] < start[:, None, None]) | ((tree[..., None] >> new[:, None, :]) & 1 == 1)
     if window:
         allowed &= keys[None, None, :] > positions[..., None] - window
     # Additive once here rather than a boolean mask converted by every layer's attention.
@@ -252,13 +289,13 @@ def fuse_on_load(module: nn.Module, fused: str, parts: dict[str, int]) -> None:
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, fwd: Pass, gqa: bool) -> torch.Tensor:
     """q [B, T, Hq, Dh], keys/values [B, Hkv, span, Dh] → [B, T, Hq, Dh]."""
     if fwd.n_keys is not None:
-        return native.attention(q, keys, values, fwd.n_keys)
+        return native.attention(q, keys, values, fwd.n_keys, fwd.tree)
     q = q.transpose(1, 2)
-    if fwd.row_spans is None:
+    if fwd.row_keys is None:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=fwd.mask, enable_gqa=gqa)
     else:
-        out = torch.cat([F.scaled_dot_product_attention(q[:, :, r:r + 1], keys[:, :, :n], values[:, :, :n],
-                                                        enable_gqa=gqa) for r, n in enumerate(fwd.row_spans)], dim=2)
+        out = torch.cat([F.scaled_dot_product_attention(q[:, :, r:r + 1], keys[:, :, seen], values[:, :, seen],
+                                                        enable_gqa=gqa) for r, seen in enumerate(fwd.row_keys)], dim=2)
     return out.transpose(1, 2)
 
 
@@ -334,7 +371,7 @@ class Block(nn.Module):
         writes the layer's cache entries itself."""
         cfg, i = self.self_attn.cfg, self.self_attn.layer
         return native.decoder_layer(x, self.native_weights, fwd.cos, fwd.sin, cache.k[i], cache.v[i], fwd.slots,
-                                    fwd.n_keys, cfg.n_heads, cfg.n_kv_heads)
+                                    fwd.n_keys, cfg.n_heads, cfg.n_kv_heads, fwd.tree)
 
 
 def amx_weights(linear: nn.Module) -> list[torch.Tensor] | None:
@@ -382,14 +419,14 @@ class Transformer(nn.Module):
         return KVCache(c.n_layers, max_batch, c.n_kv_heads, max_len, c.head_dim, self.dtype, self.device)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, slots: torch.Tensor,
-                n_new: torch.Tensor | None = None) -> torch.Tensor:
+                n_new: torch.Tensor | None = None, parents: list[list[int]] | None = None) -> torch.Tensor:
         """Append `tokens` [B, T] to the cache rows `slots` [B] and return final hidden states [B, T, D].
 
-        Only row b's first n_new[b] tokens (default T) are real (see prepare_pass); the cache
-        lengths advance by n_new.
+        Only row b's first n_new[b] tokens (default T) are real; `parents`: they are a draft tree (see
+        prepare_pass); the cache lengths advance by n_new.
         """
         fwd = prepare_pass(cache, slots, tokens.shape[1], n_new, self.rope, self.inv_freq, self.dtype,
-                           self.cfg.sliding_window)
+                           self.cfg.sliding_window, parents)
         x = self.model.embed_tokens(tokens)
         if fwd.n_keys is not None and self.native_layers():
             for block in self.model.layers:

@@ -122,11 +122,12 @@ def attention_usable(head_dim: int) -> bool:
     return head_dim % 32 == 0 and head_dim <= 256 and kernels() is not None
 
 
-def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n_keys: torch.Tensor) -> torch.Tensor:
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n_keys: torch.Tensor,
+              tree: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, T, Hq, D] (a strided view will do), keys/values [B, Hkv, S, D] bf16, n_keys [B, T]: row (b, t)
-    attends to the first n_keys[b, t] keys → [B, T, Hq, D], scaled by 1/√D as scaled_dot_product_attention
-    does."""
-    return kernels().attention(q, keys, values, n_keys, q.shape[-1] ** -0.5)
+    attends to the first n_keys[b, t] keys (a draft tree's, `tree`: see llama.Pass) → [B, T, Hq, D], scaled
+    by 1/√D as scaled_dot_product_attention does."""
+    return kernels().attention(q, keys, values, n_keys, q.shape[-1] ** -0.5, tree=tree)
 
 
 def layer_ops_usable(x: torch.Tensor) -> bool:
@@ -152,8 +153,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def decoder_layer(x: torch.Tensor, weights: list, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slots: torch.Tensor, n_keys: torch.Tensor, n_heads: int,
-                  n_kv_heads: int) -> torch.Tensor:
+                  n_kv_heads: int, tree: torch.Tensor | None = None) -> torch.Tensor:
     """One decoder layer (llama.Block) over x [B, T, D]: `weights` from Block.native_weights, k_cache and
     v_cache one layer of the KV cache [rows, Hkv, L, Dh] (row b's keys go to row slots[b], position
     n_keys[b, t] − 1)."""
-    return kernels().decoder_layer(x, *weights, cos, sin, k_cache, v_cache, slots, n_keys, n_heads, n_kv_heads)
+    return kernels().decoder_layer(x, *weights, cos, sin, k_cache, v_cache, slots, n_keys, n_heads, n_kv_heads,
+                                   tree)

@@ -34,6 +34,10 @@ class Proposal:
     # Row b's drafts are judged by the acceptance seen in its bucket (adaptive.py); n-gram lookup: the
     # length of the suffix that matched. None: one bucket for all.
     buckets: list[int] | None = None
+    # A draft tree (greedy batches only): parents[b][j] is the draft that row b's draft j continues (-1:
+    # the sequence's last token), parents before children. None: a chain, each draft continues the one
+    # before.
+    parents: list[list[int]] | None = None
 
     @classmethod
     def from_lists(cls, drafts: list[list[int]], device: torch.device, buckets: list[int] | None = None) -> Proposal:
@@ -47,6 +51,25 @@ class Proposal:
     def bucket_list(self) -> list[int]:
         return self.buckets if self.buckets is not None else [MODEL_BUCKET] * len(self.n_draft)
 
+    def parent_lists(self) -> list[list[int]]:
+        """parents, spelled out for a chain too."""
+        if self.parents is not None:
+            return self.parents
+        return [list(range(-1, self.tokens.shape[1] - 1)) for _ in range(len(self.n_draft))]
+
+    def depths(self) -> list[int]:
+        """Drafts each row could have accepted: its number of drafts, a tree's deepest branch."""
+        n_draft = self.n_draft.tolist()
+        if self.parents is None:
+            return n_draft
+        out = []
+        for parents, n in zip(self.parents, n_draft):
+            depth = []
+            for p in parents[:n]:
+                depth.append(depth[p] + 1 if p >= 0 else 1)
+            out.append(max(depth, default=0))
+        return out
+
     def placed(self, rows: list[int], batch_size: int) -> Proposal:
         """This proposal for a sub-batch, its row i put at row rows[i] of the whole batch (the other
         rows draft nothing)."""
@@ -56,13 +79,20 @@ class Proposal:
         tokens = self.tokens.new_zeros(batch_size, self.tokens.shape[1]).index_copy_(0, at, self.tokens)
         n_draft = self.n_draft.new_zeros(batch_size).index_copy_(0, at, self.n_draft)
         q = None if self.q is None else self.q.new_zeros(batch_size, *self.q.shape[1:]).index_copy_(0, at, self.q)
-        return Proposal(tokens, n_draft, q)
+        parents = None
+        if self.parents is not None:
+            parents = [list(range(-1, self.tokens.shape[1] - 1)) for _ in range(batch_size)]
+            for row, p in zip(rows, self.parents):
+                parents[row] = p
+        return Proposal(tokens, n_draft, q, parents=parents)
 
     def trimmed(self, keep: list[int]) -> Proposal:
         """The same drafts, row b's first keep[b] only."""
         width = max(keep, default=0)
         q = None if self.q is None else self.q[:, :width]
-        return Proposal(self.tokens[:, :width], torch.tensor(keep, device=self.n_draft.device), q, self.buckets)
+        parents = None if self.parents is None else [p[:width] for p in self.parents]
+        return Proposal(self.tokens[:, :width], torch.tensor(keep, device=self.n_draft.device), q, self.buckets,
+                        parents)
 
 
 @dataclass
@@ -82,6 +112,8 @@ class Proposer:
     # Drafts that cost no model pass (lookup): the engine asks for all it can get and verifies what
     # adaptive k plans; costly ones are asked for the planned number only.
     free_drafts = False
+    # Drafts a row may get beyond the k asked for: a tree's other candidates (they add width, not depth).
+    extra_nodes = 0
 
     def add(self, seq: Sequence) -> None:
         """A sequence joins the running batch."""

@@ -170,8 +170,12 @@ class EagleProposer(Proposer):
 
     name = "eagle"
 
-    def __init__(self, head: EagleHead, target: Transformer, max_batch_size: int, max_len: int):
+    def __init__(self, head: EagleHead, target: Transformer, max_batch_size: int, max_len: int,
+                 tree_width: int = 1):
         self.head, self.target = head, target
+        # Greedy batches: the head's tree_width best first drafts, the best one continued (a draft tree).
+        self.tree_width = tree_width
+        self.extra_nodes = tree_width - 1
         self.lm_head = draft_lm_head(target, head.vocab)
         self.cache = head.new_cache(max_batch_size, max_len)
         self.free = list(range(max_batch_size))
@@ -209,17 +213,43 @@ class EagleProposer(Proposer):
         slots = torch.tensor([self.slot[s.request_id] for s in rows], device=device)
         if k > 1:
             self.guessed.update(s.request_id for s in rows)
+        tree = self.tree_width > 1 and sb.all_greedy
         drafts, qs = [], []
         for i in range(k):
-            token, q_i = self.draw_from_vocab(self.lm_head(feature).float(), sub)
+            logits = self.lm_head(feature).float()  # [B, 1, N]
+            if i == 0 and tree:
+                first = self._vocab_ids(logits[:, 0].topk(self.tree_width, dim=-1).indices)  # [B, width], best first
+                token, q_i = first[:, 0], None
+            else:
+                token, q_i = self.draw_from_vocab(logits, sub)
             drafts.append(token)
             qs.append(q_i)
             if i < k - 1:
                 embeds = self.target.model.embed_tokens(token[:, None])
                 feature = self.head(embeds, feature, self.cache, slots)
+        chain = torch.stack(drafts, dim=1)  # [B, k]
+        if tree:
+            return self._tree(chain, first[:, 1:], [ks[b] for b in ready]).placed(ready, len(seqs))
         q = None if sb.all_greedy else torch.stack(qs, dim=1)
         n_draft = torch.tensor([ks[b] for b in ready], device=device)
-        return Proposal(torch.stack(drafts, dim=1), n_draft, q).placed(ready, len(seqs))
+        return Proposal(chain, n_draft, q).placed(ready, len(seqs))
+
+    @staticmethod
+    def _tree(chain: torch.Tensor, others: torch.Tensor, ks: list[int]) -> Proposal:
+        """Row b's first ks[b] chain drafts [B, k], then the other first-draft candidates [B, width - 1]
+        as siblings of the chain's first."""
+        rows, parents = [], []
+        for tokens, alternatives, k in zip(chain.tolist(), others.tolist(), ks):
+            rows.append(tokens[:k] + alternatives)
+            parents.append([*range(-1, k - 1), *[-1] * len(alternatives)])
+        proposal = Proposal.from_lists(rows, chain.device)
+        width = proposal.tokens.shape[1]
+        proposal.parents = [p + list(range(len(p) - 1, width - 1)) for p in parents]
+        return proposal
+
+    def _vocab_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Indices into the draft vocabulary → the target's token ids."""
+        return index if self.head.vocab is None else self.head.vocab[index]
 
     def draw_from_vocab(self, logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A draft token per row from logits over the draft vocabulary [B, 1, N] → full-vocabulary
@@ -231,7 +261,7 @@ class EagleProposer(Proposer):
         if q is not None:
             q = torch.zeros(q.shape[0], self.target.cfg.vocab_size, device=q.device,
                             dtype=q.dtype).index_copy_(1, vocab, q)
-        return vocab[token], q
+        return self._vocab_ids(token), q
 
     def _unread(self, seq: Sequence) -> int:
         """Head entries still to build: one per token of the sequence but the newest."""

@@ -26,6 +26,7 @@ class LookupFirstProposer(Proposer):
     def __init__(self, lookup: NgramProposer, model: Proposer):
         self.lookup, self.model = lookup, model
         self.name = f"{model.name}+lookup"
+        self.extra_nodes = model.extra_nodes
 
     def add(self, seq: Sequence) -> None:
         self.model.add(seq)
@@ -62,5 +63,11 @@ class LookupFirstProposer(Proposer):
             lookup_q = one_hot(found_tokens, drafted.q.shape[-1]).to(drafted.q.dtype)  # [B, width, V]
             model_q = pad(drafted.q, (0, 0, 0, width - drafted.q.shape[1]))
             q = torch.where(by_model[:, None, None], model_q, lookup_q)
-        buckets = [MODEL_BUCKET if m else key for m, key in zip(by_model.tolist(), found.bucket_list())]
-        return Proposal(tokens, n_draft, q, buckets)
+        model_rows = by_model.tolist()
+        buckets = [MODEL_BUCKET if m else key for m, key in zip(model_rows, found.bucket_list())]
+        parents = None
+        if drafted.parents is not None:
+            # A lookup row is a chain.
+            parents = [tree + list(range(len(tree) - 1, width - 1)) if m else list(range(-1, width - 1))
+                       for m, tree in zip(model_rows, drafted.parents)]
+        return Proposal(tokens, n_draft, q, buckets, parents)

@@ -17,12 +17,11 @@ from pathlib import Path
 
 import torch
 
-from speculant.adaptive import AdaptiveK, cost_curve_for
 from speculant.cli import add_target_arguments
 from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.engine import Engine
+from speculant.llm import engine_for
 from speculant.models.loader import LoadedModel, load_model
-from speculant.proposers import build_proposer
 from speculant.training.shipped import SHIPPED, default_speculative_config
 
 HELD_OUT = {
@@ -81,13 +80,7 @@ def configs(eagle: Path, draft: Path, ks: list[int], default: dict | None = None
 
 
 def make_engine(target: LoadedModel, spec: dict | None, max_len: int) -> Engine:
-    if spec is None:
-        return Engine(target, max_batch_size=1, max_model_len=max_len)
-    cfg = SpeculativeConfig.parse(spec)
-    k = cfg.num_speculative_tokens
-    proposer = build_proposer(cfg, target, 1, max_len + k + 1)
-    adaptive = AdaptiveK(cost_curve_for(target.model, 1, k + 1), k) if cfg.adaptive else None
-    return Engine(target, proposer, k, max_batch_size=1, max_model_len=max_len, adaptive=adaptive)
+    return engine_for(target, SpeculativeConfig.parse(spec), 1, max_len)
 
 
 def run(target: LoadedModel, eagle: Path, draft: Path, ks: list[int], max_tokens: int,

@@ -45,12 +45,14 @@ torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& 
 
 // x [B, T, D]; each projection's weights as project() takes them; cos, sin [B, T, 1, Dh]; k_cache, v_cache
 // one layer of the KV cache [rows, Hkv, L, Dh]; slots [B]: each sequence's cache row; n_keys [B, T]: row
-// (b, t) sits at position n_keys[b, t] − 1 and sees the keys before it → the layer's output [B, T, D].
+// (b, t) sits at position n_keys[b, t] − 1 and sees the keys before it (a draft tree's: see attention's `tree`)
+// → the layer's output [B, T, D].
 torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor input_norm, torch::Tensor post_attention_norm, double eps,
                             std::vector<torch::Tensor> qkv_proj, std::vector<torch::Tensor> o_proj,
                             std::vector<torch::Tensor> gate_up_proj, std::vector<torch::Tensor> down_proj,
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor slots, torch::Tensor n_keys, int64_t n_heads, int64_t n_kv_heads) {
+                            torch::Tensor slots, torch::Tensor n_keys, int64_t n_heads, int64_t n_kv_heads,
+                            c10::optional<torch::Tensor> tree) {
   const int64_t B = x.size(0), T = x.size(1), D = x.size(2), Dh = k_cache.size(3);
   const int64_t heads = n_heads + 2 * n_kv_heads;
   auto rows = x.reshape({B * T, D});
@@ -58,7 +60,7 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor input_norm, torch::Te
   rope_(qkv, cos, sin, n_heads + n_kv_heads);
   write_kv(qkv, k_cache, v_cache, slots, n_keys, n_heads, n_kv_heads);
   auto q = qkv.view({B, T, heads, Dh}).narrow(2, 0, n_heads);
-  auto mixed = attention(q, k_cache, v_cache, n_keys, std::pow((double)Dh, -0.5), slots).view({B * T, n_heads * Dh});
+  auto mixed = attention(q, k_cache, v_cache, n_keys, std::pow((double)Dh, -0.5), slots, tree).view({B * T, n_heads * Dh});
   auto h = rows + project(mixed, o_proj);
   auto gate_up = project(rms_norm(h, post_attention_norm, eps), gate_up_proj);
   auto out = h + project(silu_mul(gate_up), down_proj);
@@ -69,9 +71,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("int4_mm", &int4_mm);
   mod.def("bf16_mm", &bf16_mm);
   mod.def("attention", &attention, pybind11::arg("q"), pybind11::arg("keys"), pybind11::arg("values"),
-          pybind11::arg("n_keys"), pybind11::arg("scale"), pybind11::arg("slots") = pybind11::none());
+          pybind11::arg("n_keys"), pybind11::arg("scale"), pybind11::arg("slots") = pybind11::none(),
+          pybind11::arg("tree") = pybind11::none());
   mod.def("rms_norm", &rms_norm);
   mod.def("rope_", &rope_);
   mod.def("silu_mul", &silu_mul);
-  mod.def("decoder_layer", &decoder_layer);
+  mod.def("decoder_layer", &decoder_layer, pybind11::arg("x"), pybind11::arg("input_norm"),
+          pybind11::arg("post_attention_norm"), pybind11::arg("eps"), pybind11::arg("qkv_proj"), pybind11::arg("o_proj"),
+          pybind11::arg("gate_up_proj"), pybind11::arg("down_proj"), pybind11::arg("cos"), pybind11::arg("sin"),
+          pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("slots"), pybind11::arg("n_keys"),
+          pybind11::arg("n_heads"), pybind11::arg("n_kv_heads"), pybind11::arg("tree") = pybind11::none());
 }

@@ -10,7 +10,7 @@ torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor w);
 
 // attention.cpp: each query row over exactly its keys.
 torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor n_keys,
-                        double scale, c10::optional<torch::Tensor> slots);
+                        double scale, c10::optional<torch::Tensor> slots, c10::optional<torch::Tensor> tree);
 
 // layer_ops.cpp: RMSNorm, rotary embedding in place, silu(gate) · up.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
