@@ -50,8 +50,9 @@ def small_draft_vocab(small_vocab_pair, tmp_path_factory):
     return target, load_eagle(saved_head(target, tmp_path_factory.mktemp("head"), vocab=DRAFT_VOCAB), target)
 
 
-def eagle_engine(target, head, k: int, batch: int, proposer_cls=EagleProposer, max_len: int = 32) -> Engine:
-    return Engine(target, proposer_cls(head, target.model, batch, max_len + k + 1), k,
+def eagle_engine(target, head, k: int, batch: int, proposer_cls=EagleProposer, max_len: int = 32,
+                 tree_width: int = 1) -> Engine:
+    return Engine(target, proposer_cls(head, target.model, batch, max_len + k + 1, tree_width), k,
                   max_batch_size=batch, max_model_len=max_len)
 
 
@@ -72,12 +73,14 @@ def test_greedy_output_is_plain_greedy(tiny_pair, tmp_path, k):
     assert engine.stats.num_draft_tokens > 0
 
 
-def test_head_cache_matches_a_fresh_run(small):
+@pytest.mark.parametrize("tree_width", [1, 3])
+def test_head_cache_matches_a_fresh_run(small, tree_width):
     """At every step the first draft equals what the head predicts when run from scratch on the
-    target's features of the whole sequence: rollback and catch-up lose nothing."""
+    target's features of the whole sequence: rollback and catch-up lose nothing (nor does a draft
+    tree, whose kept branch may be another first candidate than the one the head continued)."""
     target, head = small
     model = target.model
-    engine = eagle_engine(target, head, 3, 1)
+    engine = eagle_engine(target, head, 3, 1, tree_width=tree_width)
     proposer = engine.proposer
     checked = []
     original = proposer.propose

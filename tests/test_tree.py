@@ -1,0 +1,211 @@
+"""Draft trees (EAGLE's tree_width): tree attention scores each branch as if decoded alone, greedy
+verification follows the branch the target takes, and output stays plain greedy output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import save_tiny
+from test_eagle import saved_head
+
+from speculant.cli import build_parser, speculative_config_from_args
+from speculant.config import SamplingParams, SpeculativeConfig
+from speculant.engine import Engine
+from speculant.errors import SpeculantError
+from speculant.llm import engine_for
+from speculant.models import native
+from speculant.models.loader import load_model
+from speculant.verify import verify_tree_greedy
+
+# Below the cached prompt: a → b → c, a → d → e, f (three branches, parents before children).
+TREE_TOKENS = [11, 22, 33, 44, 55, 66]
+TREE_PARENTS = [-1, 0, 1, 0, 3, -1]
+BRANCHES = [[11, 22, 33], [11, 44, 55], [66]]
+NODES = [[0, 1, 2], [0, 3, 4], [5]]  # each branch's nodes in the tree
+
+
+def tree_and_branches(model, prompt: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Hidden states of one tree pass after the prompt, and of each branch decoded alone, token by token."""
+    slot = torch.tensor([0])
+    with torch.no_grad():
+        cache = model.new_cache(1, 64)
+        model(prompt[None], cache, slot)
+        tree = model(torch.tensor([TREE_TOKENS]), cache, slot, parents=[TREE_PARENTS])[0]
+        branches = []
+        for branch in BRANCHES:
+            cache.rollback(0, len(prompt))
+            branches.append(torch.cat([model(torch.tensor([[t]]), cache, slot)[0] for t in branch]))
+    return tree, branches
+
+
+@pytest.mark.parametrize("path", ["float32", "bfloat16 native", "bfloat16 row by row"])
+def test_tree_pass_scores_each_branch_as_decoded_alone(tmp_path, monkeypatch, path):
+    if path == "bfloat16 native" and not native.attention_usable(64):
+        pytest.skip("the native attention kernel does not run here (no AVX512-BF16, or no compiler)")
+    if path == "bfloat16 row by row":
+        monkeypatch.setattr(native, "attention_usable", lambda head_dim: False)
+        monkeypatch.setattr(native, "layer_ops_usable", lambda x: False)
+    folder = save_tiny(tmp_path, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+                       intermediate_size=256, init_std=0.05)
+    model = load_model(folder, dtype=path.split()[0]).model
+    prompt = torch.randint(0, 96, (37,), generator=torch.Generator().manual_seed(0))
+    tree, branches = tree_and_branches(model, prompt)
+    for nodes, alone in zip(NODES, branches):
+        if path == "float32":  # PyTorch's attention sums a masked row in another order
+            torch.testing.assert_close(tree[nodes], alone, rtol=1e-5, atol=1e-5)
+        else:  # bf16 speculation is exact only if a branch's bits are its own
+            assert torch.equal(tree[nodes], alone), nodes
+
+
+def test_tree_pass_in_a_ragged_batch(tiny_pair):
+    """Two rows, different cache lengths, a tree in one, a chain with padding in the other (mask path)."""
+    model = load_model(tiny_pair[0]).model
+    slots = torch.tensor([0, 1])
+    with torch.no_grad():
+        cache = model.new_cache(2, 64)
+        model(torch.tensor([[5, 6, 7, 8, 9]]), cache, slots[:1])
+        model(torch.tensor([[3, 4]]), cache, slots[1:])
+        tokens = torch.tensor([TREE_TOKENS, [40, 41, 0, 0, 0, 0]])
+        chain = list(range(-1, 5))
+        out = model(tokens, cache, slots, torch.tensor([6, 2]), parents=[TREE_PARENTS, chain])
+        alone = model.new_cache(1, 64)
+        model(torch.tensor([[3, 4, 40, 41]]), alone, torch.tensor([0]))
+        for nodes, branch in zip(NODES, BRANCHES):
+            alone.rollback(0, 0)
+            expected = model(torch.tensor([[5, 6, 7, 8, 9, *branch]]), alone, torch.tensor([0]))[0, 5:]
+            torch.testing.assert_close(out[0, nodes], expected, rtol=1e-5, atol=1e-5)
+        alone.rollback(0, 0)
+        torch.testing.assert_close(out[1, :2], model(torch.tensor([[3, 4, 40, 41]]), alone,
+                                                     torch.tensor([0]))[0, 2:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("target_tokens, path, next_token", [
+    ([11, 22, 33, 7, 8, 9, 1], [0, 1, 2], 7),  # the first branch to its end, then the target's token
+    ([11, 44, 0, 0, 55, 3, 0], [0, 3, 4], 3),  # the second branch: a's child d, not b
+    ([66, 0, 0, 0, 0, 0, 5], [5], 5),  # the last candidate for the first draft
+    ([11, 99, 0, 0, 0, 0, 0], [0], 99),  # a matches, none of its children
+    ([12, 0, 0, 0, 0, 0, 0], [], 12),  # no candidate matches
+])
+def test_greedy_tree_verification_follows_the_targets_branch(target_tokens, path, next_token):
+    # target_tokens[0]: the target's token after the sequence; [j + 1]: after draft j.
+    paths, next_tokens = verify_tree_greedy(torch.tensor([TREE_TOKENS]), torch.tensor([6]), [TREE_PARENTS],
+                                            torch.tensor([target_tokens]))
+    assert paths == [path] and next_tokens.tolist() == [next_token]
+
+
+def test_padding_drafts_are_never_accepted():
+    paths, _ = verify_tree_greedy(torch.tensor([TREE_TOKENS]), torch.tensor([5]), [TREE_PARENTS],
+                                  torch.tensor([[66, 0, 0, 0, 0, 0, 0]]))
+    assert paths == [[]]
+
+
+def count_sibling_paths(engine: Engine) -> list[int]:
+    """Spy on verification: how many accepted branches went through another candidate than the first."""
+    seen = [0]
+    original = engine.verify
+
+    def spy(proposal, logits, sb):
+        accepted, next_tokens = original(proposal, logits, sb)
+        if proposal.parents is not None:
+            seen[0] += sum(1 for path, tree in zip(accepted, proposal.parents) if path and path[0] > 0
+                           and tree[path[0]] == -1)
+        return accepted, next_tokens
+
+    engine.verify = spy
+    return seen
+
+
+PROMPTS = [[1, 5, 9, 14], [1, 33, 2, 7, 7, 7, 7, 40, 41], [1, 60], [3, 4, 5, 3, 4, 5, 3]]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_pair):
+    return load_model(tiny_pair[0])
+
+
+@pytest.fixture(scope="module")
+def head(target, tmp_path_factory):
+    return str(saved_head(target, tmp_path_factory.mktemp("head")))
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    engine = Engine(target, max_batch_size=4, max_model_len=64)
+    return [s.output_ids for s in engine.generate([engine.add_request(p, params) for p in PROMPTS])]
+
+
+@pytest.mark.parametrize("extra", [{}, {"lookup_first": True}, {"lookup_first": True, "adaptive": True}])
+@pytest.mark.parametrize("k, width", [(1, 3), (3, 4), (4, 8)])
+def test_greedy_tree_output_is_plain_greedy(target, head, plain, k, width, extra):
+    spec = SpeculativeConfig.parse({"method": "eagle", "model": head, "num_speculative_tokens": k,
+                                    "tree_width": width, **extra})
+    # Three slots for four requests: one joins mid-way.
+    engine = engine_for(target, spec, 3, 64)
+    siblings = count_sibling_paths(engine)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    got = [s.output_ids for s in engine.generate([engine.add_request(p, params) for p in PROMPTS])]
+    assert got == plain
+    assert engine.stats.num_accepted_tokens > 0
+    if not extra.get("adaptive"):  # adaptive k may leave the head off on a random head's drafts
+        assert siblings[0] > 0, siblings  # the kept branch was another first candidate: its keys were moved
+
+
+def test_cache_holds_the_kept_branch(target, head):
+    """After generating with a tree, the target's cache row holds what a fresh pass over the sequence
+    computes: the kept branch's keys and values were moved where the sequence continues."""
+    spec = SpeculativeConfig.parse({"method": "eagle", "model": head, "num_speculative_tokens": 2, "tree_width": 6})
+    engine = engine_for(target, spec, len(PROMPTS), 64)  # a slot each: no row's cache is reused
+    siblings = count_sibling_paths(engine)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    seqs = engine.generate([engine.add_request(p, params) for p in PROMPTS])
+    assert siblings[0] > 0
+    model = target.model
+    for seq in seqs:
+        n = seq.num_cached
+        with torch.no_grad():
+            fresh = model.new_cache(1, 64)
+            model(torch.tensor([seq.tokens[:n]]), fresh, torch.tensor([0]))
+        for cache, expected in ((engine.cache.k, fresh.k), (engine.cache.v, fresh.v)):
+            torch.testing.assert_close(cache[:, seq.slot, :, :n], expected[:, 0, :, :n], rtol=1e-5, atol=1e-5)
+
+
+def test_sampled_rows_draft_a_chain_next_to_greedy_rows(target, head, plain):
+    spec = SpeculativeConfig.parse({"method": "eagle", "model": head, "num_speculative_tokens": 3,
+                                    "tree_width": 3})
+    engine = engine_for(target, spec, 4, 64)
+    trees = []  # (a sampled row in the batch, the drafts a tree)
+    original = engine.propose
+
+    def spy(batch, sb):
+        out = original(batch, sb)
+        trees.append((not sb.all_greedy, out.parents is not None))
+        return out
+
+    engine.propose = spy
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=1)
+    seqs = [engine.add_request(PROMPTS[0], greedy), engine.add_request(PROMPTS[1], sampled)]
+    engine.generate(seqs)
+    assert seqs[0].output_ids == plain[0]
+    assert (True, False) in trees and (True, True) not in trees
+
+
+def test_tree_width_is_validated():
+    base = {"method": "eagle", "model": "/x", "num_speculative_tokens": 4}
+    for width in (0, 9, 2.0, True):
+        with pytest.raises(SpeculantError, match=r"tree_width=.* is out of range \[1, 8\]"):
+            SpeculativeConfig.parse({**base, "tree_width": width})
+    with pytest.raises(SpeculantError, match="tree_width .* needs method eagle"):
+        SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "tree_width": 2})
+    with pytest.raises(SpeculantError, match="num_speculative_tokens \\+ tree_width - 1 = 33 drafts a step"):
+        SpeculativeConfig.parse({**base, "num_speculative_tokens": 30, "tree_width": 4})
+    assert SpeculativeConfig.parse({**base, "tree_width": 3}).tree_width == 3
+
+
+def test_tree_width_flag():
+    parser = build_parser()
+    cfg = speculative_config_from_args(parser.parse_args(["generate", "hi", "--eagle", "/h", "--tree-width", "3"]))
+    assert (cfg.method, cfg.tree_width) == ("eagle", 3)
+    with pytest.raises(SpeculantError, match="--tree-width .* give --eagle PATH"):
+        speculative_config_from_args(parser.parse_args(["generate", "hi", "--tree-width", "3"]))
