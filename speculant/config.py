@@ -73,14 +73,15 @@ class SpeculativeConfig:
     # Our extension, for draft_model and eagle: where prompt lookup finds a match (prompt_lookup_min
     # to _max tokens) its drafts are verified instead, free; the model drafts the other steps.
     lookup_first: bool = False
-    # Our extension, for eagle: in greedy batches verify the head's tree_width best first drafts (the
-    # best one continued to k) in the same pass, a draft tree; sampled batches draft a chain.
+    # Our extension, for eagle: verify tree_width candidates for the first draft in the same pass (the
+    # one drawn, continued to k, and the head's best others), a draft tree.
     tree_width: int = 1
 
     @property
     def proposer(self) -> str:
-        """The proposer as reports name it: ngram, eagle, eagle+lookup (lookup first) …"""
-        return f"{self.method}+lookup" if self.lookup_first else self.method
+        """The proposer as reports name it: ngram, eagle, eagle+lookup (lookup first), eagle+tree (a draft
+        tree) …"""
+        return self.method + "+lookup" * self.lookup_first + "+tree" * (self.tree_width > 1)
 
     @classmethod
     def parse(cls, value: str | dict | None) -> SpeculativeConfig | None:

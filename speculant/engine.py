@@ -25,9 +25,9 @@ from speculant.models.tokenizer import Detokenizer
 from speculant.proposers import Proposal, Proposer, TargetHidden
 from speculant.proposers.base import pad_rows
 from speculant.proposers.lookup_first import LookupFirstProposer
-from speculant.sampling import SamplingBatch, argmax, make_generator
+from speculant.sampling import SamplingBatch, argmax, make_generator, probabilities
 from speculant.sequence import Sequence, SpecStats, TokenLogprob
-from speculant.verify import verify_logits, verify_tree_greedy
+from speculant.verify import verify_logits, verify_tree, verify_tree_greedy
 
 log = logging.getLogger("speculant")
 
@@ -257,9 +257,12 @@ class Engine:
         if proposal.parents is None:
             n_accepted, next_tokens = verify_logits(proposal.tokens, proposal.n_draft, logits, proposal.q, sb)
             return [list(range(n)) for n in n_accepted.tolist()], next_tokens.tolist()
-        if not sb.all_greedy:
-            raise SpeculantError("draft trees are verified in greedy batches only")
-        paths, next_tokens = verify_tree_greedy(proposal.tokens, proposal.n_draft, proposal.parents, argmax(logits))
+        if sb.all_greedy:
+            paths, next_tokens = verify_tree_greedy(proposal.tokens, proposal.n_draft, proposal.parents,
+                                                    argmax(logits))
+        else:
+            paths, next_tokens = verify_tree(proposal.tokens, proposal.n_draft, proposal.parents,
+                                             probabilities(logits, sb), proposal.q, sb.generators)
         return paths, next_tokens.tolist()
 
     def keep_branches(self, batch: list[Sequence], accepted: list[list[int]], hidden: torch.Tensor) -> torch.Tensor:

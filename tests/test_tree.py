@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import save_tiny
-from test_eagle import saved_head
+from test_distribution import ALPHA, N_SAMPLES, N_TOKENS, SETTINGS, exact_joint, g_test, sampled_joint
+from test_eagle import BATCH, eagle_engine, saved_head
 
+import speculant.verify as verify_module
 from speculant.cli import build_parser, speculative_config_from_args
 from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.engine import Engine
@@ -15,6 +17,7 @@ from speculant.errors import SpeculantError
 from speculant.llm import engine_for
 from speculant.models import native
 from speculant.models.loader import load_model
+from speculant.proposers.eagle import load_eagle
 from speculant.verify import verify_tree_greedy
 
 # Below the cached prompt: a → b → c, a → d → e, f (three branches, parents before children).
@@ -170,7 +173,9 @@ def test_cache_holds_the_kept_branch(target, head):
             torch.testing.assert_close(cache[:, seq.slot, :, :n], expected[:, 0, :, :n], rtol=1e-5, atol=1e-5)
 
 
-def test_sampled_rows_draft_a_chain_next_to_greedy_rows(target, head, plain):
+def test_greedy_rows_next_to_sampled_rows(target, head, plain):
+    """In a mixed batch the sampled rows' trees go through the acceptance rule and a greedy row still
+    gives plain greedy output."""
     spec = SpeculativeConfig.parse({"method": "eagle", "model": head, "num_speculative_tokens": 3,
                                     "tree_width": 3})
     engine = engine_for(target, spec, 4, 64)
@@ -188,7 +193,36 @@ def test_sampled_rows_draft_a_chain_next_to_greedy_rows(target, head, plain):
     seqs = [engine.add_request(PROMPTS[0], greedy), engine.add_request(PROMPTS[1], sampled)]
     engine.generate(seqs)
     assert seqs[0].output_ids == plain[0]
-    assert (True, False) in trees and (True, True) not in trees
+    assert (True, True) in trees
+
+
+@pytest.fixture(scope="module")
+def small(small_vocab_pair, tmp_path_factory):
+    target = load_model(small_vocab_pair[0])
+    return target, load_eagle(saved_head(target, tmp_path_factory.mktemp("head")), target)
+
+
+@pytest.mark.parametrize("setting", ["t1", "t0.7_topk", "topp"])
+@pytest.mark.parametrize("k, width", [(1, 3), (2, 4)])
+def test_sampled_tree_matches_target(small, setting, k, width):
+    target, head = small
+    params = SETTINGS[setting]
+    engine = eagle_engine(target, head, k, BATCH, tree_width=width)
+    siblings = count_sibling_paths(engine)
+    p = g_test(sampled_joint(engine, params, N_SAMPLES), exact_joint(target.model, params, N_TOKENS))
+    print(f"eagle tree k={k} width={width} {setting}: G-test p = {p:.4f}, {siblings[0]} sibling branches kept")
+    assert siblings[0] > 0
+    assert p > ALPHA
+
+
+def test_sibling_verified_against_the_whole_target_is_caught(small, monkeypatch):
+    """The mutant: a rejected candidate leaves the target's distribution as it was, so the next
+    candidate, and the token drawn when all fail, ignore what was rejected."""
+    monkeypatch.setattr(verify_module, "residual", lambda p, q, rejected: p)
+    target, head = small
+    params = SETTINGS["t1"]
+    engine = eagle_engine(target, head, 1, BATCH, tree_width=3)
+    assert g_test(sampled_joint(engine, params, N_SAMPLES), exact_joint(target.model, params, N_TOKENS)) < ALPHA
 
 
 def test_tree_width_is_validated():

@@ -60,8 +60,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="leave out the adaptive-k run of each proposer (k chosen per step, up to the largest --ks)")
     s.add_argument("--proposers", type=name_list(PROPOSERS), default=list(DEFAULT_PROPOSERS),
                    help="comma list of ngram, draft_model, eagle, and draft_model+lookup, eagle+lookup (prompt "
-                   "lookup first, the model's drafts where it finds nothing); default: the first three, those "
-                   "available")
+                   "lookup first, the model's drafts where it finds nothing), eagle+tree, eagle+lookup+tree (a "
+                   "draft tree, --tree-width); default: the first three, those available")
+    s.add_argument("--tree-width", type=int, default=3,
+                   help="the +tree proposers' first-draft candidates (default 3)")
     s.add_argument("--ks", type=int_list, default=None, help="k values, 2,4,6,8 (default) or 1..8")
     s.add_argument("--batch-k", type=int, default=None,
                    help="k for the batch and temperature sweeps (default: each proposer's best k at batch 1)")
@@ -100,7 +102,8 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     plan = BenchPlan(model=args.model, dtype=args.dtype, device=args.device, threads=args.threads,
                      quantization=args.quantization, adaptive=not args.no_adaptive,
                      draft_model=args.draft_model,
-                     eagle=args.eagle, proposers=args.proposers, batch_k=args.batch_k, prompts=args.prompts,
+                     eagle=args.eagle, proposers=args.proposers, tree_width=args.tree_width, batch_k=args.batch_k,
+                     prompts=args.prompts,
                      reps=args.reps, chat=not args.no_chat, peers=args.peers, peer_k=args.peer_k,
                      price_per_hour=args.price_per_hour, seed=args.seed, progress=not args.no_progress,
                      command=" ".join(["speculant", *map(shlex.quote, sys.argv[1:])]))

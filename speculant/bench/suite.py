@@ -40,7 +40,7 @@ from speculant.errors import SpeculantError
 from speculant.models.loader import LoadedModel, default_model_path, load_model
 from speculant.speedup import CostCurve, measure_cost_curve
 
-PROPOSERS = ("ngram", "draft_model", "eagle", "draft_model+lookup", "eagle+lookup")
+PROPOSERS = ("ngram", "draft_model", "eagle", "draft_model+lookup", "eagle+lookup", "eagle+tree", "eagle+lookup+tree")
 DEFAULT_PROPOSERS = ("ngram", "draft_model", "eagle")
 PEERS = ("transformers", "llama.cpp")
 DRAFTS_DIR = Path(__file__).resolve().parents[1] / "data" / "drafts"
@@ -56,6 +56,7 @@ class BenchPlan:
     draft_model: str | None = None
     eagle: str | None = None
     proposers: list[str] = field(default_factory=lambda: list(DEFAULT_PROPOSERS))
+    tree_width: int = 3  # of the +tree proposers' draft trees
     ks: list[int] = field(default_factory=lambda: [2, 4, 6, 8])
     batch_k: int | None = None  # None: each proposer's best k from the k sweep
     batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
@@ -173,12 +174,13 @@ def proposer_configs(plan: BenchPlan, k: int) -> tuple[list[SpeculativeConfig], 
     paths = draft_paths(plan)
     configs, notes = [], []
     for name in plan.proposers:
-        method = name.removesuffix("+lookup")
+        method, *options = name.split("+")
         if method == "ngram":
             configs.append(SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": k}))
         elif paths.get(method):
             configs.append(SpeculativeConfig.parse({"method": method, "model": str(paths[method]),
-                                                    "num_speculative_tokens": k, "lookup_first": name != method}))
+                                                    "num_speculative_tokens": k, "lookup_first": "lookup" in options,
+                                                    "tree_width": plan.tree_width if "tree" in options else 1}))
         else:
             flag = "--draft-model" if method == "draft_model" else "--eagle"
             notes.append(f"{name} skipped: no {method.replace('_', ' ')} given ({flag} PATH) or shipped "
