@@ -23,7 +23,7 @@ from speculant.models.llama import ModelConfig
 from speculant.models.loader import LoadedModel
 from speculant.models.tokenizer import Detokenizer
 from speculant.proposers import Proposal, Proposer, TargetHidden
-from speculant.proposers.base import pad_rows
+from speculant.proposers.base import chain_padded, pad_rows
 from speculant.proposers.lookup_first import LookupFirstProposer
 from speculant.sampling import SamplingBatch, argmax, make_generator, probabilities
 from speculant.sequence import Sequence, SpecStats, TokenLogprob
@@ -241,8 +241,8 @@ class Engine:
             parents = []
             for row, tree, n in zip(rows, proposal.parents, n_draft):
                 unseen = len(row) - n
-                fed = [*range(-1, unseen - 1), *(unseen - 1 if p < 0 else unseen + p for p in tree[:n])]
-                parents.append(fed + list(range(len(fed) - 1, T - 1)))
+                fed = chain_padded([], unseen) + [unseen - 1 if p < 0 else unseen + p for p in tree[:n]]
+                parents.append(chain_padded(fed, T))
         hidden = self.model(tokens, self.cache, slots, n_new, parents)  # [B, T, D]
         # Row b's last unseen token predicts its first draft: positions n_unseen-1 .. n_new-1.
         k = proposal.tokens.shape[1]
@@ -262,7 +262,7 @@ class Engine:
                                                     argmax(logits))
         else:
             paths, next_tokens = verify_tree(proposal.tokens, proposal.n_draft, proposal.parents,
-                                             probabilities(logits, sb), proposal.q, sb.generators)
+                                             probabilities(logits, sb), sb.generators)
         return paths, next_tokens.tolist()
 
     def keep_branches(self, batch: list[Sequence], accepted: list[list[int]], hidden: torch.Tensor) -> torch.Tensor:

@@ -44,29 +44,26 @@ def verify_tree_greedy(draft: torch.Tensor, n_draft: torch.Tensor, parents: list
 
 
 def verify_tree(draft: torch.Tensor, n_draft: torch.Tensor, parents: list[list[int]], p: torch.Tensor,
-                q: torch.Tensor | None,
                 generators: list[torch.Generator | None]) -> tuple[list[list[int]], torch.Tensor]:
-    """`verify` for draft trees (see Proposal.parents): at each node its children are tried in order, each
-    by the acceptance rule against what is left of the target's distribution after the siblings
-    rejected before it (their residuals in turn, recursive rejection sampling: SpecInfer, Miao et al.
-    2023); an accepted child becomes the node, and when every child is rejected the next token is drawn
-    from the last residual. Exact for any q per node, as long as a node's token was drawn from its q
-    given the drafts before it (one-hot for a deterministic candidate).
+    """`verify` for trees of deterministic drafts (see Proposal.parents): at each node its children are
+    tried in order, each kept with the probability the target gives it once the siblings tried before
+    it are ruled out (the one-hot case of the rule, its residual in turn: recursive rejection sampling,
+    SpecInfer, Miao et al. 2023); a kept child becomes the node, and when every child is rejected the
+    next token is drawn from what is left.
 
-    p [B, k+1, V]: after the last token (0) and after each draft j (j + 1); q [B, k, V], or None for
-    deterministic drafts → (each row's accepted drafts, root to leaf; the next token [B])."""
+    p [B, k+1, V]: after the last token (0) and after each draft j (j + 1) → (each row's accepted
+    drafts, root to leaf; the next token [B])."""
     paths, next_tokens = [], []
     for b, (tokens, tree, n, gen) in enumerate(zip(draft.tolist(), parents, n_draft.tolist(), generators)):
         path, node, target = [], -1, p[b, 0]
         while True:
             for j in (j for j in range(n) if tree[j] == node):
                 u = 0.0 if gen is None else float(torch.rand(1, generator=gen, device=p.device))
-                q_j = None if q is None else q[b, j]
-                if u < float(acceptance_probability(target[tokens[j]], None if q_j is None else q_j[tokens[j]])):
+                if u < float(acceptance_probability(target[tokens[j]], None)):
                     path.append(j)
                     node, target = j, p[b, j + 1]
                     break
-                target = residual(target[None], None if q_j is None else q_j[None], draft[b, j:j + 1])[0]
+                target = residual(target[None], None, draft[b, j:j + 1])[0]
             else:
                 break
         paths.append(path)

@@ -26,6 +26,12 @@ def pad_rows(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor,
     return tokens.to(device), torch.tensor(lengths, dtype=torch.long, device=device)
 
 
+def chain_padded(parents: list[int], width: int) -> list[int]:
+    """A draft tree's parents list (see Proposal.parents) padded to `width` with a chain: padding drafts
+    are never real, but a pass needs a place for each."""
+    return parents + list(range(len(parents) - 1, width - 1))
+
+
 @dataclass
 class Proposal:
     tokens: torch.Tensor  # [B, k] draft tokens, padded with 0 past n_draft
@@ -34,9 +40,9 @@ class Proposal:
     # Row b's drafts are judged by the acceptance seen in its bucket (adaptive.py); n-gram lookup: the
     # length of the suffix that matched. None: one bucket for all.
     buckets: list[int] | None = None
-    # A draft tree (greedy batches only): parents[b][j] is the draft that row b's draft j continues (-1:
-    # the sequence's last token), parents before children. None: a chain, each draft continues the one
-    # before.
+    # A draft tree of deterministic drafts (q None): parents[b][j] is the draft that row b's draft j
+    # continues (-1: the sequence's last token), parents before children. None: a chain, each draft
+    # continues the one before.
     parents: list[list[int]] | None = None
 
     @classmethod
@@ -50,12 +56,6 @@ class Proposal:
 
     def bucket_list(self) -> list[int]:
         return self.buckets if self.buckets is not None else [MODEL_BUCKET] * len(self.n_draft)
-
-    def parent_lists(self) -> list[list[int]]:
-        """parents, spelled out for a chain too."""
-        if self.parents is not None:
-            return self.parents
-        return [list(range(-1, self.tokens.shape[1] - 1)) for _ in range(len(self.n_draft))]
 
     def depths(self) -> list[int]:
         """Drafts each row could have accepted: its number of drafts, a tree's deepest branch."""
@@ -81,7 +81,7 @@ class Proposal:
         q = None if self.q is None else self.q.new_zeros(batch_size, *self.q.shape[1:]).index_copy_(0, at, self.q)
         parents = None
         if self.parents is not None:
-            parents = [list(range(-1, self.tokens.shape[1] - 1)) for _ in range(batch_size)]
+            parents = [chain_padded([], self.tokens.shape[1]) for _ in range(batch_size)]
             for row, p in zip(rows, self.parents):
                 parents[row] = p
         return Proposal(tokens, n_draft, q, parents=parents)

@@ -32,7 +32,7 @@ from speculant.models.kernels import pack_linears
 from speculant.models.kv_cache import KVCache
 from speculant.models.llama import Block, ModelConfig, RMSNorm, Rope, Transformer, prepare_pass, rope_inv_freq
 from speculant.models.loader import LoadedModel
-from speculant.proposers.base import Proposal, Proposer, TargetHidden, pad_rows
+from speculant.proposers.base import Proposal, Proposer, TargetHidden, chain_padded, pad_rows
 from speculant.sampling import SamplingBatch
 from speculant.sequence import Sequence
 
@@ -258,10 +258,10 @@ class EagleProposer(Proposer):
         rows, parents = [], []
         for tokens, alternatives, k in zip(chain.tolist(), others.tolist(), ks):
             rows.append(tokens[:k] + alternatives)
-            parents.append([*range(-1, k - 1), *[-1] * len(alternatives)])
+            parents.append(chain_padded([], k) + [-1] * len(alternatives))
         proposal = Proposal.from_lists(rows, chain.device)
         width = proposal.tokens.shape[1]
-        proposal.parents = [p + list(range(len(p) - 1, width - 1)) for p in parents]
+        proposal.parents = [chain_padded(p, width) for p in parents]
         return proposal
 
     def _vocab_ids(self, index: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.nn.functional import one_hot, pad
 
-from speculant.proposers.base import MODEL_BUCKET, Proposal, Proposer, TargetHidden
+from speculant.proposers.base import MODEL_BUCKET, Proposal, Proposer, TargetHidden, chain_padded
 from speculant.proposers.ngram import NgramProposer
 from speculant.sampling import SamplingBatch
 from speculant.sequence import Sequence
@@ -68,6 +68,5 @@ class LookupFirstProposer(Proposer):
         parents = None
         if drafted.parents is not None:
             # A lookup row is a chain.
-            parents = [tree + list(range(len(tree) - 1, width - 1)) if m else list(range(-1, width - 1))
-                       for m, tree in zip(model_rows, drafted.parents)]
+            parents = [chain_padded(tree if m else [], width) for m, tree in zip(model_rows, drafted.parents)]
         return Proposal(tokens, n_draft, q, buckets, parents)
