@@ -61,21 +61,23 @@ class AcceptanceFit:
     k_mean: float  # drafted tokens per drafting step
     k: int  # the configured k
     draft_cost_ratio: float  # seconds per drafted token / C(1)
+    extra_width: float = 0.0  # tokens a drafting step verifies beyond its drafts (a draft tree's other candidates)
 
     @classmethod
-    def from_stats(cls, stats: dict, k: int, draft_s: float, steps: int, c1_s: float) -> AcceptanceFit:
+    def from_stats(cls, stats: dict, k: int, draft_s: float, steps: int, c1_s: float,
+                   extra_width: int = 0) -> AcceptanceFit:
         """From a run's summed SpecStats.as_dict(), its draft seconds and engine steps, and C(1) (seconds
         per plain step) for the same setup. The draft cost is per pass and per drafting position, so
         coverage · k · c_draft is the draft time of one pass, whatever the batch size."""
         drafts, drafted = stats["num_drafts"], stats["num_draft_tokens"]
         if not drafts:
-            return cls(0.0, 0.0, float(k), k, 0.0)
+            return cls(0.0, 0.0, float(k), k, 0.0, extra_width)
         k_mean = drafted / drafts
         coverage = drafts / max(stats["target_passes"], 1)
         mal = 1 + stats["num_accepted_tokens"] / drafts
         draft_per_pass = draft_s / max(steps, 1)
         return cls(fit_alpha(mal, k_mean), coverage, k_mean, k,
-                   draft_per_pass / (coverage * k_mean) / c1_s if c1_s > 0 else 0.0)
+                   draft_per_pass / (coverage * k_mean) / c1_s if c1_s > 0 else 0.0, extra_width)
 
     def predict(self, curve: CostCurve, batch_size: int, k: int | None = None) -> float:
         """Predicted speed-up at this batch size with k drafts (default: the measured k); a
@@ -85,8 +87,8 @@ class AcceptanceFit:
             return 1.0
         k_eff = self.k_mean * k / self.k
         widened = 1 - (1 - self.coverage) ** batch_size
-        return predicted_speedup(self.alpha, k_eff, curve.ratio(batch_size, k_eff + 1), self.draft_cost_ratio,
-                                 self.coverage, widened)
+        return predicted_speedup(self.alpha, k_eff, curve.ratio(batch_size, k_eff + 1 + self.extra_width),
+                                 self.draft_cost_ratio, self.coverage, widened)
 
     def best_k(self, curve: CostCurve, batch_size: int, max_k: int = 8) -> tuple[int, float]:
         """The k with the highest predicted speed-up, or (0, 1.0) when none clears the noise."""

@@ -67,17 +67,19 @@ class Runner:
     k: int
     reference: str
     max_batch_size: int = 1
+    extra_nodes: int = 0  # drafts a step verifies beyond k (a draft tree's other candidates)
 
     def run(self, prompts: list[list[int]], params: list[SamplingParams]) -> Measurement:
         raise NotImplementedError
 
     def descriptor(self) -> Runner:
         """The runner's identity without its model or engine, to keep after the runs."""
-        return Runner(self.name, self.family, self.method, self.k, self.reference, self.max_batch_size)
+        return Runner(self.name, self.family, self.method, self.k, self.reference, self.max_batch_size,
+                      self.extra_nodes)
 
     def describe(self) -> dict:
         return {"name": self.name, "family": self.family, "method": self.method, "k": self.k,
-                "reference": self.reference}
+                "reference": self.reference, "extra_nodes": self.extra_nodes}
 
 
 def config_name(method: str | None, k: int) -> str:
@@ -149,7 +151,7 @@ def engine_runner(target: LoadedModel, spec: SpeculativeConfig | None, max_batch
     engine = engine_for(target, spec, max_batch_size, max_model_len)
     method = spec_method(spec) if spec else None
     return EngineRunner(config_name(method, engine.k), "speculant", method, engine.k, config_name(None, 0),
-                        max_batch_size, engine=engine)
+                        max_batch_size, engine.proposer.extra_nodes if engine.proposer else 0, engine=engine)
 
 
 @dataclass

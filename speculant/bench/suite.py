@@ -116,8 +116,8 @@ class BenchResult:
         """Back from report.json, summaries only (the raw runs are not needed to render a report)."""
         experiments = {
             name: Experiment(name, e["description"],
-                             [Runner(r["name"], r["family"], r["method"], r["k"], r["reference"])
-                              for r in e["runners"]],
+                             [Runner(r["name"], r["family"], r["method"], r["k"], r["reference"],
+                                     extra_nodes=r.get("extra_nodes", 0)) for r in e["runners"]],
                              rows=[Row(**row) for row in e["summary"]])
             for name, e in d["experiments"].items()}
         return cls(BenchPlan(**d["plan"]), d["meta"], CostCurve.from_dict(d["cost_curve"]), experiments,

@@ -121,7 +121,7 @@ def _row(runner: Runner, b: int, temp: float, cls: str, ms: list[Measurement], r
     if curve is not None and base_steps:
         c1 = sum(m.target_s or 0 for m in paired) / base_steps
         steps = sum(m.steps or 0 for m in ms)
-        fit = AcceptanceFit.from_stats(stats, runner.k, split["draft"], steps, c1)
+        fit = AcceptanceFit.from_stats(stats, runner.k, split["draft"], steps, c1, runner.extra_nodes)
         row.fit = fit.as_dict()
         row.predicted_speedup = fit.predict(curve, b)
     return row
