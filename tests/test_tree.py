@@ -145,6 +145,7 @@ def test_greedy_tree_output_is_plain_greedy(target, head, plain, k, width, extra
                                     "tree_width": width, **extra})
     # Three slots for four requests: one joins mid-way.
     engine = engine_for(target, spec, 3, 64)
+    assert engine.proposer.name == spec.proposer  # eagle+tree, eagle+lookup+tree: logs and metrics say so
     siblings = count_sibling_paths(engine)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     got = [s.output_ids for s in engine.generate([engine.add_request(p, params) for p in PROMPTS])]

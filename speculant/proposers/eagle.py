@@ -176,6 +176,7 @@ class EagleProposer(Proposer):
         # A draft tree: the head's tree_width best first drafts, the best one continued to k.
         self.tree_width = tree_width
         self.extra_nodes = tree_width - 1
+        self.name = "eagle+tree" if tree_width > 1 else "eagle"
         self.lm_head = draft_lm_head(target, head.vocab)
         self.cache = head.new_cache(max_batch_size, max_len)
         self.free = list(range(max_batch_size))

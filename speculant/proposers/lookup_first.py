@@ -25,7 +25,8 @@ from speculant.sequence import Sequence
 class LookupFirstProposer(Proposer):
     def __init__(self, lookup: NgramProposer, model: Proposer):
         self.lookup, self.model = lookup, model
-        self.name = f"{model.name}+lookup"
+        method, *options = model.name.split("+")
+        self.name = "+".join((method, "lookup", *options))  # as SpeculativeConfig.proposer names it
         self.extra_nodes = model.extra_nodes
 
     def add(self, seq: Sequence) -> None:
