@@ -76,15 +76,16 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig 
             cfg.num_speculative_tokens = args.num_speculative_tokens
         cfg.adaptive = cfg.adaptive or args.adaptive
         if args.lookup_first or args.tree_width is not None:
+            width = cfg.tree_width if args.tree_width is None else args.tree_width
             cfg = SpeculativeConfig.parse({**asdict(cfg), "lookup_first": cfg.lookup_first or args.lookup_first,
-                                           "tree_width": args.tree_width or cfg.tree_width})
+                                           "tree_width": width})
         return cfg
     k = args.num_speculative_tokens if args.num_speculative_tokens is not None else 4
     for method, model in (("draft_model", args.draft_model), ("eagle", args.eagle)):
         if model:
             return SpeculativeConfig.parse({"method": method, "model": model, "num_speculative_tokens": k,
                                             "adaptive": args.adaptive, "lookup_first": args.lookup_first,
-                                            "tree_width": args.tree_width or 1})
+                                            "tree_width": 1 if args.tree_width is None else args.tree_width})
     if args.lookup_first:
         raise SpeculantError("--lookup-first puts prompt lookup ahead of a model's drafts: give --draft-model "
                              "PATH or --eagle PATH with it")

@@ -242,5 +242,9 @@ def test_tree_width_flag():
     parser = build_parser()
     cfg = speculative_config_from_args(parser.parse_args(["generate", "hi", "--eagle", "/h", "--tree-width", "3"]))
     assert (cfg.method, cfg.tree_width) == ("eagle", 3)
+    for given in (["--eagle", "/h"], ["--speculative-config", '{"method": "eagle", "model": "/h", '
+                                                             '"num_speculative_tokens": 2, "tree_width": 3}']):
+        with pytest.raises(SpeculantError, match=r"tree_width=0 is out of range \[1, 8\]"):
+            speculative_config_from_args(parser.parse_args(["generate", "hi", *given, "--tree-width", "0"]))
     with pytest.raises(SpeculantError, match="--tree-width .* give --eagle PATH"):
         speculative_config_from_args(parser.parse_args(["generate", "hi", "--tree-width", "3"]))
