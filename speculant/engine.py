@@ -25,9 +25,9 @@ from speculant.models.tokenizer import Detokenizer
 from speculant.proposers import Proposal, Proposer, TargetHidden
 from speculant.proposers.base import chain_padded, pad_rows
 from speculant.proposers.lookup_first import LookupFirstProposer
-from speculant.sampling import SamplingBatch, argmax, make_generator, probabilities
+from speculant.sampling import SamplingBatch, make_generator
 from speculant.sequence import Sequence, SpecStats, TokenLogprob
-from speculant.verify import verify_logits, verify_tree, verify_tree_greedy
+from speculant.verify import verify_logits, verify_tree_logits
 
 log = logging.getLogger("speculant")
 
@@ -257,12 +257,7 @@ class Engine:
         if proposal.parents is None:
             n_accepted, next_tokens = verify_logits(proposal.tokens, proposal.n_draft, logits, proposal.q, sb)
             return [list(range(n)) for n in n_accepted.tolist()], next_tokens.tolist()
-        if sb.all_greedy:
-            paths, next_tokens = verify_tree_greedy(proposal.tokens, proposal.n_draft, proposal.parents,
-                                                    argmax(logits))
-        else:
-            paths, next_tokens = verify_tree(proposal.tokens, proposal.n_draft, proposal.parents,
-                                             probabilities(logits, sb), sb.generators)
+        paths, next_tokens = verify_tree_logits(proposal.tokens, proposal.n_draft, proposal.parents, logits, sb)
         return paths, next_tokens.tolist()
 
     def keep_branches(self, batch: list[Sequence], accepted: list[list[int]], hidden: torch.Tensor) -> torch.Tensor:
@@ -271,6 +266,7 @@ class Engine:
         reordered alike, so a proposer reads the branch's features in sequence order."""
         T = hidden.shape[1]
         order = [list(range(T)) for _ in batch]
+        moved = False
         for b, (seq, path) in enumerate(zip(batch, accepted)):
             unseen = len(seq.tokens) - seq.num_cached
             moves = [(unseen + j, unseen + i) for i, j in enumerate(path) if j != i]
@@ -279,7 +275,8 @@ class Engine:
                 self.cache.move(seq.slot, [seq.num_cached + p for p in src], [seq.num_cached + p for p in dst])
                 for p, q in moves:
                     order[b][q] = p
-        if all(o == list(range(T)) for o in order):
+                moved = True
+        if not moved:
             return hidden
         index = torch.tensor(order, device=hidden.device)[..., None].expand(-1, -1, hidden.shape[-1])
         return hidden.gather(1, index)

@@ -68,7 +68,7 @@ def engine_for(target: LoadedModel, spec: SpeculativeConfig | None, max_batch_si
     proposer = build_proposer(spec, target, max_batch_size, max_model_len + k + 1) if spec else None
     adaptive = None
     if spec is not None and spec.adaptive:
-        extra = spec.tree_width - 1
+        extra = proposer.extra_nodes
         adaptive = AdaptiveK(cost_curve_for(target.model, max_batch_size, k + extra + 1), k, extra_nodes=extra)
     return Engine(target, proposer, k, max_batch_size, max_model_len, adaptive=adaptive)
 

@@ -24,6 +24,14 @@ def verify_logits(draft: torch.Tensor, n_draft: torch.Tensor, logits: torch.Tens
     return verify(draft, n_draft, probabilities(logits, sb), q, sb.generators)
 
 
+def verify_tree_logits(draft: torch.Tensor, n_draft: torch.Tensor, parents: list[list[int]], logits: torch.Tensor,
+                       sb: SamplingBatch) -> tuple[list[list[int]], torch.Tensor]:
+    """`verify_tree` from the target's logits [B, k+1, V] under the batch's sampling transforms."""
+    if sb.all_greedy:
+        return verify_tree_greedy(draft, n_draft, parents, argmax(logits))
+    return verify_tree(draft, n_draft, parents, probabilities(logits, sb), sb.generators)
+
+
 def verify_tree_greedy(draft: torch.Tensor, n_draft: torch.Tensor, parents: list[list[int]],
                        target: torch.Tensor) -> tuple[list[list[int]], torch.Tensor]:
     """Greedy verification of draft trees (see Proposal.parents): from the sequence's last token, follow

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from speculant.models.llama import tree_layout
 from speculant.sampling import SamplingBatch, argmax, probabilities, sample
 
 if TYPE_CHECKING:
@@ -62,13 +63,8 @@ class Proposal:
         n_draft = self.n_draft.tolist()
         if self.parents is None:
             return n_draft
-        out = []
-        for parents, n in zip(self.parents, n_draft):
-            depth = []
-            for p in parents[:n]:
-                depth.append(depth[p] + 1 if p >= 0 else 1)
-            out.append(max(depth, default=0))
-        return out
+        depths, _ = tree_layout([parents[:n] for parents, n in zip(self.parents, n_draft)])
+        return [max(d, default=-1) + 1 for d in depths]  # tree_layout counts a first draft's depth 0
 
     def placed(self, rows: list[int], batch_size: int) -> Proposal:
         """This proposal for a sub-batch, its row i put at row rows[i] of the whole batch (the other

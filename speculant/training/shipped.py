@@ -13,8 +13,8 @@ SHIPPED = Path(__file__).resolve().parent.parent / "data" / "drafts" / "smollm2-
 # nothing, as a draft tree of its 3 best first drafts, adaptive k, over n-gram lookup alone (the previous
 # default): 1.354x vs 1.309x (3 repetitions), 1.367x vs 1.299x (2); width 6: 1.331x, 1.387x vs 1.299x,
 # 1.348x vs 1.259x. Width 3 widens a pass less (C(4) vs C(7)) for most of the acceptance (k = 1: 25%
-# without a tree, ~40% with 3, 52% with 6). Sampled (temperature 0.7, width 6) a tie: 1.087x vs 1.072x. Adaptive
-# mode switches speculation off where it does not pay.
+# without a tree, ~40% with 3, 52% with 6). Sampled (temperature 0.7, width 6) a tie: 1.087x vs
+# 1.072x. Adaptive mode switches speculation off where it does not pay.
 BEST = {"method": "eagle", "num_speculative_tokens": 6, "adaptive": True, "lookup_first": True, "tree_width": 3}
 REQUIRED_FILES = {"eagle": ("eagle.safetensors", "eagle_config.json"),
                   "draft_model": ("config.json", "model.safetensors", "tokenizer.json")}
