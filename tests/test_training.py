@@ -12,11 +12,22 @@ from safetensors.torch import save_file
 
 from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.engine import Engine
+from speculant.errors import SpeculantError
 from speculant.models.loader import load_model
 from speculant.proposers import build_proposer
 from speculant.proposers.eagle import load_eagle
 from speculant.sampling import SamplingBatch
-from speculant.training.data import build_dataset, describe, load_dataset, record
+from speculant.training.data import (
+    build_dataset,
+    build_items,
+    describe,
+    in_shards,
+    load_dataset,
+    record,
+    rewrite_items,
+    written_answers,
+)
+from speculant.training.prompts import answer_paragraph
 from speculant.training.train import TrainConfig, split_windows, train
 
 
@@ -148,9 +159,17 @@ def test_dataset_from_the_standard_library(smollm_path, tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(convert_gguf(smollm_path)[0] / name, folder / name)
     target = load_model(folder)
-    settings = dict(n_text_chars=6000, n_prompts=3, answer_tokens=4, top_k=4, max_len=64, shard_items=4)
+    settings = dict(n_text_chars=6000, n_prompts=12, answer_tokens=4, top_k=4, max_len=64, shard_items=4)
     manifest = build_dataset(target, tmp_path / "data", **settings)
-    assert set(manifest["make_up"]) >= {"code", "prose", "chat:complete", "chat:explain", "chat:write"}
+    assert manifest["complete"]
+    assert set(manifest["make_up"]) >= {"code", "prose", "chat:code", "chat:question", "chat:writing"}
+    first_phase = in_shards(build_items(6000, 12, 0), 4)
+    writing = [it for shard in first_phase for it in shard if it.kind == "chat:writing"]
+    answers = written_answers(tmp_path / "data", first_phase, target, 64)
+    assert len(answers) == manifest["make_up"]["chat:writing"]["sequences"] == len(writing)
+    # Each is the answer alone: the prompt's words are not in it, and it decodes from at most 4 tokens.
+    assert all(writing[0].text not in a and len(target.tokenizer.encode(a, add_special_tokens=False)) <= 8
+               for a in answers)
     assert manifest["tokens"] == len(load_dataset(tmp_path / "data")["tokens"])
     assert json.loads((tmp_path / "data" / "manifest.json").read_text())["tokens"] == manifest["tokens"]
     # Resuming records nothing again: the shards are kept as they are.
@@ -159,3 +178,47 @@ def test_dataset_from_the_standard_library(smollm_path, tmp_path):
     build_dataset(target, tmp_path / "data", **settings)
     assert [p.stat().st_mtime_ns for p in shards] == stamps
     assert describe(tmp_path / "data", target, manifest["settings"])["tokens"] == manifest["tokens"]
+
+
+STORY = ("Maria woke up early because she had an interview. She put on her blue jacket, checked her notes "
+         "twice and walked to the station. The train was late, so she called the office to explain.")
+
+
+def test_rewrites_take_the_longest_prose_paragraph_of_an_answer():
+    answer = f"Sure! Here is a story.\n\n{STORY}\n\n- a list item that is not prose, " + "x " * 100
+    assert answer_paragraph(answer) == STORY
+    assert answer_paragraph("Too short.\n\n- list " + "y " * 100) is None
+    long = " ".join([STORY] * 8)
+    cut = answer_paragraph(long, max_chars=400)
+    assert cut.endswith(".") and len(cut) <= 400 and long.startswith(cut)
+
+
+def test_rewrite_items_one_per_usable_answer():
+    items = rewrite_items([STORY, "No.", "```python\nprint(1)\n```", STORY], seed=0)
+    assert len(items) == 2 and all(it.kind == "chat:rewrite" for it in items)
+    for it in items:
+        instruction, body = it.text.split("\n\n", 1)
+        assert instruction.endswith(":") and len(body.split()) == len(STORY.split())
+    assert rewrite_items([STORY] * 30, seed=1) == rewrite_items([STORY] * 30, seed=1)
+    assert len({it.text for it in rewrite_items([STORY] * 30, seed=1)}) > 5
+
+
+def test_data_from_several_folders(tiny_target, tiny_data, tmp_path):
+    target = load_model(tiny_target)
+    more = tmp_path / "more"
+    more.mkdir()
+    extra = record(repetitive_sequences(3, target.config.vocab_size, seed=1), target, top_k=8)
+    extra["kinds"] = torch.zeros(3, dtype=torch.int32)
+    save_file(extra, str(more / "shard-00000.safetensors"))
+    one, both = load_dataset(tiny_data), load_dataset([tiny_data, more])
+    n = len(one["tokens"])
+    assert torch.equal(both["tokens"], torch.cat([one["tokens"], extra["tokens"]]))
+    assert torch.equal(both["offsets"], torch.cat([one["offsets"], extra["offsets"][1:] + n]))
+    assert torch.equal(both["hidden"][n:], extra["hidden"])
+    narrow = tmp_path / "narrow"
+    narrow.mkdir()
+    save_file(record([[1, 2, 3]], target, top_k=4), str(narrow / "shard-00000.safetensors"))
+    with pytest.raises(SpeculantError, match="different targets or with different --top-k"):
+        load_dataset([tiny_data, narrow])
+    with pytest.raises(SpeculantError, match="no recorded shards"):
+        load_dataset([tiny_data, tmp_path / "missing"])

@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", type=Path, default=None,
                    help="self-distillation data folder, shared between kinds; recorded there when missing or "
                         "incomplete (default: OUT/data)")
+    p.add_argument("--more-data", type=Path, nargs="+", default=[], metavar="FOLDER",
+                   help="data folders recorded earlier (other prompts or seeds), trained on with --data's")
     d = p.add_argument_group("data")
     d.add_argument("--text-chars", type=int, default=600_000, help="characters of teacher-forced text")
     d.add_argument("--prompts", type=int, default=160, help="prompts the target answers itself")
@@ -90,7 +92,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not manifest["complete"]:
         raise SpeculantError(f"{data_dir}: the data set is incomplete (other workers still recording?)")
-    log.info("data: %d tokens in %d sequences (%s)", manifest["tokens"], manifest["sequences"], data_dir)
+    folders = [data_dir, *args.more_data]
+    data = load_dataset(folders)
+    log.info("data: %d tokens in %d sequences (%s)", len(data["tokens"]), len(data["offsets"]) - 1,
+             ", ".join(map(str, folders)))
     # Training runs in fp32 against the frozen target's plain layers (its last layer seeds the EAGLE
     # head; gradients flow through its lm_head), not the inference layout.
     target = load_model(args.target, pack=False)
@@ -100,9 +105,9 @@ def run(args: argparse.Namespace) -> int:
                       kl_weight=args.kl_weight, kl_fraction=args.kl_fraction, draft_vocab=args.draft_vocab,
                       draft_dim=args.draft_dim,
                       draft_layers=args.draft_layers, seed=args.seed)
-    summary = train(target, load_dataset(data_dir), cfg, args.out)
-    summary["data"] = {"folder": str(data_dir), "tokens": manifest["tokens"],
-                       "sequences": manifest["sequences"]}
+    summary = train(target, data, cfg, args.out)
+    summary["data"] = {"folders": list(map(str, folders)), "tokens": len(data["tokens"]),
+                       "sequences": len(data["offsets"]) - 1}
     summary["total_wall_time_s"] = round(time.perf_counter() - t0, 1)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))

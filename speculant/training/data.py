@@ -2,13 +2,14 @@
 
 Two pools come from material every Python install has: the standard library's source (code and
 its docstrings) and the long descriptions of installed packages. The target reads texts from the
-pools (teacher forcing) and writes answers to prompts built from them (with its chat template).
+pools (teacher forcing) and answers requests with its chat template: requests built from the pools,
+requests shaped like what users ask (prompts.py), and rewrites of its own answers.
 For every token we record what a draft learns from: the token, the target's top-k log-probabilities
 for the next token, and the target's last hidden state (after the final norm: what lm_head reads).
 
 The data set is a folder of numbered safetensors shards plus manifest.json (size and make-up).
-Items are a deterministic function of the settings and seed, and a shard file appears only once
-complete, so an interrupted run resumes by skipping the shards already there.
+Items are a deterministic function of the settings, the seed and the answers already recorded, and a
+shard file appears only once complete, so an interrupted run resumes by skipping the shards already there.
 """
 
 from __future__ import annotations
@@ -27,11 +28,14 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from speculant.config import SamplingParams
+from speculant.errors import SpeculantError
 from speculant.models.loader import LoadedModel
+from speculant.training import prompts
 
 SKIPPED_STDLIB_DIRS = {"test", "tests", "idlelib", "turtledemo", "site-packages", "lib2to3", "ensurepip"}
 MANIFEST = "manifest.json"
-_KINDS = ["code", "prose", "chat:complete", "chat:explain", "chat:write", "chat:rewrite", "chat:chat"]
+_KINDS = ["code", "prose", "chat:complete", "chat:explain", "chat:write", "chat:rewrite", "chat:chat", "chat:code",
+          "chat:question", "chat:writing"]
 
 
 @dataclass
@@ -87,8 +91,11 @@ def first_sentence(doc: str) -> str:
 
 
 def build_items(n_text_chars: int, n_prompts: int, seed: int = 0) -> list[Item]:
-    """Teacher-forced texts (about n_text_chars characters), then n_prompts chat prompts, drawn
-    with `seed`. Half of the text is stdlib code, half package prose; prompts mix five tasks."""
+    """Teacher-forced texts (about n_text_chars characters), then n_prompts requests for the target
+    to answer, drawn with `seed`. Half of the text is stdlib code, half package prose. The requests
+    (prompts.py): a quarter code in several languages, a quarter everyday questions, a fifth short
+    pieces of writing (whose answers are rewritten later: rewrite_items), the rest Python functions of
+    the standard library to complete, explain or write, and package paragraphs to sum up."""
     rng = random.Random(seed)
     files = stdlib_files()
     rng.shuffle(files)
@@ -106,104 +113,34 @@ def build_items(n_text_chars: int, n_prompts: int, seed: int = 0) -> list[Item]:
                 code_chunks.append(chunk)
         if len(functions) > 4 * n_prompts and sum(map(len, code_chunks)) > n_text_chars:
             break
-    descriptions = package_descriptions()
-    prose = [p for _, text in descriptions for p in paragraphs(text)]
+    prose = [p for _, text in package_descriptions() for p in paragraphs(text)]
     rng.shuffle(code_chunks)
     rng.shuffle(functions)
     rng.shuffle(prose)
 
     items = _take(code_chunks, n_text_chars // 2, "code") + _take(prose, n_text_chars // 2, "prose")
-    tasks = [
-        ("complete", lambda f, d: "Complete this Python code:\n```python\n" + _head(f[0]) + "\n```"),
-        ("explain", lambda f, d: "Explain what this function does:\n```python\n" + f[0] + "\n```"),
-        ("write", lambda f, d: f"Write a Python function that does this: {first_sentence(f[1])}."),
-        ("rewrite", lambda f, d: rewrite_prompt(d, rng)),
-        ("chat", lambda f, d: f"In two or three sentences, what is this about?\n\n{d}"),
-    ]
     functions = [f for f in functions if len(f[0]) < 1500]  # prompts stay short: answers matter more
-    questions = general_questions(rng)
-    for i in range(n_prompts):
-        task, make = tasks[i % len(tasks)]
-        if task == "chat" and i // len(tasks) % 2:  # half the chat prompts: everyday questions
-            text = questions[i // (2 * len(tasks)) % len(questions)]
-        else:
-            text = make(functions[i % len(functions)], prose[-1 - i % len(prose)])
-        items.append(Item(f"chat:{task}", text))
+    tasks = {  # kind: (share, request for the i-th prompt)
+        "code": (0.25, lambda i: prompts.code_request(rng)),
+        "question": (0.25, lambda i: prompts.everyday_question(rng)),
+        "writing": (0.2, lambda i: prompts.writing_request(rng)),
+        "complete": (0.08, lambda i: "Complete this Python code:\n```python\n" + _head(functions[i][0]) + "\n```"),
+        "explain": (0.08, lambda i: "Explain what this function does:\n```python\n" + functions[i][0] + "\n```"),
+        "write": (0.08, lambda i: f"Write a Python function that does this: {first_sentence(functions[i][1])}."),
+        "chat": (0.06, lambda i: f"In two or three sentences, what is this about?\n\n{prose[i % len(prose)]}"),
+    }
+    kinds = rng.choices(list(tasks), weights=[share for share, _ in tasks.values()], k=n_prompts)
+    for i, kind in enumerate(kinds):
+        items.append(Item(f"chat:{kind}", tasks[kind][1](i % len(functions))))
     return items
 
 
-# Everyday questions for the chat share of the prompts: what users ask an assistant, which
-# neither the stdlib nor package descriptions contain. The bench's chat prompts (sleep, the sky's
-# colour, viruses, guitar, cats, meetings, hiking) are left out so the bench measures held-out text.
-TOPICS = (
-    "learning a new language", "saving money", "growing tomatoes", "running a marathon", "baking bread",
-    "writing a resume", "public speaking", "keeping a journal", "training a puppy", "painting with watercolors",
-    "starting a small business", "planning a wedding", "cleaning a kitchen", "learning to swim",
-    "volcanoes", "the water cycle", "black holes", "the French Revolution", "electric cars", "solar panels",
-    "recycling plastic", "the human heart", "honey bees", "earthquakes", "the moon's phases", "rainbows",
-    "compound interest", "climate change", "the printing press", "vaccines", "coffee", "chess", "yoga",
-    "meditation", "time management", "remote work", "job interviews", "first aid", "camping in the desert",
-    "moving to a new city", "choosing a laptop", "password security", "backing up photos", "email etiquette",
-    "the Roman Empire", "ancient Egypt", "the Olympic Games", "jazz music", "photography", "birdwatching",
-    "composting", "houseplants", "cooking rice", "making pasta", "healthy breakfasts", "drinking water",
-    "stretching", "cycling to work", "learning to code", "databases", "the internet", "machine learning",
-    "spreadsheets", "3D printing", "the stock market", "renting an apartment", "buying a used car",
-    "negotiating a salary", "writing a cover letter", "studying for exams", "reading more books",
-    "teaching children to read", "board games", "tea", "chocolate", "sharks", "elephants", "dolphins",
-    "penguins", "rainforests", "deserts", "glaciers", "tides", "gravity", "magnets", "electricity",
-    "the speed of light", "DNA", "the immune system", "antibiotics", "nutrition labels", "fermentation",
-    "bicycles", "airplanes", "trains", "bridges", "skyscrapers", "lighthouses", "maps", "calendars",
-)
-QUESTION_TEMPLATES = (
-    "Tell me about {topic}.",
-    "What are the main benefits of {topic}?",
-    "How do I get started with {topic}?",
-    "Write a short paragraph about {topic}.",
-    "Give me three tips about {topic}.",
-    "Explain {topic} to a ten-year-old.",
-    "What are common mistakes people make with {topic}?",
-    "Write a short list of facts about {topic}.",
-)
-
-
-REWRITE_INSTRUCTIONS = (
-    "Rewrite this paragraph in simpler words:",
-    "Rewrite the following paragraph in a formal tone:",
-    "Rewrite the following paragraph in the past tense:",
-    "Rewrite this paragraph as a bulleted list of its facts:",
-    "Rewrite the following paragraph in plain English for a child:",
-    "Rewrite the following paragraph to make it shorter, keeping its meaning:",
-)
-FIX_INSTRUCTIONS = (
-    "Fix the typos in this paragraph and return the corrected paragraph:",
-    "Rewrite the following paragraph with correct grammar and spelling, keeping its meaning:",
-    "Rewrite the following paragraph with correct punctuation and capital letters:",
-)
-
-
-def rewrite_prompt(paragraph: str, rng: random.Random) -> str:
-    """A rewrite request; a third of them ask to fix a paragraph with typos put in on purpose."""
-    if rng.random() < 1 / 3:
-        return rng.choice(FIX_INSTRUCTIONS) + "\n\n" + add_typos(paragraph, rng)
-    return rng.choice(REWRITE_INSTRUCTIONS) + "\n\n" + paragraph
-
-
-def add_typos(text: str, rng: random.Random, rate: float = 0.08) -> str:
-    """Swap, drop or double a letter in about `rate` of the words; lowercase some sentence starts."""
-    words = text.split(" ")
-    for i, w in enumerate(words):
-        if len(w) > 3 and w.isalpha() and rng.random() < rate:
-            j = rng.randrange(1, len(w) - 1)
-            words[i] = rng.choice((w[:j] + w[j + 1] + w[j] + w[j + 2:], w[:j] + w[j + 1:], w[:j] + w[j] + w[j:]))
-        elif i and words[i - 1].endswith(".") and rng.random() < 0.5:
-            words[i] = w.lower()
-    return " ".join(words)
-
-
-def general_questions(rng: random.Random) -> list[str]:
-    questions = [t.format(topic=topic) for topic in TOPICS for t in QUESTION_TEMPLATES]
-    rng.shuffle(questions)
-    return questions
+def rewrite_items(written: list[str], seed: int) -> list[Item]:
+    """A rewrite request for each answer to a writing request (`written`) on its longest paragraph:
+    everyday prose, which users ask to have rewritten and package descriptions are not."""
+    rng = random.Random(seed)
+    return [Item("chat:rewrite", prompts.rewrite_request(p, rng))
+            for p in map(prompts.answer_paragraph, written) if p]
 
 
 def _take(texts: list[str], n_chars: int, kind: str) -> list[Item]:
@@ -273,17 +210,46 @@ def build_dataset(target: LoadedModel, out: Path, n_text_chars: int = 600_000, n
                   seed: int = 0, worker: int = 0, workers: int = 1) -> dict:
     """Record the data set into `out`, skipping the shards already complete; returns the manifest.
 
+    Two phases: the texts and requests of build_items, then a rewrite request for each answer the
+    target wrote to a writing request (rewrite_items), once every first-phase shard is there.
     `workers` processes may record one data set together, worker i taking every workers-th shard;
     each writes the manifest of what is there when it finishes (the last one: everything)."""
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     items = build_items(n_text_chars, n_prompts, seed)
+    first = in_shards(items, shard_items)
+    _record_shards(first, 0, target, out, answer_tokens, top_k, max_len, seed, worker, workers)
+    second = None  # known once every first-phase shard is there
+    if all((out / _shard_name(i)).exists() for i in range(len(first))):
+        second = in_shards(rewrite_items(written_answers(out, first, target, max_len), seed + 1), shard_items)
+        _record_shards(second, len(first), target, out, answer_tokens, top_k, max_len, seed, worker, workers)
+    settings = dict(n_text_chars=n_text_chars, n_prompts=n_prompts, answer_tokens=answer_tokens, top_k=top_k,
+                    max_len=max_len, seed=seed)
+    manifest = describe(out, target, settings)
+    manifest["complete"] = second is not None and len(list(out.glob("shard-*.safetensors"))) == len(first) + len(
+        second)
+    manifest["wall_time_s_this_run"] = round(time.perf_counter() - t0, 1)
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return manifest
+
+
+def _shard_name(i: int) -> str:
+    return f"shard-{i:05d}.safetensors"
+
+
+def in_shards(items: list[Item], shard_items: int) -> list[list[Item]]:
+    """Items in shards, texts apart from chats: chat shards hold only prompts, so the target writes
+    their answers as one batch."""
     texts = [it for it in items if not it.kind.startswith("chat:")]
     chats = [it for it in items if it.kind.startswith("chat:")]
-    # Chat shards hold only prompts, so the target writes their answers as one batch.
-    shards = [group[i:i + shard_items] for group in (texts, chats) for i in range(0, len(group), shard_items)]
-    for i, shard in enumerate(tqdm(shards, desc="recording", unit="shard")):
-        path = out / f"shard-{i:05d}.safetensors"
+    return [group[i:i + shard_items] for group in (texts, chats) for i in range(0, len(group), shard_items)]
+
+
+def _record_shards(shards: list[list[Item]], first_index: int, target: LoadedModel, out: Path, answer_tokens: int,
+                   top_k: int, max_len: int, seed: int, worker: int, workers: int) -> None:
+    for n, shard in enumerate(tqdm(shards, desc="recording", unit="shard")):
+        i = first_index + n
+        path = out / _shard_name(i)
         if path.exists() or i % workers != worker:
             continue
         seqs = [tokenize(it, target, max_len) for it in shard]
@@ -297,13 +263,21 @@ def build_dataset(target: LoadedModel, out: Path, n_text_chars: int = 600_000, n
         tmp = path.with_suffix(f".tmp{worker}")
         save_file(data, str(tmp))
         tmp.rename(path)  # a shard exists only once complete: resume never reads half a file
-    settings = dict(n_text_chars=n_text_chars, n_prompts=n_prompts, answer_tokens=answer_tokens, top_k=top_k,
-                    max_len=max_len, seed=seed)
-    manifest = describe(out, target, settings)
-    manifest["complete"] = len(list(out.glob("shard-*.safetensors"))) == len(shards)
-    manifest["wall_time_s_this_run"] = round(time.perf_counter() - t0, 1)
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    return manifest
+
+
+def written_answers(out: Path, shards: list[list[Item]], target: LoadedModel, max_len: int) -> list[str]:
+    """The target's answers to the writing requests among `shards` (recorded in `out`), as text."""
+    answers = []
+    for i, shard in enumerate(shards):
+        if not any(it.kind == "chat:writing" for it in shard):
+            continue
+        data = load_file(str(out / _shard_name(i)))
+        tokens, offsets = data["tokens"].tolist(), data["offsets"].tolist()
+        for j, it in enumerate(shard):
+            if it.kind == "chat:writing":
+                prompt = len(tokenize(it, target, max_len))
+                answers.append(target.tokenizer.decode(tokens[offsets[j] + prompt:offsets[j + 1]]))
+    return answers
 
 
 
@@ -328,11 +302,19 @@ def describe(folder: Path, target: LoadedModel, settings: dict) -> dict:
     }
 
 
-def load_dataset(folder: Path) -> dict[str, torch.Tensor]:
-    """All shards concatenated: tokens [N], offsets [S+1], hidden [N, D], topk_logprobs/ids [N, K]."""
-    shards = [load_file(str(p)) for p in sorted(Path(folder).glob("shard-*.safetensors"))]
-    if not shards:
-        raise FileNotFoundError(f"{folder}: no recorded shards (run the recording first)")
+def load_dataset(folders: Path | list[Path]) -> dict[str, torch.Tensor]:
+    """All shards of one or more data folders concatenated: tokens [N], offsets [S+1], hidden [N, D],
+    topk_logprobs/ids [N, K]."""
+    folders = [folders] if isinstance(folders, (str, Path)) else folders
+    shards = []
+    for folder in folders:
+        found = [load_file(str(p)) for p in sorted(Path(folder).glob("shard-*.safetensors"))]
+        if not found:
+            raise SpeculantError(f"{folder}: no recorded shards (run the recording first)")
+        shards += found
+    if len({(s["hidden"].shape[1], s["topk_ids"].shape[1]) for s in shards}) > 1:
+        raise SpeculantError(f"{', '.join(map(str, folders))}: recorded from different targets or with different "
+                             "--top-k (feature or log-probability widths differ)")
     offsets, base = [torch.zeros(1, dtype=torch.long)], 0
     for s in shards:
         offsets.append(s["offsets"][1:] + base)
