@@ -167,7 +167,7 @@ WRITING_TEMPLATES = (
     "Write a short paragraph about {topic}.",
     "Write a short story about {name}, who is {activity}.",
     "Write a short email to a colleague about {topic}.",
-    "Write a casual message to a friend about {activity_plain}.",
+    "Write a casual message to a friend about {activity}.",
     "Describe a typical day of {name}, who works as a {job}.",
     "Write a short paragraph describing {place}.",
 )
@@ -225,10 +225,9 @@ def everyday_question(rng: random.Random) -> str:
 
 def writing_request(rng: random.Random) -> str:
     """A request for a short piece of everyday writing (its answer is later material to rewrite)."""
-    activity = rng.choice(ACTIVITIES)
+    activity = rng.choice(ACTIVITIES)  # drawn first: the order of draws is part of what a seed makes
     return rng.choice(WRITING_TEMPLATES).format(topic=rng.choice(TOPICS), name=rng.choice(NAMES), activity=activity,
-                                                activity_plain=activity, job=rng.choice(JOBS),
-                                                place=rng.choice(PLACES))
+                                                job=rng.choice(JOBS), place=rng.choice(PLACES))
 
 
 def rewrite_request(paragraph: str, rng: random.Random) -> str:
