@@ -28,7 +28,7 @@ from speculant.training.data import (
     written_answers,
 )
 from speculant.training.prompts import answer_paragraph
-from speculant.training.train import TrainConfig, split_windows, train
+from speculant.training.train import TrainConfig, split_windows, top_k_kl, train
 
 
 def repetitive_sequences(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -222,3 +222,16 @@ def test_data_from_several_folders(tiny_target, tiny_data, tmp_path):
         load_dataset([tiny_data, narrow])
     with pytest.raises(SpeculantError, match="no recorded shards"):
         load_dataset([tiny_data, tmp_path / "missing"])
+
+
+def test_kl_of_a_row_outside_the_draft_vocabulary_is_zero_with_finite_gradients():
+    """With a small draft vocabulary some positions have none of the target's top-k inside it: they
+    must count 0 and leave the gradients finite (an all -inf row made the whole head NaN)."""
+    logits = torch.randn(3, 10, requires_grad=True)
+    logprobs = torch.log_softmax(torch.randn(3, 4), -1)
+    ids = torch.tensor([[1, 2, -1, 3], [-1, -1, -1, -1], [0, -1, -1, -1]])
+    top_k_kl(logits, logprobs, ids).backward()
+    assert torch.isfinite(logits.grad).all()
+    assert torch.equal(logits.grad[1], torch.zeros(10))
+    rows_with_tokens = top_k_kl(logits[[0, 2]], logprobs[[0, 2]], ids[[0, 2]])
+    torch.testing.assert_close(top_k_kl(logits, logprobs, ids), rows_with_tokens * 2 / 3)
