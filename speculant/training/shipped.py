@@ -9,12 +9,12 @@ from speculant.models.loader import default_model_path
 
 SHIPPED = Path(__file__).resolve().parent.parent / "data" / "drafts" / "smollm2-135m-instruct"
 # The best proposer, measured side by side (int4, batch 1, greedy, 18 prompts x 128 tokens, every
-# configuration interleaved in one run): prompt lookup first, the shipped EAGLE head where lookup finds
-# nothing, as a draft tree of its 3 best first drafts, adaptive k, over n-gram lookup alone (the previous
-# default): 1.354x vs 1.309x (3 repetitions), 1.367x vs 1.299x (2); width 6: 1.331x, 1.387x vs 1.299x,
-# 1.348x vs 1.259x. Width 3 widens a pass less (C(4) vs C(7)) for most of the acceptance (k = 1: 25%
-# without a tree, ~40% with 3, 52% with 6). Sampled (temperature 0.7, width 6) a tie: 1.087x vs
-# 1.072x. Adaptive mode switches speculation off where it does not pay.
+# configuration interleaved in one run, 3 repetitions): prompt lookup first, the shipped EAGLE head where
+# lookup finds nothing, as a draft tree of its 3 best first drafts, adaptive k: 1.548x (with the previous
+# head 1.400x in the same run; n-gram lookup alone, the default before the head, 1.26-1.31x in earlier
+# runs); width 4: 1.549x, a tie, and a wider pass. Without lookup first 1.245x: lookup's long matches
+# are right more often than the head's chains. Adaptive mode switches speculation off where it does
+# not pay.
 BEST = {"method": "eagle", "num_speculative_tokens": 6, "adaptive": True, "lookup_first": True, "tree_width": 3}
 REQUIRED_FILES = {"eagle": ("eagle.safetensors", "eagle_config.json"),
                   "draft_model": ("config.json", "model.safetensors", "tokenizer.json")}
