@@ -159,17 +159,22 @@ def test_dataset_from_the_standard_library(smollm_path, tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(convert_gguf(smollm_path)[0] / name, folder / name)
     target = load_model(folder)
-    settings = dict(n_text_chars=6000, n_prompts=12, answer_tokens=4, top_k=4, max_len=64, shard_items=4)
-    manifest = build_dataset(target, tmp_path / "data", **settings)
+    settings = dict(n_text_chars=6000, n_prompts=12, answer_tokens=48, top_k=4, max_len=64, shard_items=4)
+    # Two workers one after the other: the first leaves the data set incomplete, the second finds the
+    # first phase complete and records the rest.
+    assert not build_dataset(target, tmp_path / "data", **settings, worker=0, workers=2)["complete"]
+    manifest = build_dataset(target, tmp_path / "data", **settings, worker=1, workers=2)
     assert manifest["complete"]
+    assert not list((tmp_path / "data").glob("*.tmp*"))
     assert set(manifest["make_up"]) >= {"code", "prose", "chat:code", "chat:question", "chat:writing"}
     first_phase = in_shards(build_items(6000, 12, 0), 4)
     writing = [it for shard in first_phase for it in shard if it.kind == "chat:writing"]
     answers = written_answers(tmp_path / "data", first_phase, target, 64)
     assert len(answers) == manifest["make_up"]["chat:writing"]["sequences"] == len(writing)
-    # Each is the answer alone: the prompt's words are not in it, and it decodes from at most 4 tokens.
-    assert all(writing[0].text not in a and len(target.tokenizer.encode(a, add_special_tokens=False)) <= 8
-               for a in answers)
+    # Each is the answer alone, without its request; the second phase rewrote every usable one.
+    assert all(a and it.text not in a for it, a in zip(writing, answers))
+    rewrites = rewrite_items(answers, seed=1)  # build_dataset draws them with its seed (0) + 1
+    assert rewrites and manifest["make_up"]["chat:rewrite"]["sequences"] == len(rewrites)
     assert manifest["tokens"] == len(load_dataset(tmp_path / "data")["tokens"])
     assert json.loads((tmp_path / "data" / "manifest.json").read_text())["tokens"] == manifest["tokens"]
     # Resuming records nothing again: the shards are kept as they are.

@@ -15,11 +15,14 @@ shard file appears only once complete, so an interrupted run resumes by skipping
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
 import json
+import os
 import random
 import sysconfig
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -218,16 +221,19 @@ def build_dataset(target: LoadedModel, out: Path, n_text_chars: int = 600_000, n
     t0 = time.perf_counter()
     items = build_items(n_text_chars, n_prompts, seed)
     first = in_shards(items, shard_items)
-    _record_shards(first, 0, target, out, answer_tokens, top_k, max_len, seed, worker, workers)
-    second = None  # known once every first-phase shard is there
+    record_shards = functools.partial(_record_shards, target=target, out=out, answer_tokens=answer_tokens,
+                                      top_k=top_k, max_len=max_len, seed=seed)
+    record_shards(first, 0, lambda i: i % workers == worker)
+    n_shards = None  # known once every first-phase shard is there
     if all((out / _shard_name(i)).exists() for i in range(len(first))):
         second = in_shards(rewrite_items(written_answers(out, first, target, max_len), seed + 1), shard_items)
-        _record_shards(second, len(first), target, out, answer_tokens, top_k, max_len, seed, worker, workers)
+        # Whichever worker finds the first phase complete records all the rewrites: the others are done.
+        record_shards(second, len(first), lambda i: True)
+        n_shards = len(first) + len(second)
     settings = dict(n_text_chars=n_text_chars, n_prompts=n_prompts, answer_tokens=answer_tokens, top_k=top_k,
                     max_len=max_len, seed=seed)
     manifest = describe(out, target, settings)
-    manifest["complete"] = second is not None and len(list(out.glob("shard-*.safetensors"))) == len(first) + len(
-        second)
+    manifest["complete"] = len(list(out.glob("shard-*.safetensors"))) == n_shards
     manifest["wall_time_s_this_run"] = round(time.perf_counter() - t0, 1)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest
@@ -245,12 +251,13 @@ def in_shards(items: list[Item], shard_items: int) -> list[list[Item]]:
     return [group[i:i + shard_items] for group in (texts, chats) for i in range(0, len(group), shard_items)]
 
 
-def _record_shards(shards: list[list[Item]], first_index: int, target: LoadedModel, out: Path, answer_tokens: int,
-                   top_k: int, max_len: int, seed: int, worker: int, workers: int) -> None:
+def _record_shards(shards: list[list[Item]], first_index: int, mine: Callable[[int], bool], target: LoadedModel,
+                   out: Path, answer_tokens: int, top_k: int, max_len: int, seed: int) -> None:
+    """Record the shards numbered from first_index on that are `mine` and not there yet."""
     for n, shard in enumerate(tqdm(shards, desc="recording", unit="shard")):
         i = first_index + n
         path = out / _shard_name(i)
-        if path.exists() or i % workers != worker:
+        if path.exists() or not mine(i):
             continue
         seqs = [tokenize(it, target, max_len) for it in shard]
         chats = [j for j, it in enumerate(shard) if it.kind.startswith("chat:")]
@@ -260,7 +267,7 @@ def _record_shards(shards: list[list[Item]], first_index: int, target: LoadedMod
                 seqs[j] = full
         data = record(seqs, target, top_k)
         data["kinds"] = torch.tensor([_KINDS.index(it.kind) for it in shard], dtype=torch.int32)
-        tmp = path.with_suffix(f".tmp{worker}")
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
         save_file(data, str(tmp))
         tmp.rename(path)  # a shard exists only once complete: resume never reads half a file
 
