@@ -287,7 +287,6 @@ def written_answers(out: Path, shards: list[list[Item]], target: LoadedModel, ma
     return answers
 
 
-
 def describe(folder: Path, target: LoadedModel, settings: dict) -> dict:
     """Size and make-up of the recorded data set."""
     make_up: dict[str, dict[str, int]] = {}
