@@ -57,8 +57,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="with a draft model or EAGLE head: verify prompt-lookup drafts where the text repeats "
                         "(free), the model's drafts elsewhere (\"lookup_first\": true)")
     s.add_argument("--tree-width", type=int, default=None,
-                   help="with an EAGLE head: verify N candidates for the first draft in one pass, the drawn one "
-                        "continued to k (a draft tree; \"tree_width\": N, default 1)")
+                   help="with an EAGLE head: verify a draft tree of k + N - 1 nodes in one pass, N children for "
+                        "each of the N likeliest nodes of a depth, the likeliest kept (\"tree_width\": N, "
+                        "default 1)")
     s.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="draft length k (default 4)")
     s.add_argument("--adaptive", action="store_true",
                    help="choose k per step from the measured cost curve and acceptance (0 where it loses)")

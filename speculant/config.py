@@ -73,8 +73,9 @@ class SpeculativeConfig:
     # Our extension, for draft_model and eagle: where prompt lookup finds a match (prompt_lookup_min
     # to _max tokens) its drafts are verified instead, free; the model drafts the other steps.
     lookup_first: bool = False
-    # Our extension, for eagle: verify tree_width candidates for the first draft in the same pass (the
-    # one drawn, continued to k, and the head's best others), a draft tree.
+    # Our extension, for eagle: the drafts are a tree of num_speculative_tokens + tree_width - 1 nodes at
+    # most num_speculative_tokens deep, grown where the head is confident (proposers/draft_tree.py) and
+    # verified in one pass.
     tree_width: int = 1
 
     @property

@@ -52,7 +52,8 @@ def small_draft_vocab(small_vocab_pair, tmp_path_factory):
 
 def eagle_engine(target, head, k: int, batch: int, proposer_cls=EagleProposer, max_len: int = 32,
                  tree_width: int = 1) -> Engine:
-    return Engine(target, proposer_cls(head, target.model, batch, max_len + k + 1, tree_width), k,
+    proposer = proposer_cls(head, target.model, batch, max_len + k + 1, tree_width, k)
+    return Engine(target, proposer, k,
                   max_batch_size=batch, max_model_len=max_len)
 
 

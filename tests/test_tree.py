@@ -16,8 +16,10 @@ from speculant.engine import Engine
 from speculant.errors import SpeculantError
 from speculant.llm import engine_for
 from speculant.models import native
+from speculant.models.llama import tree_layout
 from speculant.models.loader import load_model
-from speculant.proposers.eagle import load_eagle
+from speculant.proposers.draft_tree import DraftTree
+from speculant.proposers.eagle import EagleProposer, load_eagle
 from speculant.verify import verify_tree_greedy
 
 # Below the cached prompt: a → b → c, a → d → e, f (three branches, parents before children).
@@ -248,3 +250,68 @@ def test_tree_width_flag():
             speculative_config_from_args(parser.parse_args(["generate", "hi", *given, "--tree-width", "0"]))
     with pytest.raises(SpeculantError, match="--tree-width .* give --eagle PATH"):
         speculative_config_from_args(parser.parse_args(["generate", "hi", "--tree-width", "3"]))
+
+
+def reference_tree(proposer: EagleProposer, snapshot: tuple, slot: int, feature: torch.Tensor, k: int) -> tuple:
+    """The tree the head should draft, each node's feature from its branch decoded alone, one token at a
+    time, from the head's cache as it was before drafting."""
+    head, width = proposer.head, proposer.tree_width
+    keys, values, lengths = snapshot
+    tree = DraftTree(k + width - 1, k)
+    slots = torch.tensor([slot])
+
+    def branch_feature(node: int) -> torch.Tensor:
+        proposer.cache.k.copy_(keys)
+        proposer.cache.v.copy_(values)
+        proposer.cache.lengths.copy_(lengths)
+        path = []
+        while node >= 0:
+            path.insert(0, node)
+            node = tree.parents[node]
+        f = feature
+        for n in path:
+            f = head(proposer.target.model.embed_tokens(torch.tensor([[tree.tokens[n]]])), f, proposer.cache, slots)
+        return f
+
+    def grow(node: int) -> None:
+        f = feature if node < 0 else branch_feature(node)
+        top = torch.log_softmax(proposer.lm_head(f).float()[0, 0], dim=-1).topk(width)
+        tree.add_children(node, proposer._vocab_ids(top.indices).tolist(), top.values.tolist())
+
+    grow(-1)
+    while nodes := tree.frontier(width):
+        for n in nodes:
+            grow(n)
+    return tree.best()
+
+
+@pytest.mark.parametrize("k, width", [(3, 2), (4, 3)])
+def test_head_drafts_each_branch_as_if_decoded_alone(target, head, k, width):
+    """The tree's head passes (each a tree over the branches grown so far) give every node the feature
+    its branch gets decoded alone: the same tree as growing it branch by branch."""
+    spec = SpeculativeConfig.parse({"method": "eagle", "model": head, "num_speculative_tokens": k,
+                                    "tree_width": width})
+    engine = engine_for(target, spec, 2, 64)
+    proposer = engine.proposer
+    checked = []
+    original = proposer._draft_tree
+
+    def spy(feature, slots, ks):
+        cache = proposer.cache
+        snapshot = cache.k.clone(), cache.v.clone(), cache.lengths.clone()
+        proposal = original(feature, slots, ks)
+        after = cache.k.clone(), cache.v.clone(), cache.lengths.clone()
+        for b, slot in enumerate(slots.tolist()):
+            n = int(proposal.n_draft[b])
+            expected = reference_tree(proposer, snapshot, slot, feature[b:b + 1], ks[b])
+            assert (proposal.tokens[b, :n].tolist(), proposal.parents[b][:n]) == expected
+            checked.append(max(tree_layout([proposal.parents[b][:n]])[0][0]))
+        cache.k.copy_(after[0])
+        cache.v.copy_(after[1])
+        cache.lengths.copy_(after[2])
+        return proposal
+
+    proposer._draft_tree = spy
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine.generate([engine.add_request(p, params) for p in PROMPTS[:2]])
+    assert len(checked) > 4 and max(checked) >= 1, checked  # trees with nodes below depth 1 were drafted

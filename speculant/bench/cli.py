@@ -63,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "lookup first, the model's drafts where it finds nothing), eagle+tree, eagle+lookup+tree (a "
                    "draft tree, --tree-width); default: the first three, those available")
     s.add_argument("--tree-width", type=int, default=3,
-                   help="the +tree proposers' first-draft candidates (default 3)")
+                   help="the +tree proposers' tree width: k + N - 1 drafts a step (default 3)")
     s.add_argument("--ks", type=int_list, default=None, help="k values, 2,4,6,8 (default) or 1..8")
     s.add_argument("--batch-k", type=int, default=None,
                    help="k for the batch and temperature sweeps (default: each proposer's best k at batch 1)")

@@ -32,5 +32,6 @@ def build_proposer(cfg: SpeculativeConfig, target: LoadedModel, max_batch_size: 
     if cfg.method == "eagle":
         from speculant.proposers.eagle import EagleProposer, load_eagle
 
-        return EagleProposer(load_eagle(cfg.model, target), target.model, max_batch_size, max_len, cfg.tree_width)
+        return EagleProposer(load_eagle(cfg.model, target), target.model, max_batch_size, max_len, cfg.tree_width,
+                             cfg.num_speculative_tokens)
     raise NotImplementedError(f"method {cfg.method!r} is not available yet")

@@ -33,6 +33,7 @@ from speculant.models.kv_cache import KVCache
 from speculant.models.llama import Block, ModelConfig, RMSNorm, Rope, Transformer, prepare_pass, rope_inv_freq
 from speculant.models.loader import LoadedModel
 from speculant.proposers.base import Proposal, Proposer, TargetHidden, chain_padded, pad_rows
+from speculant.proposers.draft_tree import DraftTree
 from speculant.sampling import SamplingBatch
 from speculant.sequence import Sequence
 
@@ -60,11 +61,12 @@ class EagleHead(nn.Module):
         return KVCache(1, max_batch, c.n_kv_heads, max_len, c.head_dim, w.dtype, w.device)
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, cache: KVCache, slots: torch.Tensor,
-                n_new: torch.Tensor | None = None) -> torch.Tensor:
+                n_new: torch.Tensor | None = None, parents: list[list[int]] | None = None) -> torch.Tensor:
         """embeds, features [B, T, D] → predicted next features [B, T, D]; appends to the cache
-        rows `slots` like Transformer.forward (only the first n_new[b] inputs of row b are real)."""
+        rows `slots` like Transformer.forward (only the first n_new[b] inputs of row b are real;
+        `parents`: they are a draft tree, see prepare_pass)."""
         dtype = self.fc.weight.dtype
-        fwd = prepare_pass(cache, slots, embeds.shape[1], n_new, self.rope, self.inv_freq, dtype)
+        fwd = prepare_pass(cache, slots, embeds.shape[1], n_new, self.rope, self.inv_freq, dtype, parents=parents)
         x = self.fc(torch.cat((embeds, features), dim=-1).to(dtype))
         if fwd.n_keys is not None and self.layer.native_weights is not None:
             x = self.layer.forward_native(x, cache, fwd)
@@ -171,14 +173,15 @@ class EagleProposer(Proposer):
     name = "eagle"
 
     def __init__(self, head: EagleHead, target: Transformer, max_batch_size: int, max_len: int,
-                 tree_width: int = 1):
+                 tree_width: int = 1, max_depth: int = 1):
         self.head, self.target = head, target
-        # A draft tree: the head's tree_width best first drafts, the best one continued to k.
+        # A draft tree (draft_tree.py): k + tree_width − 1 nodes, tree_width children per grown node.
         self.tree_width = tree_width
         self.extra_nodes = tree_width - 1
         self.name = "eagle+tree" if tree_width > 1 else "eagle"
         self.lm_head = draft_lm_head(target, head.vocab)
-        self.cache = head.new_cache(max_batch_size, max_len)
+        # A tree's head pass holds the branches of tree_width nodes of the depth before the deepest.
+        self.cache = head.new_cache(max_batch_size, max_len + tree_width * max_depth)
         self.free = list(range(max_batch_size))
         self.slot: dict[str, int] = {}
         self.fed: dict[str, int] = {}  # head entries from real features: positions 0 .. fed-1
@@ -214,40 +217,29 @@ class EagleProposer(Proposer):
         slots = torch.tensor([self.slot[s.request_id] for s in rows], device=device)
         if k > 1:
             self.guessed.update(s.request_id for s in rows)
-        tree = self.tree_width > 1
+        n_draft = torch.tensor([ks[b] for b in ready], device=device)
+        if self.tree_width > 1:
+            return self._draft_tree(feature, slots, n_draft.tolist()).placed(ready, len(seqs))
         drafts, qs = [], []
         for i in range(k):
             logits = self.lm_head(feature).float()  # [B, 1, N]
-            if tree:  # deterministic drafts, sampled batches too (see _tree)
-                token = self._vocab_ids(logits[:, 0].argmax(dim=-1))
-                if i == 0:
-                    others = self._other_candidates(logits[:, 0], token)
-            else:
-                token, q_i = self.draw_from_vocab(logits, sub)
-                qs.append(q_i)
+            token, q_i = self.draw_from_vocab(logits, sub)
+            qs.append(q_i)
             drafts.append(token)
             if i < k - 1:
                 embeds = self.target.model.embed_tokens(token[:, None])
                 feature = self.head(embeds, feature, self.cache, slots)
-        chain = torch.stack(drafts, dim=1)  # [B, k]
-        if tree:
-            return self._tree(chain, others, [ks[b] for b in ready]).placed(ready, len(seqs))
         q = None if sb.all_greedy else torch.stack(qs, dim=1)
-        n_draft = torch.tensor([ks[b] for b in ready], device=device)
-        return Proposal(chain, n_draft, q).placed(ready, len(seqs))
+        return Proposal(torch.stack(drafts, dim=1), n_draft, q).placed(ready, len(seqs))
 
-    def _other_candidates(self, logits: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-        """The head's best first drafts but `first` [B]: logits [B, N] → [B, tree_width - 1] ids."""
-        B, width = len(first), self.tree_width
-        top = self._vocab_ids(logits.topk(width, dim=-1).indices)  # [B, width]
-        keep = top != first[:, None]
-        keep[keep.all(dim=1), -1] = False  # `first` is not among them (a tie): the last one goes
-        return top[keep].view(B, width - 1)
+    def _draft_tree(self, feature: torch.Tensor, slots: torch.Tensor, ks: list[int]) -> Proposal:
+        """Row b's draft tree of ks[b] + tree_width − 1 nodes, at most ks[b] deep (draft_tree.py), from the
+        predicted feature of each row's newest token [B, 1, D].
 
-    @staticmethod
-    def _tree(chain: torch.Tensor, others: torch.Tensor, ks: list[int]) -> Proposal:
-        """Row b's first ks[b] chain drafts [B, k], then the other first-draft candidates [B, width - 1]
-        as siblings of the chain's first.
+        Each depth is one head pass over the branches of the nodes grown, the pass a tree itself so every
+        node attends to its own ancestors only; it starts again from the head's real entries (those
+        branches' keys are recomputed: a node's inputs, the embedding of its token and its parent's
+        predicted feature, do not change).
 
         Every draft of a tree is deterministic (q one-hot, None), sampled requests too: a sampled row's
         verifier keeps a candidate with the target's own probability of it, after the candidates
@@ -256,14 +248,51 @@ class EagleProposer(Proposer):
         is rejected the residual max(0, p − q) leaves little where the head is confident, where its
         other candidates are (measured, temperature 0.7, int4, width 6 vs a chain: 1.25 vs 1.26
         tokens a step with a drawn first draft, 1.34 vs 1.21 deterministic)."""
-        rows, parents = [], []
-        for tokens, alternatives, k in zip(chain.tolist(), others.tolist(), ks):
-            rows.append(tokens[:k] + alternatives)
-            parents.append(chain_padded([], k) + [-1] * len(alternatives))
-        proposal = Proposal.from_lists(rows, chain.device)
-        width = proposal.tokens.shape[1]
-        proposal.parents = [chain_padded(p, width) for p in parents]
+        width, device = self.tree_width, feature.device
+        trees = [DraftTree(k + width - 1, k) for k in ks]
+        real = self.cache.lengths[slots].clone()  # the head's entries built from the target's features
+        # Row b's predicted features: of its newest token (0), of its tree's node n (n + 1).
+        features = feature.new_zeros(len(ks), 1 + width + width * width * (max(ks) - 1), feature.shape[-1])
+        features[:, 0] = feature[:, 0]
+        grown = [[-1] for _ in ks]
+        while True:
+            self._add_children(trees, grown, features)
+            grown = [tree.frontier(width) for tree in trees]
+            rows = [b for b, nodes in enumerate(grown) if nodes]
+            if not rows:
+                break
+            branches = [trees[b].branches(grown[b]) for b in rows]
+            tokens, n_new = pad_rows([[trees[b].tokens[n] for n in nodes] for b, nodes in zip(rows, branches)], device)
+            T = tokens.shape[1]
+            where = [{n: i for i, n in enumerate(nodes)} for nodes in branches]
+            parents = [chain_padded([w.get(trees[b].parents[n], -1) for n in nodes], T)
+                       for b, nodes, w in zip(rows, branches, where)]
+            inputs = pad_rows([[trees[b].parents[n] + 1 for n in nodes] for b, nodes in zip(rows, branches)], device)[0]
+            at = torch.tensor(rows, device=device)
+            self.cache.lengths[slots[at]] = real[at]
+            out = self.head(self.target.model.embed_tokens(tokens), features[at[:, None], inputs], self.cache,
+                            slots[at], n_new, parents)  # [B', T, D]
+            for i, b in enumerate(rows):
+                nodes = torch.tensor(grown[b], device=device)
+                features[b, nodes + 1] = out[i, [where[i][n] for n in grown[b]]]
+        drafts, parents = zip(*(tree.best() for tree in trees))
+        proposal = Proposal.from_lists(list(drafts), device)
+        proposal.parents = [chain_padded(p, proposal.tokens.shape[1]) for p in parents]
         return proposal
+
+    def _add_children(self, trees: list[DraftTree], grown: list[list[int]], features: torch.Tensor) -> None:
+        """Give each node of grown[b] (-1: row b's newest token) its tree_width likeliest children by
+        the head's log-softmax over the draft vocabulary, read from its predicted feature."""
+        rows = [b for b, nodes in enumerate(grown) if nodes]
+        n = max(len(grown[b]) for b in rows)
+        index = torch.tensor([[node + 1 for node in grown[b]] + [0] * (n - len(grown[b])) for b in rows],
+                             device=features.device)
+        logits = self.lm_head(features[torch.tensor(rows, device=features.device)[:, None], index]).float()
+        top = torch.log_softmax(logits, dim=-1).topk(self.tree_width, dim=-1)  # [B', n, width]
+        ids, log_q = self._vocab_ids(top.indices).tolist(), top.values.tolist()
+        for i, b in enumerate(rows):
+            for j, node in enumerate(grown[b]):
+                trees[b].add_children(node, ids[i][j], log_q[i][j])
 
     def _vocab_ids(self, index: torch.Tensor) -> torch.Tensor:
         """Indices into the draft vocabulary → the target's token ids."""

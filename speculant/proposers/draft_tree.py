@@ -1,0 +1,64 @@
+"""A draft tree grown where the drafter is confident (EAGLE-2, Li et al. 2024).
+
+A node's score is the drafter's log-probability of its whole branch, Σ log q along the path: its own
+estimate that the target takes that branch. Growing one depth at a time, the `width` best nodes of
+the newest depth each get their `width` likeliest children; at the end the `budget` best nodes are
+verified. A child never scores above its parent, so the best nodes always include their ancestors,
+and a node scoring below the budget-th best cannot have a child that enters: growth stops there.
+
+A chain spends the budget on one branch however unsure its later drafts are; this tree puts it where
+the drafter expects the target to go: a second guess at depth 1 when the first is unsure, a long
+branch where it is sure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DraftTree:
+    budget: int  # nodes verified
+    max_depth: int
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)  # -1: a child of the sequence's last token
+    scores: list[float] = field(default_factory=list)  # the branch's Σ log q
+    depths: list[int] = field(default_factory=list)  # 1 for a first draft
+    newest: list[int] = field(default_factory=list)  # the nodes of the last depth grown
+
+    def add_children(self, parent: int, tokens: list[int], log_q: list[float]) -> None:
+        """Children of node `parent` (-1: the root), likeliest first."""
+        base, depth = (0.0, 1) if parent < 0 else (self.scores[parent], self.depths[parent] + 1)
+        for token, lq in zip(tokens, log_q):
+            self.newest.append(len(self.tokens))
+            self.tokens.append(token)
+            self.parents.append(parent)
+            self.scores.append(base + lq)
+            self.depths.append(depth)
+
+    def frontier(self, width: int) -> list[int]:
+        """The nodes to grow next: the `width` best of the newest depth, those whose children could
+        still be among the budget best nodes; none at the depth limit. Resets `newest`."""
+        newest, self.newest = self.newest, []
+        if not newest or self.depths[newest[0]] >= self.max_depth:
+            return []
+        ranked = sorted(self.scores, reverse=True)
+        floor = ranked[self.budget - 1] if len(ranked) >= self.budget else float("-inf")
+        best = sorted(newest, key=lambda n: -self.scores[n])[:width]
+        return sorted(n for n in best if self.scores[n] > floor)
+
+    def branches(self, nodes: list[int]) -> list[int]:
+        """`nodes` and all their ancestors, parents before children."""
+        keep: set[int] = set()
+        for n in nodes:
+            while n >= 0 and n not in keep:
+                keep.add(n)
+                n = self.parents[n]
+        return sorted(keep)
+
+    def best(self) -> tuple[list[int], list[int]]:
+        """The budget best nodes, parents before children → (their tokens, their parents as indices
+        among them, -1 for the root's children)."""
+        chosen = sorted(sorted(range(len(self.tokens)), key=lambda n: (-self.scores[n], n))[:self.budget])
+        where = {n: i for i, n in enumerate(chosen)}
+        return [self.tokens[n] for n in chosen], [where[p] if (p := self.parents[n]) >= 0 else -1 for n in chosen]
