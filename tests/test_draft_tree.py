@@ -55,3 +55,16 @@ def test_a_certain_child_ties_its_parent_and_still_follows_it():
     tree.frontier(width=1)
     tree.add_children(0, [3], [0.0])  # the same score as its parent
     assert tree.best() == ([1, 3], [-1, 0])
+
+
+def test_a_pass_over_the_frontiers_branches_fits_a_tree_pass():
+    """The head grows a depth in one tree pass over the frontier's branches: no more nodes than a pass's
+    tree holds, the best-scored frontier nodes first."""
+    tree = DraftTree(budget=32, max_depth=5)
+    tree.add_children(-1, [1, 2, 3], [-0.1, -0.2, -0.3])
+    assert tree.frontier(width=3, max_nodes=3) == [0, 1, 2]
+    tree.add_children(0, [4], [-0.5])  # node 3: -0.6
+    tree.add_children(1, [5], [-0.1])  # node 4: -0.3
+    tree.add_children(2, [6], [-0.1])  # node 5: -0.4
+    # Nodes 4 and 5 take 4 nodes with their parents; node 3 would make 6.
+    assert tree.frontier(width=3, max_nodes=4) == [4, 5]

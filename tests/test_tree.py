@@ -157,6 +157,15 @@ def test_greedy_tree_output_is_plain_greedy(target, head, plain, k, width, extra
         assert siblings[0] > 0, siblings  # the kept branch was another first candidate: its keys were moved
 
 
+def test_deep_wide_tree_is_plain_greedy(target, head, plain):
+    """The largest tree a config allows (8 wide, 25 deep, 32 nodes) drafts and stays plain greedy."""
+    spec = SpeculativeConfig.parse({"method": "eagle", "model": head, "num_speculative_tokens": 25,
+                                    "tree_width": 8})
+    engine = engine_for(target, spec, 2, 64)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    assert [s.output_ids for s in engine.generate([engine.add_request(p, params) for p in PROMPTS])] == plain
+
+
 def test_cache_holds_the_kept_branch(target, head):
     """After generating with a tree, the target's cache row holds what a fresh pass over the sequence
     computes: the kept branch's keys and values were moved where the sequence continues."""

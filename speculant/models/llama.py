@@ -169,6 +169,9 @@ class Pass:
         return self.cache.index(self.slots, self.positions, self.span)
 
 
+MAX_TREE_NODES = 64  # a pass's draft tree: each token's ancestors are the bits of an int64
+
+
 def tree_layout(parents: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
     """A pass's new tokens as a draft tree, parents[b][t] the index of token t's parent among them (-1: the
     cached token before the pass; parents come before children) → (each token's depth below the cache,

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from speculant.models.llama import MAX_TREE_NODES
+
 
 @dataclass
 class DraftTree:
@@ -36,16 +38,20 @@ class DraftTree:
             self.scores.append(base + lq)
             self.depths.append(depth)
 
-    def frontier(self, width: int) -> list[int]:
+    def frontier(self, width: int, max_nodes: int = MAX_TREE_NODES) -> list[int]:
         """The nodes to grow next: the `width` best of the newest depth, those whose children could
-        still be among the budget best nodes; none at the depth limit. Resets `newest`."""
+        still be among the budget best nodes, as many as a pass of their branches holds (max_nodes);
+        none at the depth limit. Resets `newest`."""
         newest, self.newest = self.newest, []
         if not newest or self.depths[newest[0]] >= self.max_depth:
             return []
         ranked = sorted(self.scores, reverse=True)
         floor = ranked[self.budget - 1] if len(ranked) >= self.budget else float("-inf")
-        best = sorted(newest, key=lambda n: -self.scores[n])[:width]
-        return sorted(n for n in best if self.scores[n] > floor)
+        chosen: list[int] = []
+        for n in sorted(newest, key=lambda n: -self.scores[n])[:width]:
+            if self.scores[n] > floor and len(self.branches([*chosen, n])) <= max_nodes:
+                chosen.append(n)
+        return sorted(chosen)
 
     def branches(self, nodes: list[int]) -> list[int]:
         """`nodes` and all their ancestors, parents before children."""
