@@ -258,27 +258,32 @@ class EagleProposer(Proposer):
         while True:
             self._add_children(trees, grown, features)
             grown = [tree.frontier(width) for tree in trees]
-            rows = [b for b, nodes in enumerate(grown) if nodes]
-            if not rows:
+            if not any(grown):
                 break
-            branches = [trees[b].branches(grown[b]) for b in rows]
-            tokens, n_new = pad_rows([[trees[b].tokens[n] for n in nodes] for b, nodes in zip(rows, branches)], device)
-            T = tokens.shape[1]
-            where = [{n: i for i, n in enumerate(nodes)} for nodes in branches]
-            parents = [chain_padded([w.get(trees[b].parents[n], -1) for n in nodes], T)
-                       for b, nodes, w in zip(rows, branches, where)]
-            inputs = pad_rows([[trees[b].parents[n] + 1 for n in nodes] for b, nodes in zip(rows, branches)], device)[0]
-            at = torch.tensor(rows, device=device)
-            self.cache.lengths[slots[at]] = real[at]
-            out = self.head(self.target.model.embed_tokens(tokens), features[at[:, None], inputs], self.cache,
-                            slots[at], n_new, parents)  # [B', T, D]
-            for i, b in enumerate(rows):
-                nodes = torch.tensor(grown[b], device=device)
-                features[b, nodes + 1] = out[i, [where[i][n] for n in grown[b]]]
+            self._predict_features(trees, grown, features, slots, real)
         drafts, parents = zip(*(tree.best() for tree in trees))
         proposal = Proposal.from_lists(list(drafts), device)
         proposal.parents = [chain_padded(p, proposal.tokens.shape[1]) for p in parents]
         return proposal
+
+    def _predict_features(self, trees: list[DraftTree], grown: list[list[int]], features: torch.Tensor,
+                          slots: torch.Tensor, real: torch.Tensor) -> None:
+        """One head pass over the branches of the nodes grown[b] of each row, from its `real` head
+        entries; the grown nodes' predicted features go to `features` (see _draft_tree)."""
+        device = features.device
+        rows = [b for b, nodes in enumerate(grown) if nodes]
+        branches = [trees[b].branches(grown[b]) for b in rows]
+        tokens, n_new = pad_rows([[trees[b].tokens[n] for n in nodes] for b, nodes in zip(rows, branches)], device)
+        where = [{n: i for i, n in enumerate(nodes)} for nodes in branches]  # node → its place in the pass
+        parents = [chain_padded([w.get(trees[b].parents[n], -1) for n in nodes], tokens.shape[1])
+                   for b, nodes, w in zip(rows, branches, where)]
+        inputs = pad_rows([[trees[b].parents[n] + 1 for n in nodes] for b, nodes in zip(rows, branches)], device)[0]
+        at = torch.tensor(rows, device=device)
+        self.cache.lengths[slots[at]] = real[at]
+        out = self.head(self.target.model.embed_tokens(tokens), features[at[:, None], inputs], self.cache,
+                        slots[at], n_new, parents)  # [B', T, D]
+        for i, b in enumerate(rows):
+            features[b, torch.tensor(grown[b], device=device) + 1] = out[i, [where[i][n] for n in grown[b]]]
 
     def _add_children(self, trees: list[DraftTree], grown: list[list[int]], features: torch.Tensor) -> None:
         """Give each node of grown[b] (-1: row b's newest token) its tree_width likeliest children by
