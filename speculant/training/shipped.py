@@ -10,11 +10,11 @@ from speculant.models.loader import default_model_path
 SHIPPED = Path(__file__).resolve().parent.parent / "data" / "drafts" / "smollm2-135m-instruct"
 # The best proposer, measured side by side (int4, batch 1, greedy, 18 prompts x 128 tokens, every
 # configuration interleaved in one run, 3 repetitions): prompt lookup first, the shipped EAGLE head where
-# lookup finds nothing, as a draft tree of its 3 best first drafts, adaptive k: 1.548x (with the previous
-# head 1.400x in the same run; n-gram lookup alone, the default before the head, 1.26-1.31x in earlier
-# runs); width 4: 1.549x, a tie, and a wider pass. Without lookup first 1.245x: lookup's long matches
-# are right more often than the head's chains. Adaptive mode switches speculation off where it does
-# not pay.
+# lookup finds nothing, drafting a width-3 tree, adaptive k: 1.432x and 1.448x in two runs (the previous
+# head 1.417x and 1.422x in the same runs; in an earlier, quieter run it made 1.548x against 1.400x for
+# the head before it); width 4 1.429x, k <= 8 1.438x: ties, and wider passes. Without lookup first 1.245x
+# (previous head): lookup's long matches are right more often than the head's drafts. Adaptive mode
+# switches speculation off where it does not pay.
 BEST = {"method": "eagle", "num_speculative_tokens": 6, "adaptive": True, "lookup_first": True, "tree_width": 3}
 REQUIRED_FILES = {"eagle": ("eagle.safetensors", "eagle_config.json"),
                   "draft_model": ("config.json", "model.safetensors", "tokenizer.json")}
