@@ -257,7 +257,7 @@ def attention_mask(positions: torch.Tensor, start: torch.Tensor, span: int, wind
     keys = torch.arange(span, device=positions.device)
     allowed = keys[None, None, :] <= positions[..., None]
     if tree is not None:
-        new = (keys[None, :] - start[:, None]).clamp(0, 63)  # [B, span] a new key's bit
+        new = (keys[None, :] - start[:, None]).clamp(0, MAX_TREE_NODES - 1)  # [B, span] a new key's bit
         allowed = (keys[None, None, :] < start[:, None, None]) | ((tree[..., None] >> new[:, None, :]) & 1 == 1)
     if window:
         allowed &= keys[None, None, :] > positions[..., None] - window
