@@ -1,5 +1,6 @@
 // What the AMX kernels share: the tile configuration and Linux's permission to use the tiles.
 #pragma once
+#include <cpuid.h>
 #include <cstdint>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -17,6 +18,15 @@ struct TileConfig {
 inline bool amx_permitted() {
   // Linux hands out the tile state on request only (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
   static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+// Whether this CPU has AMX's bf16 tiles (CPUID leaf 7: AMX-BF16, AMX-TILE) and Linux grants them.
+inline bool amx_usable() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1) && (d >> 24 & 1) && amx_permitted();
+  }();
   return ok;
 }
 

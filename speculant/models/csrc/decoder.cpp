@@ -72,7 +72,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("bf16_mm", &bf16_mm);
   mod.def("attention", &attention, pybind11::arg("q"), pybind11::arg("keys"), pybind11::arg("values"),
           pybind11::arg("n_keys"), pybind11::arg("scale"), pybind11::arg("slots") = pybind11::none(),
-          pybind11::arg("tree") = pybind11::none());
+          pybind11::arg("tree") = pybind11::none(), pybind11::arg("amx") = true);
   mod.def("rms_norm", &rms_norm);
   mod.def("rope_", &rope_);
   mod.def("silu_mul", &silu_mul);

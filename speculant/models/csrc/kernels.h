@@ -8,9 +8,10 @@ torch::Tensor int4_mm(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::
 // bf16_amx.cpp: x [M, K] bf16 × bf16 weights in the kernel's layout (native.bf16_layout) → [M, N] bf16.
 torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor w);
 
-// attention.cpp: each query row over exactly its keys.
+// attention.cpp: each query row over exactly its keys; `amx` false keeps the vector kernel on an AMX CPU.
 torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor n_keys,
-                        double scale, c10::optional<torch::Tensor> slots, c10::optional<torch::Tensor> tree);
+                        double scale, c10::optional<torch::Tensor> slots, c10::optional<torch::Tensor> tree,
+                        bool amx = true);
 
 // layer_ops.cpp: RMSNorm, rotary embedding in place, silu(gate) · up.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);

@@ -1,0 +1,54 @@
+// What the two attention kernels share: the call's arguments, the keys a row sees, the softmax.
+#pragma once
+#include <immintrin.h>
+#include <cmath>
+#include <cstdint>
+
+#include "bf16.h"
+
+namespace speculant {
+
+struct AttentionArgs {
+  const uint16_t *q, *k, *v;
+  uint16_t* out;  // [B, T, Hq, D]
+  const int64_t *n_keys, *slots, *tree;  // [B, T], [B], [B, T] or null
+  int64_t B, T, Hq, Hkv, D, S;
+  int64_t qb, qt, qh;  // q's strides
+  int64_t sb, sh, ss;  // the cache's strides (keys and values alike)
+  float scale;
+};
+
+// Row t of a pass sees the keys 0 .. start − 1 and then, in a draft tree, the new tokens of its branch:
+// their positions go to tail. Returns (start, the row's key count).
+inline std::pair<int64_t, int64_t> row_keys(const AttentionArgs& a, int64_t b, int64_t t, int64_t* tail) {
+  const int64_t n = std::min<int64_t>(a.n_keys[b * a.T + t], a.S);
+  if (!a.tree) return {n, n};
+  const int64_t start = std::max<int64_t>(n - 1 - t, 0);  // less only in a clamped padding row
+  int64_t count = start;
+  for (int64_t j = 0; j <= t && start + j < a.S; j++)
+    if ((a.tree[b * a.T + t] >> j) & 1) tail[count++ - start] = start + j;
+  return {start, count};
+}
+
+// scores[0 .. n) → e^(score − max) in place, 16 at a time (the same lanes whoever calls); returns their sum.
+inline float exponentiate(float* scores, int64_t n) {
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 live = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+    top = _mm512_mask_max_ps(top, live, top, _mm512_maskz_loadu_ps(live, scores + j));
+  }
+  const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 live = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+    const __m512 p = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, scores + j), peak)));
+    _mm512_mask_storeu_ps(scores + j, live, p);
+    total = _mm512_add_ps(total, p);
+  }
+  return _mm512_reduce_add_ps(total);
+}
+
+// attention_amx.cpp: the whole call on AMX tiles.
+void attention_amx(const AttentionArgs& a);
+
+}  // namespace speculant
