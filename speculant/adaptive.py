@@ -288,12 +288,13 @@ def expected_tokens_upto(acceptance: list[float]) -> list[float]:
 def cost_curve_for(model: torch.nn.Module, max_batch_size: int, max_width: int,
                    cache_dir: Path | None = None) -> CostCurve:
     """The model's cost curve at batch sizes 1, 2, 4 … max_batch_size, measured once and cached:
-    it depends on the weights' shape, dtype, device and thread count, not on their values."""
+    it depends on the weights' shape, dtype, device and thread count and on the kernels, not on the
+    weights' values."""
     batch_sizes = sorted({min(2 ** i, max_batch_size) for i in range(max_batch_size.bit_length() + 1)})
     cfg = model.cfg
     key = json.dumps([CURVE_VERSION, cfg.__dict__, str(model.dtype), str(model.device), torch.get_num_threads(),
                       torch.__version__, batch_sizes, max_width, type(model.lm_head).__name__,
-                      os.environ.get(native.SWITCH_ENV, "on")], sort_keys=True,
+                      os.environ.get(native.SWITCH_ENV, "on"), native.source_digest()], sort_keys=True,
                      default=str)
     root = cache_dir or Path(os.environ.get("SPECULANT_CACHE", Path.home() / ".cache" / "speculant"))
     path = root / "cost_curves" / (hashlib.sha256(key.encode()).hexdigest()[:20] + ".json")

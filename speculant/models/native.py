@@ -54,6 +54,12 @@ def cpu_flags() -> frozenset[str]:
 
 
 @functools.cache
+def source_digest() -> str:
+    """A hash of the kernels' sources and headers: what they compute, and how fast."""
+    return hashlib.sha256(b"".join((CSRC / f).read_bytes() for f in SOURCES + HEADERS)).hexdigest()[:12]
+
+
+@functools.cache
 def kernels() -> ModuleType | None:
     """The compiled module, or None where it cannot run or be built (then every caller uses PyTorch)."""
     if os.environ.get(SWITCH_ENV, "on") == "off":
@@ -66,10 +72,9 @@ def kernels() -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         log.info("native kernels: compiled on first use (~1 min), then cached by PyTorch")
-        # PyTorch rebuilds when a source or a flag changes, not a header: the headers' hash is a flag.
-        headers = hashlib.sha256(b"".join((CSRC / h).read_bytes() for h in HEADERS)).hexdigest()[:12]
+        # PyTorch rebuilds when a source or a flag changes, not a header: the sources' hash is a flag.
         return load("speculant_native", [str(CSRC / s) for s in SOURCES],
-                    extra_cflags=[*CFLAGS, f"-DSPECULANT_HEADERS={headers}"], extra_ldflags=["-fopenmp"])
+                    extra_cflags=[*CFLAGS, f"-DSPECULANT_SOURCES={source_digest()}"], extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler, no ninja, a compiler without AMX: all mean the fallback
         log.warning("native kernels: PyTorch's instead (they did not build: %s)", str(e).splitlines()[0][:200])
         return None

@@ -108,7 +108,7 @@ struct Scratch {
   alignas(64) uint32_t values[4][256];   // one step's value tiles
   alignas(64) float out[16][256];        // per group of 16 dimensions: 16 rows × 16
   alignas(64) uint16_t keys[2][16 * 128];  // blocks of keys past the cache's end, zero-padded
-  alignas(64) uint16_t one_row[16 * 32];  // a tile step's probabilities for a single row
+  alignas(64) uint16_t some_rows[16 * 32];  // a tile step's probabilities for some rows, 0 for the others
   int64_t width = 0;
 };
 
@@ -185,7 +185,7 @@ void attend_block(const AttentionArgs& a, int64_t b, int64_t head, int64_t r0, S
   }
 
   // 3. Probabilities × values. Rows read the cache's positions up to the shared end; past it, a tree
-  // row reads its own keys.
+  // position's rows read their own keys.
   int64_t shared = width;
   if (a.tree) {
     shared = extent;
@@ -205,16 +205,20 @@ void attend_block(const AttentionArgs& a, int64_t b, int64_t head, int64_t r0, S
       for (int64_t j = 0; j < kStep; j++) key_rows[j] = j0 + j < extent ? V + (j0 + j) * a.ss : s.zeros.data();
       step(probs + j0, s.width * 2);
     }
-    for (int64_t r = 0; a.tree && r < rows; r++)
+    // A tree position's rows (its query heads) read the same keys: one step serves them all.
+    for (int64_t r = 0, next; a.tree && r < rows; r = next) {
+      for (next = r + 1; next < rows && (r0 + next) / group == (r0 + r) / group;) next++;
       for (int64_t j0 = shared; j0 < count[r]; j0 += kStep) {
         for (int64_t j = 0; j < kStep; j++) {
           const int64_t key = j0 + j;
           key_rows[j] = key >= count[r] ? s.zeros.data() : V + (key < start[r] ? key : tail[r][key - start[r]]) * a.ss;
         }
-        std::fill(s.one_row, s.one_row + 16 * kStep, 0);
-        std::copy(probs + r * s.width + j0, probs + r * s.width + j0 + kStep, s.one_row + r * kStep);
-        step(s.one_row, kStep * 2);
+        std::fill(s.some_rows, s.some_rows + 16 * kStep, 0);
+        for (int64_t i = r; i < next; i++)
+          std::copy(probs + i * s.width + j0, probs + i * s.width + j0 + kStep, s.some_rows + i * kStep);
+        step(s.some_rows, kStep * 2);
       }
+    }
     for (int64_t g = 0; g < ng; g++) store_accumulator(g, s.out[g0 + g]);
   }
   for (int64_t r = 0; r < rows; r++) {
