@@ -147,6 +147,8 @@ void attend_block(const AttentionArgs& a, int64_t b, int64_t head, int64_t r0, S
   };
   const __m512 scale = _mm512_set1_ps(a.scale);
   for (int64_t j0 = 0; j0 < extent; j0 += 32) {
+    for (int64_t j = j0 + 64; j < std::min(j0 + 96, extent); j++)
+      for (int64_t c = 0; c < a.D; c += 32) _mm_prefetch((const char*)(K + j * a.ss + c), _MM_HINT_T0);
     int64_t stride0, stride1;
     const uint16_t* k0 = key_block(j0, s.keys[0], stride0);
     const uint16_t* k1 = key_block(j0 + 16, s.keys[1], stride1);
@@ -202,6 +204,8 @@ void attend_block(const AttentionArgs& a, int64_t b, int64_t head, int64_t r0, S
       for (int64_t g = 0; g < ng; g++) accumulate(g, s.values[g]);
     };
     for (int64_t j0 = 0; j0 < shared; j0 += kStep) {
+      for (int64_t j = j0 + 2 * kStep; j < std::min(j0 + 3 * kStep, extent); j++)
+        for (int64_t c = 0; c < a.D; c += 32) _mm_prefetch((const char*)(V + j * a.ss + c), _MM_HINT_T0);
       for (int64_t j = 0; j < kStep; j++) key_rows[j] = j0 + j < extent ? V + (j0 + j) * a.ss : s.zeros.data();
       step(probs + j0, s.width * 2);
     }
