@@ -249,10 +249,10 @@ def test_int4_keeps_weights_already_on_a_q4_1_grid(monkeypatch, amx):
     from speculant.models import native
     from speculant.models.quantize import Int4Linear
 
-    if amx and not native.int4_usable(64, 128):
+    if amx and not native.quantized_usable(64, 128):
         pytest.skip("the AMX int4 kernel does not run here (no AMX, or no compiler)")
     if not amx:
-        monkeypatch.setattr(native, "int4_usable", lambda out_features, in_features: False)
+        monkeypatch.setattr(native, "quantized_usable", lambda out_features, in_features: False)
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randint(0, 16, (64, 4, 32), generator=gen).float()
@@ -290,6 +290,35 @@ def test_amx_int4_kernel_gives_every_row_the_same_result_whatever_the_row_count(
     for rows in range(1, 41):
         assert torch.equal(native.int4_mm(x[:rows], *weights), y[:rows]), rows
     assert torch.equal(native.int4_mm(x[7:8], *weights), y[7:8])  # and whatever rows come before it
+
+
+def test_int4_models_lm_head_is_int8_in_groups_on_its_q8_0_grid_and_row_exact(tiny_pair):
+    """Under int4 the lm_head goes to int8 in groups of 32 (Q8_0, the way GGUF files keep the embedding)
+    on the AMX kernel: weights already on a Q8_0 grid (bf16 scales) are stored as they are, the product
+    is within bf16 rounding of the float one, and a row gets the same bits alone or among 40."""
+    from speculant.models import native
+    from speculant.models.quantize import Int8GroupLinear
+
+    if not native.quantized_usable(64, 128):
+        pytest.skip("the AMX int8 kernel does not run here (no AMX, or no compiler)")
+    assert isinstance(load_model(tiny_pair[0], dtype="bfloat16", quantization="int4").model.lm_head, Int8GroupLinear)
+    gen = torch.Generator().manual_seed(0)
+    N, K = 96, 192
+    q = torch.randint(-127, 128, (N, K // 32, 32), generator=gen)
+    q[..., 0] = 127  # llama.cpp's Q8_0 scales each group to its largest magnitude
+    d = (torch.rand(N, K // 32, generator=gen) * 0.01 + 0.001).bfloat16().float()
+    linear = torch.nn.Linear(K, N, bias=False)
+    linear.weight.data = (q * d[..., None]).view(N, K)
+    layer = Int8GroupLinear(linear)
+    packed, scale = native.int8_layout(q.view(N, K).to(torch.int8), d)
+    assert torch.equal(layer.weight, packed) and torch.equal(layer.scale, scale)
+    x = torch.randn(40, K, generator=gen).bfloat16()
+    y = layer(x)
+    ref = x.float() @ linear.weight.T
+    assert ((y.float() - ref).norm() / ref.norm()).item() < 0.005
+    for rows in range(1, 41):
+        assert torch.equal(layer(x[:rows]), y[:rows]), rows
+    assert torch.equal(layer(x[7:8]), y[7:8])
 
 
 @pytest.mark.parametrize("amx", [True, False])

@@ -2,9 +2,9 @@
 where the CPU has AVX512-BF16 and a C++ compiler is installed; callers fall back to PyTorch's own kernels
 otherwise.
 
-- int4_amx.cpp: int4 (Q4_1) weight × bf16 activation products on AMX tiles (CPUs with AMX). SmolLM2-135M's
-  120 int4 layers at 1 / 4 / 8 / 16 rows: PyTorch 5.1 / 9.9 / 14.7 / 29 ms, AMX 5.4 / 7.8 / 6.5 / 8.2 ms
-  (interleaved, fastest of 15, this project's 2-core Sapphire Rapids VM).
+- quantized_amx.cpp: int4 (Q4_1) and int8 (Q8_0) weight × bf16 activation products on AMX tiles (CPUs
+  with AMX). SmolLM2-135M's 120 int4 layers at 1 / 4 / 8 / 16 rows: PyTorch 5.1 / 9.9 / 14.7 / 29 ms, AMX
+  5.4 / 7.8 / 6.5 / 8.2 ms (interleaved, fastest of 15, this project's 2-core Sapphire Rapids VM).
 - bf16_amx.cpp: bf16 weight × bf16 activation products on AMX tiles, every row alike at any row count.
 - attention.cpp: bf16 decode attention, one query row over exactly its keys, so rows score alike alone
   or in a verify pass or batch. SmolLM2's 30 layers, 300 cached keys, 1 / 4 / 8 rows: 0.53 / 1.6 / 3.1 ms;
@@ -32,7 +32,7 @@ import torch
 log = logging.getLogger("speculant")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ["int4_amx.cpp", "bf16_amx.cpp", "attention.cpp", "attention_amx.cpp", "layer_ops.cpp", "decoder.cpp"]
+SOURCES = ["quantized_amx.cpp", "bf16_amx.cpp", "attention.cpp", "attention_amx.cpp", "layer_ops.cpp", "decoder.cpp"]
 HEADERS = ["amx.h", "attention.h", "bf16.h", "kernels.h"]
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi", "-mamx-tile", "-mamx-bf16",
           "-fopenmp"]
@@ -86,7 +86,8 @@ def amx() -> bool:
     return kernels() is not None and all(f in cpu_flags() for f in AMX_FLAGS)
 
 
-def int4_usable(out_features: int, in_features: int) -> bool:
+def quantized_usable(out_features: int, in_features: int) -> bool:
+    """Whether the AMX kernels for int4 (Q4_1) and int8 (Q8_0) weights take this shape here."""
     return out_features % 16 == 0 and in_features % 64 == 0 and amx()
 
 
@@ -107,6 +108,20 @@ def int4_layout(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> 
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
     """x [M, K] bf16 → [M, N] bf16."""
     return kernels().int4_mm(x, packed, scale, minimum)
+
+
+def int8_layout(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] int8, scale [N, K/32] → the kernel's layout: per block of 16 outputs and group of 32
+    inputs, 16 rows (input pairs) of 32 int8, element 2j + e of row r = q[j][2r + e]; scales as bf16
+    [N/16, K/32, 16]."""
+    N, K = q.shape
+    packed = q.view(N // 16, 16, K // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+    return packed, scale.view(N // 16, 16, K // 32).transpose(1, 2).contiguous().to(torch.bfloat16)
+
+
+def int8_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bf16 → [M, N] bf16."""
+    return kernels().int8_mm(x, packed, scale)
 
 
 def bf16_usable(out_features: int, in_features: int) -> bool:

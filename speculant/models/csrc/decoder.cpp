@@ -69,6 +69,7 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor input_norm, torch::Te
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("int4_mm", &int4_mm);
+  mod.def("int8_mm", &int8_mm);
   mod.def("bf16_mm", &bf16_mm);
   mod.def("attention", &attention, pybind11::arg("q"), pybind11::arg("keys"), pybind11::arg("values"),
           pybind11::arg("n_keys"), pybind11::arg("scale"), pybind11::arg("slots") = pybind11::none(),
