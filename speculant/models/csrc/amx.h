@@ -1,6 +1,7 @@
 // What the AMX kernels share: the tile configuration and Linux's permission to use the tiles.
 #pragma once
 #include <cpuid.h>
+#include <immintrin.h>
 #include <cstdint>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -14,6 +15,14 @@ struct TileConfig {
   uint16_t colsb[16];
   uint8_t rows[16];
 };
+
+// GCC's _tile_loadconfig tells the compiler it reads only the configuration's first 8 bytes: once
+// inlined into a loop the stores to the rest were dropped and the instruction faulted on garbage. The
+// barrier makes every store to `cfg` happen first.
+inline void load_tile_config(const TileConfig& cfg) {
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
 
 inline bool amx_permitted() {
   // Linux hands out the tile state on request only (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).

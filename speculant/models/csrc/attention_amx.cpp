@@ -244,7 +244,7 @@ void attention_amx(const AttentionArgs& a) {
     TileConfig cfg = {};
     cfg.palette_id = 1;
     for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-    _tile_loadconfig(&cfg);
+    speculant::load_tile_config(cfg);
     Scratch s;
     s.width = (longest + kStep - 1) / kStep * kStep;
     s.scores = std::make_unique_for_overwrite<float[]>(16 * s.width);

@@ -39,7 +39,7 @@ torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor w) {
           cfg.rows[0] = rows, cfg.colsb[0] = 64;  // sums: rows × 16 fp32
           cfg.rows[1] = rows, cfg.colsb[1] = 64;  // x: rows × 32 bf16
           cfg.rows[2] = 16, cfg.colsb[2] = 64;    // weights: 16 input pairs × 16 outputs
-          _tile_loadconfig(&cfg);
+          speculant::load_tile_config(cfg);
           configured = rows;
         }
         _tile_zero(0);

@@ -170,7 +170,7 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& q, const tor
       cfg.palette_id = 1;
       for (int t : {0, 1, 3, 4}) cfg.rows[t] = rows, cfg.colsb[t] = 64;  // sums and x: rows × 64 bytes
       for (int t : {2, 5}) cfg.rows[t] = 16, cfg.colsb[t] = 64;          // weights: 16 input pairs
-      _tile_loadconfig(&cfg);
+      speculant::load_tile_config(cfg);
       if (rows <= 4)
         multiply_rows<4>(o, f, r0, rows, b0, b1, tiles);
       else if (rows <= 8)
