@@ -1,5 +1,6 @@
 """Weight-only quantization of a model's linear layers: int8 (per output channel, symmetric) and
-int4 (groups of 32 input weights, each with its own scale and minimum, CPU).
+int4 (groups of 32 input weights, each with its own scale and minimum, CPU; the lm_head then int8 in
+groups of 32 with a scale each, where the AMX kernel runs).
 
 Decoding at batch 1 streams every weight once per pass: int8 weights are a quarter of fp32's
 bytes, int4 an eighth. The quantized model is a different target: its speculative output equals
@@ -21,7 +22,7 @@ from speculant.models import native
 from speculant.models.kernels import packable
 
 QUANTIZATIONS = ("none", "int8", "int4", "auto")
-INT4_GROUP = 32
+GROUP = 32  # inputs per scale (and minimum), int4 and grouped int8 alike, as in llama.cpp
 
 
 class QuantizedLinear(nn.Module):
@@ -72,7 +73,7 @@ class Int4Linear(QuantizedLinear):
     def __init__(self, linear: nn.Linear):
         super().__init__(linear)
         out, n_in = linear.weight.shape
-        groups = linear.weight.detach().float().view(out, n_in // INT4_GROUP, INT4_GROUP)
+        groups = linear.weight.detach().float().view(out, n_in // GROUP, GROUP)
         low, high = groups.amin(-1), groups.amax(-1)  # [out, in/32]
         step = ((high - low) / 15).clamp_min(1e-12)
         q = torch.round((groups - low[..., None]) / step[..., None]).clamp(0, 15).to(torch.int32).view(out, n_in)
@@ -91,7 +92,7 @@ class Int4Linear(QuantizedLinear):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.amx:
             return native.int4_mm(x, self.weight, self.scale, self.minimum)
-        return torch._weight_int4pack_mm_for_cpu(x, self.weight, INT4_GROUP, self.scales_and_zeros)
+        return torch._weight_int4pack_mm_for_cpu(x, self.weight, GROUP, self.scales_and_zeros)
 
 
 class Int8GroupLinear(QuantizedLinear):
@@ -102,7 +103,7 @@ class Int8GroupLinear(QuantizedLinear):
     def __init__(self, linear: nn.Linear):
         super().__init__(linear)
         out, n_in = linear.weight.shape
-        groups = linear.weight.detach().float().view(out, n_in // INT4_GROUP, INT4_GROUP)
+        groups = linear.weight.detach().float().view(out, n_in // GROUP, GROUP)
         # The kernel reads the scale in bf16: q is chosen for that scale.
         scale = (groups.abs().amax(-1) / 127).clamp_min(1e-12).to(torch.bfloat16).float()  # [out, in/32]
         q = torch.round(groups / scale[..., None]).clamp(-127, 127).to(torch.int8).view(out, n_in)
@@ -124,7 +125,7 @@ def matching_quantization(bits_per_weight: float, device: torch.device) -> str:
 
 def int4_supported(linear: nn.Linear) -> bool:
     out, n_in = linear.weight.shape
-    return n_in % INT4_GROUP == 0 and out % 16 == 0
+    return n_in % GROUP == 0 and out % 16 == 0
 
 
 def quantize(model: nn.Module, method: str | None) -> nn.Module:
