@@ -69,11 +69,17 @@ class Int8Linear(QuantizedLinear):
             return (x @ self.weight.to(x.dtype).T) * self.scale
 
 
+def _groups(linear: nn.Linear) -> torch.Tensor:
+    """The weight in fp32 as [out, in/GROUP, GROUP]: the groups that share a scale."""
+    out, n_in = linear.weight.shape
+    return linear.weight.detach().float().view(out, n_in // GROUP, GROUP)
+
+
 class Int4Linear(QuantizedLinear):
     def __init__(self, linear: nn.Linear):
         super().__init__(linear)
         out, n_in = linear.weight.shape
-        groups = linear.weight.detach().float().view(out, n_in // GROUP, GROUP)
+        groups = _groups(linear)
         low, high = groups.amin(-1), groups.amax(-1)  # [out, in/32]
         step = ((high - low) / 15).clamp_min(1e-12)
         q = torch.round((groups - low[..., None]) / step[..., None]).clamp(0, 15).to(torch.int32).view(out, n_in)
@@ -103,7 +109,7 @@ class Int8GroupLinear(QuantizedLinear):
     def __init__(self, linear: nn.Linear):
         super().__init__(linear)
         out, n_in = linear.weight.shape
-        groups = linear.weight.detach().float().view(out, n_in // GROUP, GROUP)
+        groups = _groups(linear)
         # The kernel reads the scale in bf16: q is chosen for that scale.
         scale = (groups.abs().amax(-1) / 127).clamp_min(1e-12).to(torch.bfloat16).float()  # [out, in/32]
         q = torch.round(groups / scale[..., None]).clamp(-127, 127).to(torch.int8).view(out, n_in)
@@ -156,8 +162,9 @@ def quantize(model: nn.Module, method: str | None) -> nn.Module:
 
 def _grouped_int8_head(head: nn.Linear) -> bool:
     """With int4 layers, the lm_head in int8 groups (Q8_0, as GGUF files keep the embedding) on AMX: half
-    a 16-bit head's bytes, a large share of a small model's pass (SmolLM2-135M: 57 of ~125 MB)."""
-    return head.weight.device.type == "cpu" and native.quantized_usable(*head.weight.shape)
+    a 16-bit head's bytes, a large share of a small model's pass (SmolLM2-135M: 57 of ~125 MB). int4
+    runs on CPUs only (quantize refuses other devices)."""
+    return native.quantized_usable(*head.weight.shape)
 
 
 def _head_stays_16_bit(head: nn.Linear) -> bool:

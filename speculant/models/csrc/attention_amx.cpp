@@ -121,7 +121,7 @@ void attend_block(const AttentionArgs& a, int64_t b, int64_t head, int64_t r0, S
   for (int64_t r = 0; r < rows; r++) {
     const int64_t t = (r0 + r) / group;
     std::tie(start[r], count[r]) = row_keys(a, b, t, tail[r]);
-    extent = std::max(extent, a.tree ? std::min<int64_t>(a.n_keys[b * a.T + t], a.S) : count[r]);
+    extent = std::max(extent, std::min<int64_t>(a.n_keys[b * a.T + t], a.S));  // a tree row's keys lie below
   }
   const int64_t width = (extent + kStep - 1) / kStep * kStep;
   float* scores = s.scores.get();
