@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from speculant import sampling
 from speculant.config import SamplingParams
 from speculant.engine import Engine
 from speculant.models.loader import load_model
@@ -33,6 +34,25 @@ def test_top_p_keeps_smallest_prefix_reaching_p():
     assert support(probs(top_p=0.5)) == [0]  # 0.63 ≥ 0.5 alone
     assert support(probs(top_p=float(full[0] + 0.01))) == [0, 1]
     assert support(probs(top_p=float(full[:3].sum()))) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("scale, sorts", [(0.3, True), (3.0, False), (6.0, False)])
+def test_top_k_top_p_from_candidates_is_the_sorted_vocabulary(scale, sorts, monkeypatch):
+    """The kept tokens and their logits are those of a sort of the whole vocabulary, whether the
+    likeliest candidates hold the nucleus (peaked rows) or not (flat rows: then it sorts)."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 3, 4096) * scale
+    top_k = torch.tensor([0, 40, 1000, 1000])
+    top_p = torch.tensor([0.9, 0.5, 0.99, 1.0])
+    whole = sampling.sorted_top_k_top_p
+    sorted_rows = []
+    monkeypatch.setattr(sampling, "sorted_top_k_top_p", lambda *a: sorted_rows.append(1) or whole(*a))
+    got, want = sampling._top_k_top_p(logits, top_k, top_p), whole(logits, top_k, top_p)
+    assert bool(sorted_rows) == sorts
+    kept = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), kept)
+    assert torch.equal(got[kept], want[kept])
+    assert kept[3].sum(-1).tolist() == [1000] * 3  # top_p = 1 drops nothing past top-k
 
 
 def test_min_p_drops_tokens_below_fraction_of_max():
