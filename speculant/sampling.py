@@ -119,10 +119,13 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     probs = torch.where(top_k[:, None, None] > 0, torch.softmax(values, dim=-1),
                         torch.softmax(logits, dim=-1).gather(-1, order))
     mass_before = probs.cumsum(dim=-1) - probs
-    if bool(((mass_before[..., -1] + probs[..., -1] < top_p[:, None]) & (k[..., 0] > n)).any()):
+    short = (mass_before[..., -1] + probs[..., -1] < top_p[:, None]) & (k[..., 0] > n) & (top_p[:, None] < 1)
+    if bool(short.any()):
         return sorted_top_k_top_p(logits, top_k, top_p)
     values = values.masked_fill(_past_nucleus(mass_before, top_p, rank), float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter_(-1, order, values)
+    kept = torch.full_like(logits, float("-inf")).scatter_(-1, order, values)
+    # A row of a mixed batch with neither transform keeps its whole vocabulary, past the candidates.
+    return torch.where(((top_k == 0) & (top_p >= 1))[:, None, None], logits, kept)
 
 
 def sorted_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

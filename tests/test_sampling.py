@@ -41,9 +41,9 @@ def test_top_k_top_p_from_candidates_is_the_sorted_vocabulary(scale, sorts, monk
     """The kept tokens and their logits are those of a sort of the whole vocabulary, whether the
     likeliest candidates hold the nucleus (peaked rows) or not (flat rows: then it sorts)."""
     torch.manual_seed(0)
-    logits = torch.randn(4, 3, 4096) * scale
-    top_k = torch.tensor([0, 40, 1000, 1000])
-    top_p = torch.tensor([0.9, 0.5, 0.99, 1.0])
+    logits = torch.randn(5, 3, 4096) * scale
+    top_k = torch.tensor([0, 40, 1000, 1000, 0])
+    top_p = torch.tensor([0.9, 0.5, 0.99, 1.0, 1.0])  # the last row keeps everything, and needs no sort
     whole = sampling.sorted_top_k_top_p
     sorted_rows = []
     monkeypatch.setattr(sampling, "sorted_top_k_top_p", lambda *a: sorted_rows.append(1) or whole(*a))
