@@ -38,21 +38,24 @@ def test_top_p_keeps_smallest_prefix_reaching_p():
 
 @pytest.mark.parametrize("scale, sorts", [(0.3, True), (3.0, False), (6.0, False)])
 def test_top_k_top_p_from_candidates_is_the_sorted_vocabulary(scale, sorts, monkeypatch):
-    """The kept tokens and their logits are those of a sort of the whole vocabulary, whether the
+    """The kept tokens and their logits are those read from the whole sorted vocabulary, whether the
     likeliest candidates hold the nucleus (peaked rows) or not (flat rows: then it sorts)."""
     torch.manual_seed(0)
-    logits = torch.randn(5, 3, 4096) * scale
+    V = 4096
+    logits = torch.randn(5, 3, V) * scale
     top_k = torch.tensor([0, 40, 1000, 1000, 0])
     top_p = torch.tensor([0.9, 0.5, 0.99, 1.0, 1.0])  # the last row keeps everything, and needs no sort
-    whole = sampling.sorted_top_k_top_p
-    sorted_rows = []
-    monkeypatch.setattr(sampling, "sorted_top_k_top_p", lambda *a: sorted_rows.append(1) or whole(*a))
-    got, want = sampling._top_k_top_p(logits, top_k, top_p), whole(logits, top_k, top_p)
-    assert bool(sorted_rows) == sorts
+    filtered = sampling._top_k_top_p
+    read = []
+    monkeypatch.setattr(sampling, "_top_k_top_p", lambda *a: read.append(a[3] if len(a) > 3 else None) or filtered(*a))
+    got = sampling._top_k_top_p(logits, top_k, top_p)
+    assert (V in read) == sorts
+    want = filtered(logits, top_k, top_p, V)
     kept = torch.isfinite(want)
     assert torch.equal(torch.isfinite(got), kept)
     assert torch.equal(got[kept], want[kept])
     assert kept[3].sum(-1).tolist() == [1000] * 3  # top_p = 1 drops nothing past top-k
+    assert kept[4].all()
 
 
 def test_min_p_drops_tokens_below_fraction_of_max():
