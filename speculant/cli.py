@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 import time
 from dataclasses import asdict
 
 from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.errors import SpeculantError
+from speculant.models.loader import CUDA_GRAPHS_ENV
 from speculant.models.quantize import QUANTIZATIONS
 
 # Subcommands that live with their feature: module path → it defines add_arguments(p) and run(args).
@@ -35,6 +37,9 @@ def add_target_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    help="weight-only quantization of target and draft: int8 (per channel), int4 (groups of 32 "
                         "with scale and minimum, as GGUF Q4_1; CPU), none, or auto (default: a GGUF file runs at "
                         "the precision it stores, int4 for Q4 files, int8 for Q8_0; Hugging Face folders none)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="on CUDA, run every pass eagerly instead of replaying decode and verify passes from "
+                        "CUDA graphs (as vLLM's flag)")
     g.add_argument("--threads", type=int, default=None,
                    help="PyTorch CPU threads (default: PyTorch's choice); on a machine shared with other "
                         "work, 1 avoids threads waiting on each other at every operation")
@@ -195,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    if getattr(args, "enforce_eager", False):
+        os.environ[CUDA_GRAPHS_ENV] = "off"
     if not getattr(args, "run", None):
         parser.print_help()
         return 2

@@ -1,6 +1,6 @@
 """Batch-1 cost curves of one model at several precisions, measured side by side.
 
-    python -m speculant.bench.precisions [--model PATH] [--threads N] [--rounds R]
+    python -m speculant.bench.precisions [--model PATH] [--threads N] [--rounds R] [--device cuda]
 
 Every precision is loaded once; then, round after round, each width T = 1..max is timed on every
 precision in turn (so machine drift hits them alike) and the fastest of the rounds is kept. Prints a
@@ -23,6 +23,15 @@ PRECISIONS = {
     "int8 weights, bf16 activations": dict(dtype="bfloat16", quantization="int8"),
     "int4 weights, bf16 activations": dict(dtype="bfloat16", quantization="int4"),
 }
+# On CUDA, each precision with its passes replayed from CUDA graphs and run eagerly (kernel launches).
+CUDA_PRECISIONS = {
+    "float32": dict(dtype="float32"),
+    "float32, eager": dict(dtype="float32", eager=True),
+    "bfloat16": dict(dtype="bfloat16"),
+    "bfloat16, eager": dict(dtype="bfloat16", eager=True),
+    "int8 weights, bf16 activations": dict(dtype="bfloat16", quantization="int8"),
+    "int8 weights, bf16 activations, eager": dict(dtype="bfloat16", quantization="int8", eager=True),
+}
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -35,7 +44,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def measure(models: dict[str, LoadedModel], widths: list[int], rounds: int, context: int = 160) -> dict:
     best = {name: [float("inf")] * len(widths) for name in models}
     caches = {name: lm.model.new_cache(1, context + max(widths) + 1) for name, lm in models.items()}
-    slot = torch.tensor([0])
+    device = next(iter(models.values())).model.device
+    slot = torch.tensor([0], device=device)
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for r in range(rounds + 1):  # round 0 warms kernels up
@@ -43,9 +53,11 @@ def measure(models: dict[str, LoadedModel], widths: list[int], rounds: int, cont
                 for name, lm in models.items():
                     cache = caches[name]
                     cache.lengths[0] = context
-                    tokens = torch.randint(lm.config.vocab_size, (1, t), generator=gen)
+                    tokens = torch.randint(lm.config.vocab_size, (1, t), generator=gen).to(device)
                     start = time.perf_counter()
                     lm.model.logits(lm.model(tokens, cache, slot))
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
                     if r:
                         best[name][i] = min(best[name][i], time.perf_counter() - start)
     return best
@@ -57,19 +69,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--max-width", type=int, default=8)
+    p.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     path = args.model or default_model_path()
-    models = {name: load_model(path, **kw) for name, kw in PRECISIONS.items()}
+    cuda = args.device == "cuda"
+    models = {}
+    for name, kw in (CUDA_PRECISIONS if cuda else PRECISIONS).items():
+        kw = dict(kw)
+        eager = kw.pop("eager", False)
+        models[name] = load_model(path, device=args.device, **kw)
+        models[name].model.cuda_graphs &= not eager
     widths = list(range(1, args.max_width + 1))
     best = measure(models, widths, args.rounds)
-    print(f"{torch.get_num_threads()} threads, batch 1, 160 cached tokens, fastest of {args.rounds} rounds\n")
+    where = torch.cuda.get_device_name() if cuda else f"{torch.get_num_threads()} threads"
+    print(f"{where}, batch 1, 160 cached tokens, fastest of {args.rounds} rounds\n")
     print("| precision | C(1) ms | GB/s at T=1 | " + " | ".join(f"C({t})/C(1)" for t in widths[1:]) + " |")
     print("|---|---|---|" + "---|" * (len(widths) - 1))
     for name, times in best.items():
         gbps = weight_bytes(models[name].model) / times[0] / 1e9
-        print(f"| {name} | {times[0] * 1e3:.1f} | {gbps:.1f} | " + " | ".join(f"{t / times[0]:.2f}" for t in times[1:])
+        print(f"| {name} | {times[0] * 1e3:.3g} | {gbps:.1f} | " + " | ".join(f"{t / times[0]:.2f}" for t in times[1:])
               + " |")
     return 0
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -157,7 +158,7 @@ class Pass:
     mask: torch.Tensor | None  # additive [B, 1, T, span]; None when every key is visible
     cos: torch.Tensor  # [B, T, 1, Dh]
     sin: torch.Tensor
-    end: torch.Tensor  # [B] the rows' cache lengths after the pass
+    end: torch.Tensor | None  # [B] the rows' cache lengths after the pass (None: the caller advances them)
     n_keys: torch.Tensor | None = None  # [B, T] keys each row sees, for the native kernel (see prepare_pass)
     row_keys: list | None = None  # attend row by row over these keys (slices or indices; see prepare_pass)
     tree: torch.Tensor | None = None  # [B, T] int64: the new tokens row (b, t) sees, a bit each (draft trees)
@@ -407,6 +408,8 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.rope = Rope()
+        self.cuda_graphs = False  # replay narrow passes on CUDA from graphs (models/cuda_graphs.py)
+        self._graphs = weakref.WeakKeyDictionary()  # KVCache → its PassGraphs
 
     @property
     def device(self) -> torch.device:
@@ -428,6 +431,10 @@ class Transformer(nn.Module):
         Only row b's first n_new[b] tokens (default T) are real; `parents`: they are a draft tree (see
         prepare_pass); the cache lengths advance by n_new.
         """
+        if self.cuda_graphs:
+            graphs = self.graphs_for(cache)
+            if graphs.fits(tokens, slots):
+                return graphs(tokens, slots, n_new, parents)
         fwd = prepare_pass(cache, slots, tokens.shape[1], n_new, self.rope, self.inv_freq, self.dtype,
                            self.cfg.sliding_window, parents)
         x = self.model.embed_tokens(tokens)
@@ -439,6 +446,14 @@ class Transformer(nn.Module):
                 x = block(x, cache, fwd)
         cache.lengths[slots] = fwd.end
         return self.model.norm(x)
+
+    def graphs_for(self, cache: KVCache):
+        """The CUDA graphs of this model's passes over `cache` (a graph holds the cache's addresses)."""
+        from speculant.models.cuda_graphs import PassGraphs  # it builds on this module
+
+        if cache not in self._graphs:
+            self._graphs[cache] = PassGraphs(self, cache)
+        return self._graphs[cache]
 
     def native_layers(self) -> bool:
         """Whether every layer runs as one native call (Block.forward_native); else all run as modules."""

@@ -1,0 +1,143 @@
+"""CUDA graphs for a model's narrow passes: decoding steps, verify passes, draft trees.
+
+At batch 1 a small model's pass on a GPU is hundreds of kernel launches of a few microseconds of work
+each, so the CPU issuing them sets the pace, not the GPU. A captured graph replays them all in one
+launch. A graph fixes its tensors' shapes and addresses, so the pass it records reads everything that
+changes from step to step on the device: the tokens, the cache rows (slots) and the draft tree's layout
+sit in input buffers each replay refills, the cache lengths are read where the cache keeps them, and the
+pass attends over a fixed span of cache positions, the mask hiding those a row must not see. One graph
+per (rows, width, span), the span rounded up to a power of two so that a sequence growing from 100 to
+2000 tokens uses five graphs, each reading at most twice the keys it needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from speculant.config import MAX_VERIFY_WIDTH
+from speculant.models.kv_cache import CacheIndex, KVCache
+from speculant.models.llama import Pass, Transformer, attention_mask, rope_tables, tree_layout
+
+MIN_SPAN = 128
+
+
+@dataclass
+class Captured:
+    graph: torch.cuda.CUDAGraph
+    tokens: torch.Tensor  # [B, T] inputs, refilled before each replay
+    slots: torch.Tensor  # [B]
+    depth: torch.Tensor  # [B, T] each token's depth below the cache (its position past the row's length)
+    ancestors: torch.Tensor  # [B, T] each token's ancestors and itself, a bit each (see tree_layout)
+    hidden: torch.Tensor  # [B, T, D] the output, overwritten by each replay
+
+
+def graph_span(end: int, max_len: int) -> int:
+    """The cache positions a pass whose widest row ends at `end` attends over: a power of two, at least
+    MIN_SPAN, never past the cache (max_len + 1 with its sink)."""
+    span = max(MIN_SPAN, 1 << (end - 1).bit_length())
+    return min(span, max_len + 1)
+
+
+def static_index(cache: KVCache, slots: torch.Tensor, positions: torch.Tensor, span: int) -> CacheIndex:
+    """cache.index without reading the slots on the host: every read is a gather of the rows."""
+    heads = torch.arange(cache.k.shape[2], device=slots.device)
+    write = (slots[:, None, None], heads[None, :, None], positions[:, None, :])
+    return CacheIndex(write, (slots, slice(None), slice(0, span)))
+
+
+class PassGraphs:
+    """The passes of one model over one KV cache, each shape captured on first use and replayed after
+    (off CUDA the same passes run uncaptured: tests check them on a CPU)."""
+
+    def __init__(self, model: Transformer, cache: KVCache):
+        self.model, self.cache = model, cache
+        self.max_width = MAX_VERIFY_WIDTH
+        self.graphs: dict[tuple[int, int, int], Captured] = {}
+        self.pool = None  # the graphs' shared memory, made by the first capture
+        # Padding tokens past a row's end are rotated for positions up to max_width beyond the cache.
+        self.cos, self.sin = rope_tables(model.inv_freq.to(cache.k.device), cache.max_len + self.max_width + 1,
+                                         model.dtype)
+        self.chains: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def fits(self, tokens: torch.Tensor, slots: torch.Tensor) -> bool:
+        return tokens.shape[1] <= self.max_width and len(slots) <= self.cache.max_batch
+
+    def __call__(self, tokens: torch.Tensor, slots: torch.Tensor, n_new: torch.Tensor | None,
+                 parents: list[list[int]] | None) -> torch.Tensor:
+        """Transformer.forward's pass, replayed: tokens [B, T] → final hidden states [B, T, D]."""
+        B, T = tokens.shape
+        cache = self.cache
+        end = cache.lengths[slots] + (T if n_new is None else n_new)
+        longest = int(end.max())
+        cache.check_capacity(longest)
+        if parents is None:
+            depth, ancestors = self._chain(T)
+        else:
+            depths, bits = tree_layout(parents)
+            depth, ancestors = (torch.tensor(v, device=tokens.device) for v in (depths, bits))
+        span = graph_span(longest, cache.max_len)
+        if not tokens.is_cuda:  # the same pass uncaptured: how tests check it on a CPU
+            hidden = self.static_pass(tokens, slots, depth.expand(B, -1), ancestors.expand(B, -1), span)
+            cache.lengths[slots] = end
+            return hidden
+        key = (B, T, span)
+        captured = self.graphs.get(key)
+        if captured is None:
+            captured = self.graphs[key] = self._capture(tokens, slots, depth, ancestors, key[2])
+        else:
+            for buffer, value in ((captured.tokens, tokens), (captured.slots, slots), (captured.depth, depth),
+                                  (captured.ancestors, ancestors)):
+                buffer.copy_(value)
+            captured.graph.replay()
+        cache.lengths[slots] = end
+        # A copy: the next replay overwrites the graph's output, and proposers keep hidden states.
+        return captured.hidden.clone()
+
+    def _chain(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chain of T tokens as a tree: token t at depth t, seeing tokens 0..t."""
+        if T not in self.chains:
+            steps = torch.arange(T, device=self.cache.k.device)
+            self.chains[T] = (steps[None], ((2 << steps) - 1)[None])
+        return self.chains[T]
+
+    def _capture(self, tokens: torch.Tensor, slots: torch.Tensor, depth: torch.Tensor, ancestors: torch.Tensor,
+                 span: int) -> Captured:
+        """Record the pass for these inputs' shape. The warm-up runs (which cuBLAS needs before a capture)
+        compute the real pass: it writes the same cache entries as the replays that follow."""
+        B = tokens.shape[0]
+        inputs = [tokens.clone(), slots.clone(), depth.expand(B, -1).clone(), ancestors.expand(B, -1).clone()]
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                hidden = self.static_pass(*inputs, span)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            hidden = self.static_pass(*inputs, span)
+        graph.replay()
+        return Captured(graph, *inputs, hidden)
+
+    def static_pass(self, tokens: torch.Tensor, slots: torch.Tensor, depth: torch.Tensor, ancestors: torch.Tensor,
+                    span: int) -> torch.Tensor:
+        """The pass as the graph records it: nothing read back to the host, every shape fixed. The caller
+        advances the cache lengths."""
+        model, cache = self.model, self.cache
+        T = tokens.shape[1]
+        start = cache.lengths[slots]  # [B]
+        steps = torch.arange(T, device=tokens.device)
+        # Padding past the cache's last position goes to its sink, as in prepare_pass.
+        positions = (start[:, None] + steps).clamp(max=cache.max_len)  # [B, T]
+        rotated = start[:, None] + depth
+        mask = attention_mask(rotated, start, span, model.cfg.sliding_window, model.dtype, ancestors)
+        fwd = Pass(cache, slots, positions, span, mask, self.cos[rotated][:, :, None], self.sin[rotated][:, :, None],
+                   end=None)
+        fwd.at = static_index(cache, slots, positions, span)
+        x = model.model.embed_tokens(tokens)
+        for block in model.model.layers:
+            x = block(x, cache, fwd)
+        return model.model.norm(x)

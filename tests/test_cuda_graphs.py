@@ -1,0 +1,79 @@
+"""The static passes CUDA graphs record (models/cuda_graphs.py): the same hidden states as the prepared
+passes, and speculative output through them equal to plain output through them. On a CPU they run
+uncaptured; the captured graphs need a CUDA GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_greedy_lossless import PROMPTS, run
+
+from speculant.config import SamplingParams
+from speculant.models.cuda_graphs import graph_span
+from speculant.models.loader import load_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def test_graph_span_is_a_power_of_two_within_the_cache():
+    assert graph_span(1, 2048) == 128
+    assert graph_span(128, 2048) == 128
+    assert graph_span(129, 2048) == 256
+    assert graph_span(1500, 1600) == 1601  # the cache and its sink
+
+
+def passes(model, cache_len: int = 64):
+    """Two rows at lengths 7 and 12 after a prompt each, then a 4-token chain and a 4-token tree."""
+    cache = model.new_cache(2, cache_len)
+    slots = torch.tensor([0, 1])
+    prompt = torch.arange(3, 15)[None].expand(2, -1)
+    model(prompt, cache, slots, torch.tensor([7, 12]))
+    chain = model(torch.tensor([[20, 21, 22, 23], [30, 31, 32, 33]]), cache, slots, torch.tensor([4, 2]))
+    tree = model(torch.tensor([[40, 41, 42, 43], [50, 51, 52, 53]]), cache, slots,
+                 parents=[[-1, 0, 0, 1], [-1, -1, 1, 2]])
+    return chain, tree, cache
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_static_pass_is_the_prepared_pass(tiny_pair, dtype):
+    model = load_model(tiny_pair[0], dtype=dtype).model
+    expected = passes(model)
+    model.cuda_graphs = True
+    got = passes(model)
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    for e, g in zip(expected[:2], got[:2]):
+        real = [(0, slice(0, 4)), (1, slice(0, 2))]  # row 1's chain has 2 real tokens, 2 padding
+        for b, t in real:
+            torch.testing.assert_close(g[b, t].float(), e[b, t].float(), atol=tol, rtol=tol)
+    assert torch.equal(got[2].lengths, expected[2].lengths)
+    torch.testing.assert_close(got[2].k[:, :, :, :14].float(), expected[2].k[:, :, :, :14].float(), atol=tol,
+                               rtol=tol)
+
+
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 3},
+                                  {"method": "draft_model", "num_speculative_tokens": 5}])
+def test_speculation_through_static_passes_is_plain_greedy(tiny_pair, spec):
+    target = load_model(tiny_pair[0])
+    eager_plain = run(target, None, PROMPTS)[0]
+    target.model.cuda_graphs = True
+    if spec["method"] == "draft_model":
+        spec = {**spec, "model": str(tiny_pair[1])}
+    plain = run(target, None, PROMPTS)[0]
+    speculative, engine = run(target, spec, PROMPTS)
+    assert speculative == plain
+    assert plain == eager_plain
+    assert engine.stats.num_accepted_tokens > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graphs_replay_speculation_as_plain_greedy(tiny_pair, dtype):
+    target = load_model(tiny_pair[0], dtype=dtype, device="cuda")
+    assert target.model.cuda_graphs
+    plain = run(target, None, PROMPTS)[0]
+    speculative, engine = run(target, {"method": "ngram", "num_speculative_tokens": 4}, PROMPTS)
+    assert speculative == plain
+    assert engine.model.graphs_for(engine.cache).graphs  # the passes were replayed from graphs
+    target.model.cuda_graphs = False
+    if dtype == "float32":
+        assert run(target, None, PROMPTS)[0] == plain
