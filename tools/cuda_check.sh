@@ -9,8 +9,8 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 python3 tools/random_smollm2.py /tmp/random-smollm2
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py -k cuda 2>&1 | tail -15
-timeout 240 python3 -m speculant.bench.precisions --device cuda --model /tmp/random-smollm2 --rounds 20 \
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py -k cuda 2>&1 | tail -15
+timeout 150 python3 -m speculant.bench.precisions --device cuda --model /tmp/random-smollm2 --rounds 20 \
     --max-width 16 2>&1 | tee "$OUT/precisions.md"
-timeout 400 python3 -m speculant.bench.cuda_check --model /tmp/random-smollm2 \
+timeout 220 python3 -m speculant.bench.cuda_check --model /tmp/random-smollm2 \
     --draft-model speculant/data/drafts/smollm2-135m-instruct/draft_model 2>&1 | tee "$OUT/cuda_check.md"
