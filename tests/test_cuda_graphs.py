@@ -9,17 +9,9 @@ import torch
 from test_greedy_lossless import PROMPTS, run
 
 from speculant.config import SamplingParams
-from speculant.models.cuda_graphs import graph_span
 from speculant.models.loader import load_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-
-
-def test_graph_span_is_a_power_of_two_within_the_cache():
-    assert graph_span(1, 2048) == 128
-    assert graph_span(128, 2048) == 128
-    assert graph_span(129, 2048) == 256
-    assert graph_span(1500, 1600) == 1601  # the cache and its sink
 
 
 def passes(model, cache_len: int = 64):

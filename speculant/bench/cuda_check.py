@@ -1,13 +1,16 @@
 """On a CUDA GPU: does speculation stay lossless, and what do CUDA graphs buy?
 
-    python -m speculant.bench.cuda_check [--model PATH] [--draft-model PATH] [--max-tokens N]
+    python -m speculant.bench.cuda_check [--model PATH] [--draft-model PATH] [--agreement-model PATH]
 
 1. Row invariance: greedy speculative output equals plain output only if a verify pass scores each row
    as a one-token pass does. For each dtype, the largest difference between a row computed alone and
-   the same row inside a product (and a masked attention) of 2..16 rows.
-2. End to end, batch 1 and a batch of 4: plain decoding and speculation (prompt lookup, a draft model),
-   each with passes replayed from CUDA graphs and run eagerly: tokens/s, and whether every output
-   equals the plain output of the same precision and mode.
+   the same row inside a product (and a masked attention) of 2..64 rows.
+2. End to end, batch 1 and a batch of 4: plain decoding and speculation (prompt lookup, a draft model)
+   with passes replayed from CUDA graphs, plain decoding and prompt lookup eagerly too: tokens/s (with
+   graphs, after a round over the same prompts that captures them), and whether every output equals
+   the plain output of the same precision and mode.
+3. The bf16 cost curve with graphs at batch 1, 4 and 16: C(T)/C(1), what adaptive k plans with.
+4. With --agreement-model (real weights): how often bf16 and int8 weights pick fp32's greedy token.
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ import time
 import torch
 import torch.nn.functional as F
 
+from speculant.adaptive import measure_cost_curve
 from speculant.bench.prompts import PROMPT_CLASSES, load_prompts
 from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.llm import engine_for
 from speculant.models.loader import default_model_path, load_model
 
-WIDTHS = range(2, 17)
+WIDTHS = range(2, 65)
 
 
 def row_invariance(dtype: torch.dtype, dim: int = 576, out: int = 1536, keys: int = 300) -> dict[str, float]:
@@ -34,11 +38,12 @@ def row_invariance(dtype: torch.dtype, dim: int = 576, out: int = 1536, keys: in
     def rand(*shape):
         return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
 
-    x, w, head = rand(16, dim), rand(out, dim) / dim ** 0.5, rand(49152, dim) / dim ** 0.5
-    q, k, v = rand(1, 9, 16, 64), rand(1, 3, keys, 64), rand(1, 3, keys, 64)
+    x, w, head = rand(max(WIDTHS), dim), rand(out, dim) / dim ** 0.5, rand(49152, dim) / dim ** 0.5
+    q, k, v = rand(1, 9, max(WIDTHS), 64), rand(1, 3, keys, 64), rand(1, 3, keys, 64)
 
     def attention(t: int) -> torch.Tensor:
-        allowed = torch.arange(keys, device="cuda")[None] <= keys - 16 + torch.arange(t, device="cuda")[:, None]
+        first = keys - max(WIDTHS)
+        allowed = torch.arange(keys, device="cuda")[None] <= first + torch.arange(t, device="cuda")[:, None]
         mask = torch.zeros(t, keys, device="cuda", dtype=dtype).masked_fill_(~allowed, float("-inf"))
         return F.scaled_dot_product_attention(q[:, :, :t], k, v, attn_mask=mask, enable_gqa=True)[:, :, 0]
 
@@ -62,15 +67,17 @@ def generate(engine, prompts: list[list[int]], max_tokens: int, batch: int) -> t
 
 def end_to_end(path, dtype: str, quantization: str, specs: dict, prompts: list[list[int]], max_tokens: int,
                batch: int) -> list[dict]:
-    """Each proposer of `specs` with graphs and eagerly; `identical`: outputs equal to plain decoding's in
-    the same mode (for eager plain decoding: to plain decoding's with graphs)."""
+    """Each proposer of `specs` with graphs, plain decoding and the first proposer eagerly too;
+    `identical`: outputs equal to plain decoding's in the same mode (for eager plain decoding: to plain
+    decoding's with graphs)."""
     rows, plain = [], {}
     target = load_model(path, dtype=dtype, device="cuda", quantization=quantization)
     for graphs in (True, False):
         target.model.cuda_graphs = graphs
-        for name, spec in specs.items():
+        for name, spec in list(specs.items())[:None if graphs else 2]:
             engine = engine_for(target, SpeculativeConfig.parse(spec), batch, 1024)
-            generate(engine, prompts[:1], 8, batch)  # captures graphs, warms kernels up
+            if graphs:
+                generate(engine, prompts, max_tokens, batch)  # captures the graphs of every shape it meets
             outputs, speed = generate(engine, prompts, max_tokens, batch)
             reference, base_speed = plain.setdefault(graphs, (outputs, speed))
             if spec is None and not graphs:
@@ -83,15 +90,41 @@ def end_to_end(path, dtype: str, quantization: str, specs: dict, prompts: list[l
     return rows
 
 
+@torch.inference_mode()
+def agreement(path, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    """Greedy fp32 outputs, then each lower precision: outputs identical, tokens before the first
+    difference, and its top-1 choice on fp32's outputs (teacher-forced)."""
+    rows, reference = [], None
+    for dtype, quantization in (("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8")):
+        target = load_model(path, dtype=dtype, device="cuda", quantization=quantization)
+        outputs, _ = generate(engine_for(target, None, 1, 1024), prompts, max_tokens, 1)
+        reference = reference or outputs
+        same_prefix, agree, total = [], 0, 0
+        for prompt, out, ref in zip(prompts, outputs, reference):
+            same_prefix.append(next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), len(ref)))
+            cache = target.model.new_cache(1, len(prompt) + len(ref) + 1)
+            tokens = torch.tensor([prompt + ref], device="cuda")
+            hidden = target.model(tokens, cache, torch.tensor([0], device="cuda"))
+            choice = target.model.logits(hidden[0, len(prompt) - 1:-1]).argmax(-1)
+            agree += int((choice == tokens[0, len(prompt):]).sum())
+            total += len(ref)
+        rows.append(dict(precision=f"{dtype}/{quantization}", identical=sum(o == r for o, r in zip(outputs, reference)),
+                         prompts=len(prompts), mean_same_prefix=sum(same_prefix) / len(prompts),
+                         top1=agree / total))
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: the bundled SmolLM2)")
     p.add_argument("--draft-model", default=None, help="a draft model for the draft_model proposer")
+    p.add_argument("--agreement-model", default=None, help="a model with real weights for section 3")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--per-class", type=int, default=2)
     args = p.parse_args(argv)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n")
-    print("| dtype | linear | lm_head | attention |  (largest |row alone − row in 2..16 rows|)\n|---|---|---|---|")
+    print("| dtype | linear | lm_head | attention |  (largest |row alone − row in 2..64 rows|)\n|---|---|---|---|")
     for dtype in (torch.float32, torch.bfloat16):
         r = row_invariance(dtype)
         print(f"| {dtype} | {r['linear']:.3g} | {r['lm_head']:.3g} | {r['attention']:.3g} |", flush=True)
@@ -114,6 +147,23 @@ def main(argv: list[str] | None = None) -> int:
         acc = "" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
         print(f"| {r['dtype']} | {r['quantization']} | {'yes' if r['graphs'] else 'no'} | {r['batch']} | "
               f"{r['proposer']} | {r['tok_s']:.1f} | {r['speedup']:.2f} | {r['identical']} | {acc} |")
+    curve = measure_cost_curve(load_model(path, dtype="bfloat16", device="cuda").model, [1, 4, 16], max_width=16)
+    print(f"\nbf16 with graphs, {curve.context} cached tokens: C(1) at batch 1 / 4 / 16 = "
+          + " / ".join(f"{curve.seconds[b][0] * 1e3:.2f} ms" for b in (1, 4, 16)))
+    widths = (2, 4, 6, 8, 12, 16)
+    print("| batch | " + " | ".join(f"C({t})/C(1)" for t in widths) + " |\n|---|" + "---|" * len(widths))
+    for b in (1, 4, 16):
+        ratios = [curve.seconds[b][t - 1] / curve.seconds[b][0] for t in widths]
+        print(f"| {b} | " + " | ".join(f"{r:.2f}" for r in ratios) + " |", flush=True)
+    if args.agreement_model:
+        probe = load_model(args.agreement_model, device="cuda")
+        prompts = [b.token_ids for b in load_prompts(list(PROMPT_CLASSES), probe.tokenizer, probe.config.vocab_size,
+                                                     per_class=args.per_class)]
+        print("\n| precision | outputs identical to fp32 | mean tokens before a difference | top-1 = fp32's |")
+        print("|---|---|---|---|")
+        for r in agreement(args.agreement_model, prompts, args.max_tokens):
+            print(f"| {r['precision']} | {r['identical']}/{r['prompts']} | {r['mean_same_prefix']:.1f} | "
+                  f"{r['top1']:.3f} |")
     return 0
 
 
