@@ -30,7 +30,7 @@ def passes(model, cache_len: int = 64):
 def test_static_pass_is_the_prepared_pass(tiny_pair, dtype):
     model = load_model(tiny_pair[0], dtype=dtype).model
     expected = passes(model)
-    model.cuda_graphs = True
+    model.narrow_passes = "static"
     got = passes(model)
     tol = 1e-5 if dtype == "float32" else 2e-2
     for e, g in zip(expected[:2], got[:2]):
@@ -47,7 +47,7 @@ def test_static_pass_is_the_prepared_pass(tiny_pair, dtype):
 def test_speculation_through_static_passes_is_plain_greedy(tiny_pair, spec):
     target = load_model(tiny_pair[0])
     eager_plain = run(target, None, PROMPTS)[0]
-    target.model.cuda_graphs = True
+    target.model.narrow_passes = "static"
     if spec["method"] == "draft_model":
         spec = {**spec, "model": str(tiny_pair[1])}
     plain = run(target, None, PROMPTS)[0]
@@ -57,15 +57,34 @@ def test_speculation_through_static_passes_is_plain_greedy(tiny_pair, spec):
     assert engine.stats.num_accepted_tokens > 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+
+
+@CUDA
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_graphs_replay_speculation_as_plain_greedy(tiny_pair, dtype):
     target = load_model(tiny_pair[0], dtype=dtype, device="cuda")
-    assert target.model.cuda_graphs
+    assert target.model.narrow_passes == "graphs"
     plain = run(target, None, PROMPTS)[0]
     speculative, engine = run(target, {"method": "ngram", "num_speculative_tokens": 4}, PROMPTS)
     assert speculative == plain
     assert engine.model.graphs_for(engine.cache).graphs  # the passes were replayed from graphs
-    target.model.cuda_graphs = False
-    if dtype == "float32":
-        assert run(target, None, PROMPTS)[0] == plain
+    target.model.narrow_passes = "static"  # --enforce-eager: the same kernels, launched one by one
+    assert run(target, None, PROMPTS)[0] == plain
+
+
+@CUDA
+@torch.inference_mode()
+def test_cuda_static_pass_scores_a_row_alike_alone_and_among_others(tiny_pair):
+    """bf16 on CUDA: row 0 of 1- to 8-token passes, and of a batch of 3 rows, has the same bits."""
+    model = load_model(tiny_pair[0], dtype="bfloat16", device="cuda").model
+    cache = model.new_cache(3, 64)
+    slots = torch.arange(3, device="cuda")
+    model(torch.arange(3, 20, device="cuda")[None].expand(3, -1).contiguous(), cache, slots)
+    tokens = torch.arange(30, 38, device="cuda")[None]
+    rows = []
+    for width, batch in [(1, 1), *((t, 1) for t in range(2, 9)), (1, 3), (5, 3)]:
+        cache.lengths[:] = 17
+        rows.append(model(tokens[:, :width].expand(batch, -1).contiguous(), cache, slots[:batch])[0, 0])
+    for row in rows[1:]:
+        assert torch.equal(row, rows[0])

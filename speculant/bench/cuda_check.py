@@ -73,7 +73,7 @@ def end_to_end(path, dtype: str, quantization: str, specs: dict, prompts: list[l
     rows, plain = [], {}
     target = load_model(path, dtype=dtype, device="cuda", quantization=quantization)
     for graphs in (True, False):
-        target.model.cuda_graphs = graphs
+        target.model.narrow_passes = "graphs" if graphs else "static"
         for name, spec in list(specs.items())[:None if graphs else 2]:
             engine = engine_for(target, SpeculativeConfig.parse(spec), batch, 1024)
             if graphs:

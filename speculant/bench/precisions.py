@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         kw = dict(kw)
         eager = kw.pop("eager", False)
         models[name] = load_model(path, device=args.device, **kw)
-        models[name].model.cuda_graphs &= not eager
+        if eager:
+            models[name].model.narrow_passes = "static"
     widths = list(range(1, args.max_width + 1))
     best = measure(models, widths, args.rounds)
     where = torch.cuda.get_device_name() if cuda else f"{torch.get_num_threads()} threads"

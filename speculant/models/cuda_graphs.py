@@ -1,4 +1,5 @@
-"""CUDA graphs for a model's narrow passes: decoding steps, verify passes, draft trees.
+"""Static passes for a model's narrow passes (decoding steps, verify passes, draft trees), replayed on CUDA
+from CUDA graphs.
 
 At batch 1 a small model's pass on a GPU is hundreds of kernel launches of a few microseconds of work
 each, so the CPU issuing them sets the pace, not the GPU. A captured graph replays them all in one
@@ -6,16 +7,21 @@ launch. A graph fixes its tensors' shapes and addresses, so the pass it records 
 changes from step to step on the device: the tokens, the cache rows (slots) and the draft tree's layout
 sit in input buffers each replay refills, the cache lengths are read where the cache keeps them, and the
 pass attends over every position of the cache, the mask hiding those a row must not see. One graph per
-(rows, width).
+(rows, width). Measured on an H200 (SmolLM2-135M's shape, random weights, batch 1, 160 cached tokens,
+cuDNN attention, before the choice of kernel below): a bf16 pass 2.1 ms from a graph, 9.1 ms as PyTorch
+runs the model eagerly; plain greedy decoding 356 tokens/s, 35 eagerly.
 
-Every pass attends over the same keys, so a row meets the same kernels whether it is decoded alone or
-verified with drafts: with the span rounded up to a power of two instead (fewer keys read), a verify pass
-crossing a boundary read more keys than the plain steps at the same positions, and bf16 speculative
-output parted from plain output on one prompt of six (H200). Reading the whole cache costs little there:
-SmolLM2-135M with 1024 positions, ~45 MB of keys and values against 270 MB of bf16 weights.
-
-Measured on an H200 (SmolLM2-135M's shape, random weights, batch 1, 160 cached tokens): a bf16 pass
-2.07 ms from a graph, 7.97 ms eagerly; plain greedy decoding 299 tokens/s, 40 eagerly.
+Lossless speculation needs a row scored alike alone and among the drafts of a verify pass (or the rows
+of a batch). Two choices make it so:
+- every pass attends over the same keys, the whole cache: with the span rounded up to a power of two
+  instead, a verify pass crossing a boundary read more keys than the plain steps at the same positions,
+  and bf16 speculative output parted from plain output on one prompt of six (H200);
+- attention runs on PyTorch's math kernel: the cuDNN kernel it picks otherwise on an H200 gave row 0 of
+  a 5-token pass other bits than the same row alone (first in layer 0's attention), the math kernel the
+  same bits after every layer, as the bf16 linear layers do at 1 to 64 rows (tools/row_probe.py).
+cuBLAS's fp32 products are not row-invariant there (a row differs by ~1e-6 alone and among others): fp32
+greedy speculation on CUDA can part from plain output where two tokens tie that closely; bf16, the default
+on CUDA, does not. Eagerly (--enforce-eager) the same static passes run kernel by kernel.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from speculant.config import MAX_VERIFY_WIDTH
 from speculant.models.kv_cache import CacheIndex, KVCache
@@ -47,8 +54,8 @@ def static_index(cache: KVCache, slots: torch.Tensor, positions: torch.Tensor) -
 
 
 class PassGraphs:
-    """The passes of one model over one KV cache, each shape captured on first use and replayed after
-    (off CUDA the same passes run uncaptured: tests check them on a CPU)."""
+    """The static passes of one model over one KV cache, on CUDA each shape captured on first use and
+    replayed after (eagerly where the model's narrow_passes is "static": --enforce-eager, tests on CPU)."""
 
     def __init__(self, model: Transformer, cache: KVCache):
         self.model, self.cache = model, cache
@@ -65,7 +72,7 @@ class PassGraphs:
 
     def __call__(self, tokens: torch.Tensor, slots: torch.Tensor, n_new: torch.Tensor | None,
                  parents: list[list[int]] | None) -> torch.Tensor:
-        """Transformer.forward's pass, replayed: tokens [B, T] → final hidden states [B, T, D]."""
+        """Transformer.forward's pass as a static pass: tokens [B, T] → final hidden states [B, T, D]."""
         B, T = tokens.shape
         cache = self.cache
         end = cache.lengths[slots] + (T if n_new is None else n_new)
@@ -75,7 +82,7 @@ class PassGraphs:
         else:
             depths, bits = tree_layout(parents)
             depth, ancestors = (torch.tensor(v, device=tokens.device) for v in (depths, bits))
-        if not tokens.is_cuda:  # the same pass uncaptured: how tests check it on a CPU
+        if self.model.narrow_passes != "graphs" or not tokens.is_cuda:
             hidden = self.static_pass(tokens, slots, depth.expand(B, -1), ancestors.expand(B, -1))
             cache.lengths[slots] = end
             return hidden
@@ -135,6 +142,7 @@ class PassGraphs:
                    end=None)
         fwd.at = static_index(cache, slots, positions)
         x = model.model.embed_tokens(tokens)
-        for block in model.model.layers:
-            x = block(x, cache, fwd)
+        with sdpa_kernel(SDPBackend.MATH):  # row-invariant (module docstring)
+            for block in model.model.layers:
+                x = block(x, cache, fwd)
         return model.model.norm(x)

@@ -408,7 +408,10 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.rope = Rope()
-        self.cuda_graphs = False  # replay narrow passes on CUDA from graphs (models/cuda_graphs.py)
+        # Narrow passes (decoding, verification) as prepare_pass builds them, or as the static passes of
+        # models/cuda_graphs.py: run eagerly ("static"; tests on CPU, --enforce-eager on CUDA) or replayed
+        # from CUDA graphs ("graphs", the default on CUDA).
+        self.narrow_passes = "prepared"
         self._graphs = weakref.WeakKeyDictionary()  # KVCache → its PassGraphs
 
     @property
@@ -431,7 +434,7 @@ class Transformer(nn.Module):
         Only row b's first n_new[b] tokens (default T) are real; `parents`: they are a draft tree (see
         prepare_pass); the cache lengths advance by n_new.
         """
-        if self.cuda_graphs:
+        if self.narrow_passes != "prepared":
             graphs = self.graphs_for(cache)
             if graphs.fits(tokens, slots):
                 return graphs(tokens, slots, n_new, parents)

