@@ -295,8 +295,7 @@ def cost_curve_for(model: torch.nn.Module, max_batch_size: int, max_width: int,
     key = json.dumps([CURVE_VERSION, cfg.__dict__, str(model.dtype), str(model.device), torch.get_num_threads(),
                       torch.__version__, batch_sizes, max_width, type(model.lm_head).__name__,
                       os.environ.get(native.SWITCH_ENV, "on"), native.source_digest(), model.narrow_passes],
-                     sort_keys=True,
-                     default=str)
+                     sort_keys=True, default=str)
     root = cache_dir or Path(os.environ.get("SPECULANT_CACHE", Path.home() / ".cache" / "speculant"))
     path = root / "cost_curves" / (hashlib.sha256(key.encode()).hexdigest()[:20] + ".json")
     if path.exists():
