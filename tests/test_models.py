@@ -209,7 +209,7 @@ def test_native_layer_ops_match_pytorch_in_fp32_and_give_a_row_the_same_bits_in_
 
 @pytest.mark.parametrize("quantization", ["int4", "none"])
 def test_fused_layers_give_the_bits_of_the_layer_modules(tmp_path, monkeypatch, quantization):
-    """native.decoder_layer (one call a layer; int4 and bf16 weights) against llama.Block's modules on
+    """native.decoder_stack (one call a pass; int4 and bf16 weights) against llama.Block's modules on
     the same weights: one token, a verify pass, a ragged batch in cache rows out of order; logits and
     cache bit for bit."""
     from speculant.models import native
@@ -219,7 +219,7 @@ def test_fused_layers_give_the_bits_of_the_layer_modules(tmp_path, monkeypatch, 
     folder = save_tiny(tmp_path, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
                        intermediate_size=256, init_std=0.05)
     model = load_model(folder, dtype="bfloat16", quantization=quantization).model
-    assert model.native_layers()
+    assert model.native_stack is not None
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 96, (n,), generator=gen) for n in (40, 9, 23)]
     steps = [torch.randint(0, 96, (len(prompts), t), generator=gen) for t in (1, 5, 3)]
@@ -235,7 +235,7 @@ def test_fused_layers_give_the_bits_of_the_layer_modules(tmp_path, monkeypatch, 
         return out, cache
 
     fused, fused_cache = decode()
-    monkeypatch.setattr(model, "native_layers", lambda: False)
+    monkeypatch.setattr(model, "native_stack", None)
     modules, module_cache = decode()
     for a, b in zip(fused, modules):
         assert torch.equal(a, b), f"max |Δ| {(a - b).abs().max():.3g}"

@@ -441,9 +441,8 @@ class Transformer(nn.Module):
         fwd = prepare_pass(cache, slots, tokens.shape[1], n_new, self.rope, self.inv_freq, self.dtype,
                            self.cfg.sliding_window, parents)
         x = self.model.embed_tokens(tokens)
-        if fwd.n_keys is not None and self.native_layers():
-            for block in self.model.layers:
-                x = block.forward_native(x, cache, fwd)
+        if fwd.n_keys is not None and self.native_stack is not None:
+            x = self.native_stack.forward(x, fwd.cos, fwd.sin, cache.k, cache.v, fwd.slots, fwd.n_keys, fwd.tree)
         else:
             for block in self.model.layers:
                 x = block(x, cache, fwd)
@@ -458,9 +457,15 @@ class Transformer(nn.Module):
             self._graphs[cache] = PassGraphs(self, cache)
         return self._graphs[cache]
 
-    def native_layers(self) -> bool:
-        """Whether every layer runs as one native call (Block.forward_native); else all run as modules."""
-        return all(block.native_weights is not None for block in self.model.layers)
+    @functools.cached_property
+    def native_stack(self):
+        """Every layer in one native call (native.decoder_stack: each layer as Block.forward_native computes
+        it), or None where a layer runs as modules. Built on the first pass that asks: a model's weights
+        are final by then (quantized and packed at load)."""
+        weights = [block.native_weights for block in self.model.layers]
+        if None in weights:
+            return None
+        return native.decoder_stack(weights, self.cfg.n_heads, self.cfg.n_kv_heads)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -174,6 +174,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return kernels().silu_mul(gate_up)
 
 
+def decoder_stack(layers: list[list], n_heads: int, n_kv_heads: int):
+    """Every decoder layer in one native object (decoder.cpp's DecoderStack): `layers` each layer's
+    Block.native_weights. Its forward(x, cos, sin, k_cache, v_cache, slots, n_keys, tree) is a pass over
+    all of them, the whole KV cache [layers, rows, Hkv, L, Dh] given at once."""
+    eps = layers[0][2]
+    return kernels().DecoderStack([[[w[0]], [w[1]], *w[3:]] for w in layers], eps, n_heads, n_kv_heads)
+
+
 def decoder_layer(x: torch.Tensor, weights: list, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slots: torch.Tensor, n_keys: torch.Tensor, n_heads: int,
                   n_kv_heads: int, tree: torch.Tensor | None = None) -> torch.Tensor:

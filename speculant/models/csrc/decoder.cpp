@@ -67,6 +67,37 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor input_norm, torch::Te
   return out.view({B, T, D});
 }
 
+// Every decoder layer of a model, their weights handed over once: a pass is one call. Layer by layer
+// from Python, each call cost ~20 µs of interpreter work and argument conversion, 30 of them a pass.
+class DecoderStack {
+ public:
+  // layers[i]: input norm, post-attention norm, then the qkv, o, gate_up and down projections' weights.
+  DecoderStack(std::vector<std::vector<std::vector<torch::Tensor>>> layers, double eps, int64_t n_heads,
+               int64_t n_kv_heads)
+      : layers_(std::move(layers)), eps_(eps), n_heads_(n_heads), n_kv_heads_(n_kv_heads) {
+    for (const auto& layer : layers_) TORCH_CHECK(layer.size() == 6 && layer[0].size() == 1 && layer[1].size() == 1,
+                                                  "a layer: two norms and four projections");
+  }
+
+  // x [B, T, D]; k_cache, v_cache the whole KV cache [layers, rows, Hkv, L, Dh]; the rest as decoder_layer.
+  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                        torch::Tensor v_cache, torch::Tensor slots, torch::Tensor n_keys,
+                        c10::optional<torch::Tensor> tree) const {
+    TORCH_CHECK(k_cache.size(0) == (int64_t)layers_.size(), "one cache layer per decoder layer");
+    for (size_t i = 0; i < layers_.size(); i++) {
+      const auto& l = layers_[i];
+      x = decoder_layer(x, l[0][0], l[1][0], eps_, l[2], l[3], l[4], l[5], cos, sin, k_cache.select(0, i),
+                        v_cache.select(0, i), slots, n_keys, n_heads_, n_kv_heads_, tree);
+    }
+    return x;
+  }
+
+ private:
+  std::vector<std::vector<std::vector<torch::Tensor>>> layers_;
+  double eps_;
+  int64_t n_heads_, n_kv_heads_;
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("int4_mm", &int4_mm);
   mod.def("int8_mm", &int8_mm);
@@ -82,4 +113,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           pybind11::arg("gate_up_proj"), pybind11::arg("down_proj"), pybind11::arg("cos"), pybind11::arg("sin"),
           pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("slots"), pybind11::arg("n_keys"),
           pybind11::arg("n_heads"), pybind11::arg("n_kv_heads"), pybind11::arg("tree") = pybind11::none());
+  pybind11::class_<DecoderStack>(mod, "DecoderStack")
+      .def(pybind11::init<std::vector<std::vector<std::vector<torch::Tensor>>>, double, int64_t, int64_t>())
+      .def("forward", &DecoderStack::forward, pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin"),
+           pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("slots"), pybind11::arg("n_keys"),
+           pybind11::arg("tree") = pybind11::none());
 }
