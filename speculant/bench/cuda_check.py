@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from speculant.adaptive import measure_cost_curve
 from speculant.bench.prompts import PROMPT_CLASSES, load_prompts
 from speculant.config import SamplingParams, SpeculativeConfig
+from speculant.engine import EngineTiming
 from speculant.llm import engine_for
 from speculant.models.loader import default_model_path, load_model
 
@@ -65,6 +66,14 @@ def generate(engine, prompts: list[list[int]], max_tokens: int, batch: int) -> t
     return outputs, tokens / (time.perf_counter() - start)
 
 
+def step_split(timing: EngineTiming) -> dict:
+    """Tokens a step and where a step's time went: drafting, the target's pass, the rest (verification,
+    bookkeeping), in ms."""
+    steps = max(timing.steps, 1)
+    return dict(tokens_per_step=timing.tokens / steps, draft_ms=1e3 * timing.draft_s / steps,
+                target_ms=1e3 * timing.target_s / steps, other_ms=1e3 * timing.other_s / steps)
+
+
 def end_to_end(path, dtype: str, quantization: str, specs: dict, prompts: list[list[int]], max_tokens: int,
                batch: int) -> list[dict]:
     """Each proposer of `specs` with graphs, plain decoding and the first proposer eagerly too;
@@ -78,6 +87,7 @@ def end_to_end(path, dtype: str, quantization: str, specs: dict, prompts: list[l
             engine = engine_for(target, SpeculativeConfig.parse(spec), batch, 1024)
             if graphs:
                 generate(engine, prompts, max_tokens, batch)  # captures the graphs of every shape it meets
+            engine.timing = EngineTiming()
             outputs, speed = generate(engine, prompts, max_tokens, batch)
             reference, base_speed = plain.setdefault(graphs, (outputs, speed))
             if spec is None and not graphs:
@@ -85,7 +95,8 @@ def end_to_end(path, dtype: str, quantization: str, specs: dict, prompts: list[l
             same = sum(o == r for o, r in zip(outputs, reference))
             rows.append(dict(dtype=dtype, quantization=quantization, graphs=graphs, batch=batch, proposer=name,
                              tok_s=speed, speedup=speed / base_speed, identical=f"{same}/{len(outputs)}",
-                             acceptance=engine.stats.acceptance_rate if spec else None))
+                             acceptance=engine.stats.acceptance_rate if spec else None,
+                             **step_split(engine.timing)))
             print(rows[-1], flush=True)
     return rows
 
@@ -141,12 +152,13 @@ def main(argv: list[str] | None = None) -> int:
         rows += end_to_end(path, dtype, quantization, specs, prompts, args.max_tokens, batch=1)
     rows += end_to_end(path, "bfloat16", "none", specs, prompts, args.max_tokens, batch=4)
     print("\n| dtype | weights | graphs | batch | proposer | tok/s | vs plain (same mode) | identical to plain "
-          "| acceptance |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| acceptance | tokens/step | ms/step: draft, target, rest |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         acc = "" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
         print(f"| {r['dtype']} | {r['quantization']} | {'yes' if r['graphs'] else 'no'} | {r['batch']} | "
-              f"{r['proposer']} | {r['tok_s']:.1f} | {r['speedup']:.2f} | {r['identical']} | {acc} |")
+              f"{r['proposer']} | {r['tok_s']:.1f} | {r['speedup']:.2f} | {r['identical']} | {acc} | "
+              f"{r['tokens_per_step']:.2f} | {r['draft_ms']:.2f}, {r['target_ms']:.2f}, {r['other_ms']:.2f} |")
     curve = measure_cost_curve(load_model(path, dtype="bfloat16", device="cuda").model, [1, 4, 16], max_width=16)
     print(f"\nbf16 with graphs, {curve.context} cached tokens: C(1) at batch 1 / 4 / 16 = "
           + " / ".join(f"{curve.seconds[b][0] * 1e3:.2f} ms" for b in (1, 4, 16)))
