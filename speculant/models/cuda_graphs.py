@@ -120,7 +120,8 @@ class PassGraphs:
                 hidden = self.static_pass(*inputs)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: the server's other threads may use CUDA while the engine's thread captures.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             hidden = self.static_pass(*inputs)
         graph.replay()
         return Captured(graph, *inputs, hidden)
