@@ -10,6 +10,7 @@ import functools
 import math
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,9 @@ from speculant.models import native
 from speculant.models.kernels import PackedLinear
 from speculant.models.kv_cache import CacheIndex, KVCache
 from speculant.models.quantize import Int4Linear
+
+if TYPE_CHECKING:
+    from speculant.models.cuda_graphs import PassGraphs
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -449,7 +453,7 @@ class Transformer(nn.Module):
         cache.lengths[slots] = fwd.end
         return self.model.norm(x)
 
-    def graphs_for(self, cache: KVCache):
+    def graphs_for(self, cache: KVCache) -> PassGraphs:
         """The CUDA graphs of this model's passes over `cache` (a graph holds the cache's addresses)."""
         from speculant.models.cuda_graphs import PassGraphs  # it builds on this module
 
@@ -458,7 +462,7 @@ class Transformer(nn.Module):
         return self._graphs[cache]
 
     @functools.cached_property
-    def native_stack(self):
+    def native_stack(self) -> object | None:
         """Every layer in one native call (native.decoder_stack: each layer as Block.forward_native computes
         it), or None where a layer runs as modules. Built on the first pass that asks: a model's weights
         are final by then (quantized and packed at load)."""
