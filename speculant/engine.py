@@ -326,6 +326,8 @@ class Engine:
         # it, and a plain and a speculative run (which admit at different steps) could part ways.
         for seq in admitted:
             self.prefill([seq])
+        if admitted and len(self.running) == 1 and self.adaptive:
+            self.adaptive.new_request()
 
     def prefill(self, seqs: list[Sequence]) -> None:
         """Feed new sequences' prompts but the last token, apart from the running batch: a step then

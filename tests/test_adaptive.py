@@ -9,6 +9,7 @@ from speculant.adaptive import AdaptiveK, cost_curve_for, expected_tokens_upto
 from speculant.config import SamplingParams
 from speculant.engine import Engine
 from speculant.models.loader import load_model
+from speculant.proposers.base import MODEL_BUCKET
 from speculant.proposers.ngram import NgramProposer
 from speculant.speedup import CostCurve
 
@@ -73,6 +74,24 @@ def test_off_policy_probes_less_and_less_while_probes_fail():
     for _ in range(60):
         policy.observe([0], [2], [0], draft_s=0.0, batch_size=1)
     assert [policy.choose(1) for _ in range(4)] == [0, 0, 0, 2]
+
+
+def test_a_new_request_gets_its_own_look_at_the_drafts():
+    """A drafter that one request's rejections turned off is probed as soon as the next request starts,
+    and that request's own drafts outweigh the old evidence."""
+    fresh, stale = (AdaptiveK(curve(32), k_max=8, alpha=0.7, draft_ratio=0.3) for _ in range(2))
+    # A draft costs 0.3 of a pass (the curve's C(1) is 1 s).
+    for policy in (fresh, stale):
+        for _ in range(40):
+            policy.observe([MODEL_BUCKET], [4], [0], draft_s=4 * 0.3, batch_size=1)
+        assert [policy.choose(1) for _ in range(3)] == [0, 0, 0]
+    fresh.new_request()
+    assert fresh.choose(1) > 0 and stale.choose(1) == 0  # a probe at once
+    for policy in (fresh, stale):
+        for _ in range(5):  # the new request's drafts are right
+            policy.observe([MODEL_BUCKET], [2], [2], draft_s=2 * 0.3, batch_size=1)
+    assert fresh.choose(1) > 0
+    assert stale.choose(1) == 0
 
 
 def test_a_model_that_is_off_is_probed_at_batch_1_only():
