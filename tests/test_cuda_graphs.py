@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import save_tiny
+from test_eagle import saved_head
 from test_greedy_lossless import PROMPTS, run
+from test_tree import count_sibling_paths
 
-from speculant.config import SamplingParams
+from speculant.config import SamplingParams, SpeculativeConfig
+from speculant.engine import Engine
+from speculant.llm import engine_for
 from speculant.models.loader import load_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -55,6 +60,24 @@ def test_speculation_through_static_passes_is_plain_greedy(tiny_pair, spec):
     assert speculative == plain
     assert plain == eager_plain
     assert engine.stats.num_accepted_tokens > 0
+
+
+def test_draft_trees_through_static_passes_are_plain_greedy(tmp_path):
+    """An EAGLE head's draft trees verified by static passes (tree masks built on the device), the kept
+    sibling branches' keys moved: the output is plain greedy decoding's through the same passes. Weights
+    large enough that attention decides tokens (a wrong tree mask changes the output: checked)."""
+    target = load_model(save_tiny(tmp_path / "target", num_hidden_layers=3, init_std=0.2))
+    target.model.narrow_passes = "static"
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [[1, 5, 9, 14], [1, 33, 2, 7, 7, 7, 7, 40, 41], [1, 60]]
+    engine = Engine(target, max_batch_size=3, max_model_len=64)
+    plain = [s.output_ids for s in engine.generate([engine.add_request(p, params) for p in prompts])]
+    spec = SpeculativeConfig.parse({"method": "eagle", "model": str(saved_head(target, tmp_path / "head")),
+                                    "num_speculative_tokens": 3, "tree_width": 4})
+    engine = engine_for(target, spec, 3, 64)
+    siblings = count_sibling_paths(engine)
+    assert [s.output_ids for s in engine.generate([engine.add_request(p, params) for p in prompts])] == plain
+    assert siblings[0] > 0
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
