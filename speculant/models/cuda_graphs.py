@@ -35,6 +35,8 @@ from speculant.config import MAX_VERIFY_WIDTH
 from speculant.models.kv_cache import CacheIndex, KVCache
 from speculant.models.llama import Pass, Transformer, attention_mask, rope_tables, tree_layout
 
+ATTENTION_BACKEND = SDPBackend.MATH  # row-invariant (module docstring); tools/attention_probe.py compares
+
 
 @dataclass
 class Captured:
@@ -143,7 +145,7 @@ class PassGraphs:
                    end=None)
         fwd.at = static_index(cache, slots, positions)
         x = model.model.embed_tokens(tokens)
-        with sdpa_kernel(SDPBackend.MATH):  # row-invariant (module docstring)
+        with sdpa_kernel(ATTENTION_BACKEND):
             for block in model.model.layers:
                 x = block(x, cache, fwd)
         return model.model.norm(x)
