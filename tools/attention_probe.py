@@ -7,24 +7,13 @@ and whether row 0 of the 5-token pass has the bits of the 1-token pass.
 
 import statistics
 import sys
-import time
 
 import torch
+from compile_probe import CONTEXT, timed_pass  # this script's folder is on the path
 from torch.nn.attention import SDPBackend
 
 from speculant.models import cuda_graphs
 from speculant.models.loader import load_model
-
-CONTEXT = 160
-
-
-def timed_pass(model, cache, tokens, slot) -> float:
-    cache.lengths[0] = CONTEXT
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    model.logits(model(tokens, cache, slot))
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 @torch.inference_mode()
