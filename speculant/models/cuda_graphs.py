@@ -61,20 +61,17 @@ class PassGraphs:
 
     def __init__(self, model: Transformer, cache: KVCache):
         self.model, self.cache = model, cache
-        self.max_width = MAX_VERIFY_WIDTH
         self.graphs: dict[tuple[int, int], Captured] = {}
         self.pool = None  # the graphs' shared memory, made by the first capture
-        # Padding tokens past a row's end are rotated for positions up to max_width beyond the cache.
-        self.cos, self.sin = rope_tables(model.inv_freq.to(cache.k.device), cache.max_len + self.max_width + 1,
+        # Padding tokens past a row's end are rotated for positions up to a verify pass's width beyond the cache.
+        self.cos, self.sin = rope_tables(model.inv_freq.to(cache.k.device), cache.max_len + MAX_VERIFY_WIDTH + 1,
                                          model.dtype)
         self.chains: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def fits(self, tokens: torch.Tensor, slots: torch.Tensor) -> bool:
-        return tokens.shape[1] <= self.max_width and len(slots) <= self.cache.max_batch
-
     def __call__(self, tokens: torch.Tensor, slots: torch.Tensor, n_new: torch.Tensor | None,
                  parents: list[list[int]] | None) -> torch.Tensor:
-        """Transformer.forward's pass as a static pass: tokens [B, T] → final hidden states [B, T, D]."""
+        """Transformer.forward's pass as a static pass: tokens [B, T ≤ MAX_VERIFY_WIDTH] → final hidden
+        states [B, T, D]."""
         B, T = tokens.shape
         cache = self.cache
         end = cache.lengths[slots] + (T if n_new is None else n_new)

@@ -438,10 +438,8 @@ class Transformer(nn.Module):
         Only row b's first n_new[b] tokens (default T) are real; `parents`: they are a draft tree (see
         prepare_pass); the cache lengths advance by n_new.
         """
-        if self.narrow_passes != "prepared":
-            graphs = self.graphs_for(cache)
-            if graphs.fits(tokens, slots):
-                return graphs(tokens, slots, n_new, parents)
+        if self.narrow_passes != "prepared" and tokens.shape[1] <= MAX_VERIFY_WIDTH:
+            return self.graphs_for(cache)(tokens, slots, n_new, parents)
         fwd = prepare_pass(cache, slots, tokens.shape[1], n_new, self.rope, self.inv_freq, self.dtype,
                            self.cfg.sliding_window, parents)
         x = self.model.embed_tokens(tokens)
