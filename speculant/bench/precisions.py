@@ -21,7 +21,7 @@ PRECISIONS = {
     "float32, plain nn.Linear layout": dict(dtype="float32", pack=False),
     "bfloat16": dict(dtype="bfloat16"),
     "int8 weights, bf16 activations": dict(dtype="bfloat16", quantization="int8"),
-    "int4 weights, bf16 activations": dict(dtype="bfloat16", quantization="int4"),
+    "int4 weights, int8 activations": dict(dtype="bfloat16", quantization="int4"),
 }
 # On CUDA, each precision with its passes replayed from CUDA graphs and run eagerly (kernel launches).
 CUDA_PRECISIONS = {

@@ -2,9 +2,13 @@
 where the CPU has AVX512-BF16 and a C++ compiler is installed; callers fall back to PyTorch's own kernels
 otherwise.
 
-- quantized_amx.cpp: int4 (Q4_1) and int8 (Q8_0) weight × bf16 activation products on AMX tiles (CPUs
-  with AMX). SmolLM2-135M's 120 int4 layers at 1 / 4 / 8 / 16 rows: PyTorch 5.1 / 9.9 / 14.7 / 29 ms, AMX
-  5.4 / 7.8 / 6.5 / 8.2 ms (interleaved, fastest of 15, this project's 2-core Sapphire Rapids VM).
+- int4.cpp: int4 (Q4_1) weight × int8 activation products (the activations quantized per 32 as llama.cpp
+  does), on VNNI up to 8 rows and AMX's int8 tiles above; integer sums, so every row gets the same bits
+  at any row count. SmolLM2-135M's 120 int4 layers at 1 / 4 / 8 / 16 rows: PyTorch 5.1 / 9.9 / 14.7 / 29 ms
+  (an earlier run), bf16 activations on AMX 3.6 / 3.7 / 4.2 / 5.2, this kernel 2.0 / 2.4 / 3.5 / 5.8
+  (medians, random weights, this project's 2-core Sapphire Rapids VM).
+- quantized_amx.cpp: int8 (Q8_0) weight × bf16 activation products on AMX tiles (the int4 model's
+  lm_head).
 - bf16_amx.cpp: bf16 weight × bf16 activation products on AMX tiles, every row alike at any row count.
 - attention.cpp: bf16 decode attention, one query row over exactly its keys, so rows score alike alone
   or in a verify pass or batch. SmolLM2's 30 layers, 300 cached keys, 1 / 4 / 8 rows: 0.53 / 1.6 / 3.1 ms;
@@ -32,14 +36,15 @@ import torch
 log = logging.getLogger("speculant")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ["quantized_amx.cpp", "bf16_amx.cpp", "attention.cpp", "attention_amx.cpp", "layer_ops.cpp", "decoder.cpp"]
+SOURCES = ["int4.cpp", "quantized_amx.cpp", "bf16_amx.cpp", "attention.cpp", "attention_amx.cpp", "layer_ops.cpp",
+           "decoder.cpp"]
 HEADERS = ["amx.h", "attention.h", "bf16.h", "kernels.h"]
-CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi", "-mamx-tile", "-mamx-bf16",
-          "-fopenmp"]
+CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi", "-mavx512vnni", "-mamx-tile",
+          "-mamx-bf16", "-mamx-int8", "-fopenmp"]
 # The compiler may use any instruction CFLAGS allow anywhere: the module loads only where all of them run;
 # AMX instructions appear in the *_amx.cpp kernels alone, called only where the CPU has AMX.
-NEEDED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi")
-AMX_FLAGS = ("amx_tile", "amx_bf16")
+NEEDED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi", "avx512_vnni")
+AMX_FLAGS = ("amx_tile", "amx_bf16", "amx_int8")
 # SPECULANT_NATIVE=off keeps PyTorch's kernels everywhere (to compare, or where a build misbehaves).
 SWITCH_ENV = "SPECULANT_NATIVE"
 
@@ -93,11 +98,11 @@ def quantized_usable(out_features: int, in_features: int) -> bool:
 
 def int4_layout(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """q [N, K] in 0..15, scale and minimum [N, K/32] → the kernel's layout: per block of 16 outputs and
-    group of 32 inputs, 16 rows (input pairs) of 16 bytes, byte j = q[j][2r] | q[j][2r+1] << 4; scales
-    and minimums as bf16 [N/16, K/32, 16]."""
+    group of 32 inputs, 4 vectors of 64 bytes, byte 4j + e of vector v = q[j][4v + e] | q[j][16 + 4v + e] << 4
+    (int4.cpp's unpack); scales and minimums as bf16 [N/16, K/32, 16]."""
     N, K = q.shape
-    pairs = q.view(N // 16, 16, K // 32, 16, 2)  # block, output, group, pair, member
-    packed = (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+    quads = q.view(N // 16, 16, K // 32, 2, 4, 4)  # block, output, group, half, vector, member
+    packed = (quads[:, :, :, 0] | (quads[:, :, :, 1] << 4)).to(torch.uint8).permute(0, 2, 3, 1, 4).contiguous()
 
     def per_block(v: torch.Tensor) -> torch.Tensor:
         return v.view(N // 16, 16, K // 32).transpose(1, 2).contiguous().to(torch.bfloat16)

@@ -1,19 +1,16 @@
-// y = x Wᵀ for weights quantized in groups of 32 inputs, on Intel AMX, in two of llama.cpp's formats:
-// - Q4_1, int4: w = d·q + m, q in 0..15 (int4_mm);
-// - Q8_0, int8: w = d·q, q in −127..127 (int8_mm): SmolLM2's lm_head, the tied embedding, which its GGUF
-//   file keeps as Q8_0: 30 MB a pass where bf16 streamed 57 MB.
+// y = x Wᵀ for int8 weights in groups of 32 inputs (llama.cpp's Q8_0, w = d·q, q in −127..127), bf16
+// activations, on Intel AMX (int8_mm): SmolLM2's lm_head, the tied embedding, which its GGUF file keeps
+// as Q8_0: 30 MB a pass where bf16 streamed 57 MB.
 //
-// PyTorch's CPU int4 and int8 kernels cost in proportion to the rows they multiply: a verify pass over 8
-// tokens paid 3x a plain one. Here each 16-output × 32-input block is unpacked to bf16 once and
-// multiplied on AMX tiles by up to 16 rows at once.
+// PyTorch's CPU int8 kernel costs in proportion to the rows it multiplies: a verify pass over 8 tokens
+// paid 3x a plain one. Here each 16-output × 32-input block is unpacked to bf16 once and multiplied on
+// AMX tiles by up to 16 rows at once.
 //
 // Exactness: every output row is computed by the same instructions in the same order whatever the
 // number of rows and threads (a row's sums never mix with another's), so a verify pass scores
 // exactly as plain decoding does.
 //
-// Q4_1 tiles hold 128 + q, exact in bf16 (bits 0x4300 | q): then x·w over a group is
-// d·(x·(128 + q)) + (m − 128 d)·Σx. Q8_0 tiles hold q, exact in bf16 too. The scales are applied per
-// group on fp32 sums.
+// The tiles hold q, exact in bf16; the scales are applied per group on fp32 sums.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -31,59 +28,15 @@ using speculant::TileConfig;
 // Each thread streams its blocks' weights from memory, and at one row per pass the tile work per group
 // is too short for the hardware prefetcher to keep enough lines in flight: the weights are requested
 // this far ahead of the group being unpacked (measured, SmolLM2's int4 products + int8 head from
-// memory, one row: 6.3 → 5.4 ms; 2, 8, 16 and 64 KB ahead, to L1 or L2, all did less).
+// memory, one row: 6.3 → 5.4 ms; 2, 8, 16 and 64 KB ahead, to L1 or L2, all did less; int4.cpp too).
 constexpr int64_t kPrefetchBytes = 4096;
 
 struct Operands {
   const uint16_t* X;  // [M, K]
   const uint8_t* Q;
-  const uint16_t *D, *Mn;  // Mn: Q4_1's minimums
-  const float* xsum;       // [M, G], Q4_1's
-  uint16_t* Y;             // [M, N]
+  const uint16_t* D;
+  uint16_t* Y;  // [M, N]
   int64_t K, N, G;
-};
-
-struct Q4_1 {
-  static constexpr int64_t kGroupBytes = 256;
-  __m512i pick[4], low4;
-
-  Q4_1() {
-    alignas(64) uint8_t bytes[4][64];
-    for (int i = 0; i < 4; i++)
-      for (int j = 0; j < 16; j++) {
-        bytes[i][4 * j] = 16 * i + j;
-        bytes[i][4 * j + 1] = 0x43;
-        bytes[i][4 * j + 2] = 64 + 16 * i + j;
-        bytes[i][4 * j + 3] = 0x43;
-      }
-    for (int i = 0; i < 4; i++) pick[i] = _mm512_load_si512(bytes[i]);
-    low4 = _mm512_set1_epi8(0x0F);
-  }
-
-  // One block's group: 16 rows of 16 bytes (byte j of row r: q[j][2r] | q[j][2r+1] << 4) → the B tile,
-  // row r = for each output j the input pair (2r, 2r+1) as bf16 128 + q.
-  void unpack(const uint8_t* wg, uint32_t* tile) const {
-    const __mmask64 nibbles = 0x5555555555555555ULL;  // even bytes take a nibble, odd bytes keep 0x43
-    for (int r = 0; r < 16; r += 4) {
-      __m512i v = _mm512_loadu_si512(wg + r * 16);
-      __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      for (int i = 0; i < 4; i++)
-        _mm512_store_si512(tile + (r + i) * 16, _mm512_mask2_permutex2var_epi8(lo, pick[i], nibbles, hi));
-    }
-  }
-
-  // acc[i] += d · sums[i] + (m − 128 d) · Σx[i] for group g of 16 outputs (`at` its scales) and rows
-  // i < rows ≤ R: with R known when compiled the accumulators stay in registers.
-  template <int R>
-  void scale(const Operands& o, const float* sums, __m512* acc, int rows, int64_t at, int64_t r0, int64_t g) const {
-    const __m512 dv = load_bf16(o.D + at);
-    const __m512 mv = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), dv, load_bf16(o.Mn + at));
-    const float* xsum = o.xsum + r0 * o.G + g;
-    for (int i = 0; i < R; i++)
-      if (i < rows)
-        acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[i * o.G]), mv,
-                                 _mm512_fmadd_ps(_mm512_load_ps(sums + i * 16), dv, acc[i]));
-  }
 };
 
 struct Q8_0 {
@@ -98,8 +51,10 @@ struct Q8_0 {
     }
   }
 
+  // acc[i] += d · sums[i] for rows i < rows ≤ R (`at`: the group's scales): with R known when compiled the
+  // accumulators stay in registers.
   template <int R>
-  void scale(const Operands& o, const float* sums, __m512* acc, int rows, int64_t at, int64_t, int64_t) const {
+  void scale(const Operands& o, const float* sums, __m512* acc, int rows, int64_t at) const {
     const __m512 dv = load_bf16(o.D + at);
     for (int i = 0; i < R; i++)
       if (i < rows) acc[i] = _mm512_fmadd_ps(_mm512_load_ps(sums + i * 16), dv, acc[i]);
@@ -108,12 +63,12 @@ struct Q8_0 {
 
 // Blocks b0 .. b1 of 16 outputs for rows r0 .. r0 + rows (rows ≤ R ≤ 16) and, on tiles 6 and 7, the next
 // `more` rows (up to 16): the weights unpacked once serve both (a second row block unpacking them again
-// cost as much as the first: 20 rows 7.1 ms for SmolLM2's 90 int4 products, 16 rows 4.9).
-template <int R, class Format>
-void multiply_rows(const Operands& o, const Format& f, int64_t r0, int rows, int more, int64_t b0, int64_t b1,
+// cost as much as the first: 20 rows 7.1 ms for SmolLM2's 90 int4 products, 16 rows 4.9, when they ran here).
+template <int R>
+void multiply_rows(const Operands& o, const Q8_0& f, int64_t r0, int rows, int more, int64_t b0, int64_t b1,
                    uint32_t (*tiles)[256]) {
   alignas(64) float sums0[16 * 16], sums1[16 * 16];
-  const int64_t G = o.G, K = o.K, bytes = Format::kGroupBytes;
+  const int64_t G = o.G, K = o.K, bytes = Q8_0::kGroupBytes;
   const uint16_t* Xr = o.X + r0 * K;
   for (int64_t b = b0; b < b1; b++) {
     __m512 acc[R], acc_more[16];
@@ -144,19 +99,19 @@ void multiply_rows(const Operands& o, const Format& f, int64_t r0, int rows, int
       _tile_stored(0, sums0, 64);
       _tile_stored(3, sums1, 64);
       const int64_t at = (b * G + g) * 16;
-      f.template scale<R>(o, sums0, acc, rows, at, r0, g);
-      f.template scale<R>(o, sums1, acc, rows, at + 16, r0, g + 1);
+      f.scale<R>(o, sums0, acc, rows, at);
+      f.scale<R>(o, sums1, acc, rows, at + 16);
       if (more) {  // the weights still in tiles 2 and 5
         _tile_loadd(6, Xr + 16 * K + g * 32, K * 2);
         _tile_zero(7);
         _tile_dpbf16ps(7, 6, 2);
         _tile_stored(7, sums0, 64);
-        f.template scale<16>(o, sums0, acc_more, more, at, r0 + 16, g);
+        f.scale<16>(o, sums0, acc_more, more, at);
         _tile_loadd(6, Xr + 16 * K + (g + 1) * 32, K * 2);
         _tile_zero(7);
         _tile_dpbf16ps(7, 6, 5);
         _tile_stored(7, sums1, 64);
-        f.template scale<16>(o, sums1, acc_more, more, at + 16, r0 + 16, g + 1);
+        f.scale<16>(o, sums1, acc_more, more, at + 16);
       }
       std::swap(cur, next);
     }
@@ -167,27 +122,23 @@ void multiply_rows(const Operands& o, const Format& f, int64_t r0, int rows, int
   }
 }
 
-// x [M, K] bf16 × the weights `q` (Format's layout, [N/16, G, ...]), scales d [N/16, G, 16] → [M, N] bf16.
-// G = K/32 must be even: two groups are in flight on separate tiles.
-template <class Format>
-torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
-                       const uint16_t* minimums) {
+}  // namespace
+
+// x [M, K] bf16 × q int8 [N/16, G, 16, 32]: per block and group, row r holds for each output j the inputs
+// (2r, 2r+1); d bf16 [N/16, G, 16] → [M, N] bf16. G = K/32 must be even: two groups are in flight on
+// separate tiles.
+torch::Tensor int8_mm(torch::Tensor x, torch::Tensor q, torch::Tensor d) {
   TORCH_CHECK(amx_permitted(), "the kernel asked Linux for AMX tile state and was refused");
+  TORCH_CHECK(q.scalar_type() == at::kChar, "int8 weights");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2, "x must be 2-D bf16");
   const int64_t M = x.size(0), K = x.size(1), N = d.size(0) * 16, G = K / 32;
   TORCH_CHECK(K % 64 == 0 && d.size(1) == G, "input size must be a multiple of 64 matching the weight");
   auto xc = x.contiguous();
   auto y = torch::empty({M, N}, x.options());
-  const uint16_t* X = (const uint16_t*)xc.data_ptr<at::BFloat16>();
-  std::vector<float> xsum(minimums ? M * G : 0);  // Σx per row and group, in a fixed order
-  for (int64_t r = 0; minimums && r < M; r++)
-    for (int64_t g = 0; g < G; g++)
-      xsum[r * G + g] = _mm512_reduce_add_ps(
-          _mm512_add_ps(load_bf16(X + r * K + g * 32), load_bf16(X + r * K + g * 32 + 16)));
-  const Operands o{X, (const uint8_t*)q.data_ptr(), (const uint16_t*)d.data_ptr<at::BFloat16>(), minimums,
-                   xsum.data(), (uint16_t*)y.data_ptr<at::BFloat16>(), K, N, G};
+  const Operands o{(const uint16_t*)xc.data_ptr<at::BFloat16>(), (const uint8_t*)q.data_ptr(),
+                   (const uint16_t*)d.data_ptr<at::BFloat16>(), (uint16_t*)y.data_ptr<at::BFloat16>(), K, N, G};
   at::parallel_for(0, N / 16, 1, [&](int64_t b0, int64_t b1) {
-    const Format f;
+    const Q8_0 f;
     alignas(64) uint32_t tiles[4][256];
     for (int64_t r0 = 0; r0 < M; r0 += 32) {
       const int rows = (int)std::min<int64_t>(16, M - r0), more = (int)std::clamp<int64_t>(M - r0 - 16, 0, 16);
@@ -207,18 +158,4 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& q, const tor
     }
   });
   return y;
-}
-
-}  // namespace
-
-// q uint8 [N/16, G, 16, 16] (see Q4_1::unpack); d, m bf16 [N/16, G, 16].
-torch::Tensor int4_mm(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m) {
-  return multiply<Q4_1>(x, q, d, (const uint16_t*)m.data_ptr<at::BFloat16>());
-}
-
-// q int8 [N/16, G, 16, 32]: per block and group, row r holds for each output j the inputs (2r, 2r+1);
-// d bf16 [N/16, G, 16].
-torch::Tensor int8_mm(torch::Tensor x, torch::Tensor q, torch::Tensor d) {
-  TORCH_CHECK(q.scalar_type() == at::kChar, "int8 weights");
-  return multiply<Q8_0>(x, q, d, nullptr);
 }
