@@ -223,8 +223,8 @@ def peers_section(result: BenchResult) -> list[str]:
             "\"vs own plain\": the peer's speculative mode over its own plain greedy decoding; \"vs "
             "Speculant plain\": its tokens/s over Speculant's k = 0 on the same prompts; \"identical\": the "
             "share of prompts where its speculative output equals its own plain greedy output. llama.cpp "
-            "runs the GGUF's quantized weights with its own kernels; transformers and Speculant run the "
-            "same weights dequantized.\n",
+            "runs the GGUF's quantized weights with its own kernels; transformers runs them dequantized; "
+            "Speculant at the precision the header names (int4 and int8: the file's own grid).\n",
             _table(header, body)]
 
 

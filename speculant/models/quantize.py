@@ -9,7 +9,8 @@ whatever the number of rows, so a verify pass scores like plain decoding.
 
 int4 stores the weight as llama.cpp's Q4_1 does (w = d·q + m, q in 0..15, per 32 weights): a model
 read from a Q4_1 GGUF file comes back on its own grid, so the int4 target is the file's weights
-(scales rounded to bf16).
+(scales rounded to bf16). Where the AMX kernel runs, int4 products read the activations as int8 per
+32 (csrc/int4.cpp), as llama.cpp's Q4_1 products do.
 """
 
 from __future__ import annotations
