@@ -12,6 +12,7 @@ from speculant.bench.prompts import PROMPT_CLASSES
 from speculant.bench.suite import DEFAULT_PROPOSERS, PEERS, PROPOSERS, BenchPlan
 from speculant.cli import add_target_arguments
 from speculant.errors import SpeculantError
+from speculant.training.shipped import BEST
 
 # What --quick changes; flags given explicitly still win.
 QUICK = dict(per_class=1, max_tokens=24, ks=[2, 4], batch_sizes=[1, 4], temperatures=[0.0, 0.7],
@@ -62,8 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of ngram, draft_model, eagle, and draft_model+lookup, eagle+lookup (prompt "
                    "lookup first, the model's drafts where it finds nothing), eagle+tree, eagle+lookup+tree (a "
                    "draft tree, --tree-width); default: the first three, those available")
-    s.add_argument("--tree-width", type=int, default=3,
-                   help="the +tree proposers' tree width: k + N - 1 drafts a step (default 3)")
+    s.add_argument("--tree-width", type=int, default=BEST["tree_width"],
+                   help="the +tree proposers' tree width: k + N - 1 drafts a step (default: the bundled "
+                        f"model's default, {BEST['tree_width']})")
     s.add_argument("--ks", type=int_list, default=None, help="k values, 2,4,6,8 (default) or 1..8")
     s.add_argument("--batch-k", type=int, default=None,
                    help="k for the batch and temperature sweeps (default: each proposer's best k at batch 1)")
