@@ -77,12 +77,16 @@ class SpeculativeConfig:
     # most num_speculative_tokens deep, grown where the head is confident (proposers/draft_tree.py) and
     # verified in one pass.
     tree_width: int = 1
+    # Our extension, for ngram and lookup_first: a corpus table (proposers/corpus.py, a file or its folder)
+    # whose drafts are verified where prompt lookup matches fewer than 2 tokens.
+    corpus: str | None = None
 
     @property
     def proposer(self) -> str:
         """The proposer as reports name it: ngram, eagle, eagle+lookup (lookup first), eagle+tree (a draft
-        tree) …"""
-        return self.method + "+lookup" * self.lookup_first + "+tree" * (self.tree_width > 1)
+        tree), ngram+corpus (a corpus table behind lookup) …"""
+        return (self.method + "+lookup" * self.lookup_first + "+corpus" * (self.corpus is not None)
+                + "+tree" * (self.tree_width > 1))
 
     @classmethod
     def parse(cls, value: str | dict | None) -> SpeculativeConfig | None:
@@ -113,7 +117,7 @@ class SpeculativeConfig:
                   prompt_lookup_min=value.get("prompt_lookup_min", cls.prompt_lookup_min),
                   prompt_lookup_max=value.get("prompt_lookup_max", cls.prompt_lookup_max),
                   adaptive=value.get("adaptive", False), lookup_first=value.get("lookup_first", False),
-                  tree_width=value.get("tree_width", 1))
+                  tree_width=value.get("tree_width", 1), corpus=value.get("corpus"))
         for key in ("adaptive", "lookup_first"):
             if not isinstance(getattr(cfg, key), bool):
                 raise SpeculantError(f"speculative config: {key} must be true or false, got {getattr(cfg, key)!r}")
@@ -128,6 +132,11 @@ class SpeculativeConfig:
         if k + width - 1 > MAX_SPECULATIVE_TOKENS:
             raise SpeculantError(f"speculative config: num_speculative_tokens + tree_width - 1 = {k + width - 1} "
                                  f"drafts a step; at most {MAX_SPECULATIVE_TOKENS}")
+        if cfg.corpus is not None and not (isinstance(cfg.corpus, str) and cfg.corpus):
+            raise SpeculantError(f"speculative config: corpus must be a path, got {cfg.corpus!r}")
+        if cfg.corpus and not (method == "ngram" or cfg.lookup_first):
+            raise SpeculantError("speculative config: corpus drafts where prompt lookup finds little; it needs "
+                                 "method ngram or lookup_first")
         if method in ("draft_model", "eagle") and not cfg.model:
             raise SpeculantError(f"speculative config: method {method!r} needs \"model\" (the draft's path)")
         if method == "ngram" or cfg.lookup_first:

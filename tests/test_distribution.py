@@ -107,6 +107,22 @@ def test_ngram_sampling_matches_target(models):
     assert p > ALPHA
 
 
+def test_corpus_drafts_sampling_matches_target(models):
+    """Corpus drafts are deterministic like lookup's; a table of every context seen (8 tokens: most
+    contexts are there) drafts at most steps."""
+    from speculant.proposers.corpus import CorpusTable
+
+    gen = torch.Generator().manual_seed(0)
+    corpus = [torch.randint(0, 8, (400,), generator=gen).tolist() for _ in range(4)]
+    table = CorpusTable.build(corpus, models[0], min_count=1, min_share=0.0)
+    engine = Engine(models[0], NgramProposer(2, 3, table), 3, max_batch_size=BATCH, max_model_len=32)
+    params = SETTINGS["t1"]
+    p = g_test(sampled_joint(engine, params, N_SAMPLES), exact_joint(models[0].model, params, N_TOKENS))
+    print(f"corpus drafts: G-test p = {p:.4f}, {engine.stats.num_draft_tokens} drafts")
+    assert engine.stats.num_accepted_tokens > 0
+    assert p > ALPHA
+
+
 def test_inverse_cdf_sampler_alone_is_exact(models, monkeypatch):
     # Control for the residual mutant: the sampler it uses is itself exact on normalized input.
     import speculant.verify as verify_module

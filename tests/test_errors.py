@@ -122,6 +122,8 @@ def test_bad_device_and_dtype(tiny):
     ('{"method": "ngram", "num_speculative_tokens": 3', "invalid JSON"),
     ('/no/such/config.yaml', "no such file"),
     ('[1, 2]', "must be a JSON object"),
+    ('{"method": "eagle", "model": "x", "num_speculative_tokens": 3, "corpus": "t"}', "corpus .* needs method ngram"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "corpus": 5}', "corpus must be a path, got 5"),
 ])
 def test_invalid_speculative_config(config, message):
     with raises(message):

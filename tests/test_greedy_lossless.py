@@ -50,6 +50,31 @@ def test_greedy_equals_plain(target, tiny_pair, plain, method, k):
     assert engine.stats.num_draft_tokens > 0
 
 
+@pytest.fixture(scope="module")
+def corpus(target, tmp_path_factory):
+    """A corpus table of the target's own greedy answers to other prompts: its drafts are often right."""
+    from speculant.proposers.corpus import CorpusTable
+
+    others = [[3 + i, 40 + 2 * i, 17] for i in range(12)]
+    path = tmp_path_factory.mktemp("corpus") / "corpus.safetensors"
+    answers = [p + o for p, o in zip(others, run(target, None, others)[0])]
+    CorpusTable.build(answers + PROMPTS, target, min_count=1, min_share=0.0).save(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 4},
+                                  {"method": "draft_model", "num_speculative_tokens": 3, "lookup_first": True},
+                                  {"method": "ngram", "num_speculative_tokens": 5, "adaptive": True}])
+def test_corpus_drafts_keep_greedy_output(target, tiny_pair, plain, corpus, spec):
+    spec |= {"model": str(tiny_pair[1])} if spec["method"] == "draft_model" else {}
+    one_by_one = [run(target, {**spec, "corpus": corpus}, [p], max_batch_size=1)[0][0] for p in PROMPTS]
+    batched, engine = run(target, {**spec, "corpus": corpus}, PROMPTS)
+    assert one_by_one == plain and batched == plain
+    assert "corpus" in engine.proposer.name.split("+")
+    # The corpus drafted: more drafts kept than prompt lookup alone keeps.
+    assert engine.stats.num_accepted_tokens > run(target, spec, PROMPTS)[1].stats.num_accepted_tokens
+
+
 def test_identical_draft_accepts_everything(target, tiny_pair):
     spec = {"method": "draft_model", "model": str(tiny_pair[0]), "num_speculative_tokens": 4}
     outputs, engine = run(target, spec, PROMPTS)

@@ -14,14 +14,11 @@ __all__ = ["Proposal", "Proposer", "TargetHidden", "build_proposer"]
 def build_proposer(cfg: SpeculativeConfig, target: LoadedModel, max_batch_size: int, max_len: int) -> Proposer:
     if cfg.lookup_first:
         from speculant.proposers.lookup_first import LookupFirstProposer
-        from speculant.proposers.ngram import NgramProposer
 
-        model = build_proposer(replace(cfg, lookup_first=False), target, max_batch_size, max_len)
-        return LookupFirstProposer(NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max), model)
+        model = build_proposer(replace(cfg, lookup_first=False, corpus=None), target, max_batch_size, max_len)
+        return LookupFirstProposer(prompt_lookup(cfg, target), model)
     if cfg.method == "ngram":
-        from speculant.proposers.ngram import NgramProposer
-
-        return NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        return prompt_lookup(cfg, target)
     if cfg.method == "draft_model":
         from speculant.proposers.draft_model import DraftModelProposer, check_vocab
 
@@ -35,3 +32,11 @@ def build_proposer(cfg: SpeculativeConfig, target: LoadedModel, max_batch_size: 
         return EagleProposer(load_eagle(cfg.model, target), target.model, max_batch_size, max_len, cfg.tree_width,
                              cfg.num_speculative_tokens)
     raise NotImplementedError(f"method {cfg.method!r} is not available yet")
+
+
+def prompt_lookup(cfg: SpeculativeConfig, target: LoadedModel) -> Proposer:
+    from speculant.proposers.corpus import load_corpus
+    from speculant.proposers.ngram import NgramProposer
+
+    corpus = load_corpus(cfg.corpus, target) if cfg.corpus else None
+    return NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max, corpus)

@@ -26,7 +26,8 @@ class LookupFirstProposer(Proposer):
     def __init__(self, lookup: NgramProposer, model: Proposer):
         self.lookup, self.model = lookup, model
         method, *options = model.name.split("+")
-        self.name = "+".join((method, "lookup", *options))  # as SpeculativeConfig.proposer names it
+        corpus = ["corpus"] if lookup.corpus else []
+        self.name = "+".join((method, "lookup", *corpus, *options))  # as SpeculativeConfig.proposer names it
         self.extra_nodes = model.extra_nodes
 
     def add(self, seq: Sequence) -> None:

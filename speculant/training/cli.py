@@ -27,9 +27,10 @@ def non_negative(text: str) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None,
                    help="the target: HF folder or .gguf (default: the bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--kind", choices=KINDS, required=True,
+    p.add_argument("--kind", choices=(*KINDS, "corpus"), required=True,
                    help="eagle: a one-layer head on the target's features; "
-                        "draft_model: a small standalone model")
+                        "draft_model: a small standalone model; corpus: a table of what the target wrote "
+                        "after each 2-3 tokens of its recorded answers (for ngram or lookup_first)")
     p.add_argument("--out", type=Path, required=True, help="folder the trained draft is written to")
     p.add_argument("--data", type=Path, default=None,
                    help="self-distillation data folder, shared between kinds; recorded there when missing or "
@@ -93,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
     if not manifest["complete"]:
         raise SpeculantError(f"{data_dir}: the data set is incomplete (other workers still recording?)")
     folders = [data_dir, *args.more_data]
+    if args.kind == "corpus":
+        return build_corpus(target, folders, args.out, t0)
     data = load_dataset(folders)
     log.info("data: %d tokens in %d sequences (%s)", len(data["tokens"]), len(data["offsets"]) - 1,
              ", ".join(map(str, folders)))
@@ -111,4 +114,18 @@ def run(args: argparse.Namespace) -> int:
     summary["total_wall_time_s"] = round(time.perf_counter() - t0, 1)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
+    return 0
+
+
+def build_corpus(target, folders: list[Path], out: Path, t0: float) -> int:
+    """The corpus table of every recorded sequence (prompts and the target's answers) → OUT/corpus.safetensors."""
+    from speculant.proposers.corpus import FILE, CorpusTable
+    from speculant.training.data import load_token_sequences
+
+    table = CorpusTable.build(load_token_sequences(folders), target)
+    table.save(out / FILE)
+    summary = {**table.info, "entries": table.entries, "folders": list(map(str, folders)),
+               "total_wall_time_s": round(time.perf_counter() - t0, 1)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
     return 0

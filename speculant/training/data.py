@@ -22,11 +22,12 @@ import os
 import random
 import sysconfig
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -306,6 +307,18 @@ def describe(folder: Path, target: LoadedModel, settings: dict) -> dict:
         "recorded": ["tokens", "hidden (final-norm output, bf16)",
                      f"top-{settings['top_k']} log-probs (fp16) + ids"],
     }
+
+
+def load_token_sequences(folders: list[Path]) -> Iterator[list[int]]:
+    """Every recorded sequence's tokens, without the features (a corpus table needs the tokens only)."""
+    for folder in folders:
+        shards = sorted(Path(folder).glob("shard-*.safetensors"))
+        if not shards:
+            raise SpeculantError(f"{folder}: no recorded shards (run the recording first)")
+        for path in shards:
+            with safe_open(str(path), "pt") as f:
+                tokens, offsets = f.get_tensor("tokens").tolist(), f.get_tensor("offsets").tolist()
+            yield from (tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:]))
 
 
 def load_dataset(folders: Path | list[Path]) -> dict[str, torch.Tensor]:
