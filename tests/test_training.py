@@ -240,3 +240,26 @@ def test_kl_of_a_row_outside_the_draft_vocabulary_is_zero_with_finite_gradients(
     assert torch.equal(logits.grad[1], torch.zeros(10))
     rows_with_tokens = top_k_kl(logits[[0, 2]], logprobs[[0, 2]], ids[[0, 2]])
     torch.testing.assert_close(top_k_kl(logits, logprobs, ids), rows_with_tokens * 2 / 3)
+
+
+def test_corpus_table_from_recorded_data(tiny_target, tiny_data, tmp_path):
+    """`train-draft --kind corpus` reads the recorded tokens only and writes a table that drafts the
+    cycles the sequences repeat."""
+    import time
+
+    from speculant.proposers.corpus import load_corpus
+    from speculant.training.cli import build_corpus
+    from speculant.training.data import load_token_sequences
+
+    data = load_dataset(tiny_data)
+    offsets = data["offsets"].tolist()
+    sequences = list(load_token_sequences([tiny_data]))
+    assert sequences == [data["tokens"][a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])]
+    target = load_model(tiny_target)
+    assert build_corpus(target, [tiny_data], tmp_path / "corpus", time.perf_counter()) == 0
+    summary = json.loads((tmp_path / "corpus" / "summary.json").read_text())
+    assert summary["tokens"] == len(data["tokens"]) and summary["entries"] > 0
+    table = load_corpus(tmp_path / "corpus", target)
+    cycle = sequences[0][:8]
+    drafts, context = table.draft(cycle, 4)
+    assert context == 3 and drafts == sequences[0][8:12]

@@ -12,7 +12,7 @@ from speculant.bench.prompts import PROMPT_CLASSES
 from speculant.bench.suite import DEFAULT_PROPOSERS, PEERS, PROPOSERS, BenchPlan
 from speculant.cli import add_target_arguments
 from speculant.errors import SpeculantError
-from speculant.training.shipped import BEST
+from speculant.training.shipped import TREE_WIDTH
 
 # What --quick changes; flags given explicitly still win.
 QUICK = dict(per_class=1, max_tokens=24, ks=[2, 4], batch_sizes=[1, 4], temperatures=[0.0, 0.7],
@@ -57,15 +57,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-model", default=None, help="a draft model path: adds the draft_model proposer "
                    "(and transformers' assistant_model)")
     s.add_argument("--eagle", default=None, help="an EAGLE head path: adds the eagle proposer")
+    s.add_argument("--corpus", default=None,
+                   help="a corpus table (train-draft --kind corpus) for the +corpus proposers (default: the "
+                        "bundled model's)")
     s.add_argument("--no-adaptive", action="store_true",
                    help="leave out the adaptive-k run of each proposer (k chosen per step, up to the largest --ks)")
     s.add_argument("--proposers", type=name_list(PROPOSERS), default=list(DEFAULT_PROPOSERS),
-                   help="comma list of ngram, draft_model, eagle, and draft_model+lookup, eagle+lookup (prompt "
-                   "lookup first, the model's drafts where it finds nothing), eagle+tree, eagle+lookup+tree (a "
-                   "draft tree, --tree-width); default: the first three, those available")
-    s.add_argument("--tree-width", type=int, default=BEST["tree_width"],
-                   help="the +tree proposers' tree width: k + N - 1 drafts a step (default: the bundled "
-                        f"model's default, {BEST['tree_width']})")
+                   help="comma list of ngram, ngram+corpus (a corpus table where prompt lookup finds little), "
+                   "draft_model, eagle, and draft_model+lookup, eagle+lookup (prompt lookup first, the model's "
+                   "drafts where it finds nothing), eagle+tree, eagle+lookup+tree (a draft tree, --tree-width), "
+                   "eagle+lookup+corpus+tree; default: ngram, ngram+corpus, draft_model, eagle, those available")
+    s.add_argument("--tree-width", type=int, default=TREE_WIDTH,
+                   help="the +tree proposers' tree width: k + N - 1 drafts a step (default: the shipped "
+                        f"EAGLE head's best, {TREE_WIDTH})")
     s.add_argument("--ks", type=int_list, default=None, help="k values, 2,4,6,8 (default) or 1..8")
     s.add_argument("--batch-k", type=int, default=None,
                    help="k for the batch and temperature sweeps (default: each proposer's best k at batch 1)")
@@ -104,7 +108,8 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     plan = BenchPlan(model=args.model, dtype=args.dtype, device=args.device, threads=args.threads,
                      quantization=args.quantization, adaptive=not args.no_adaptive,
                      draft_model=args.draft_model,
-                     eagle=args.eagle, proposers=args.proposers, tree_width=args.tree_width, batch_k=args.batch_k,
+                     eagle=args.eagle, corpus=args.corpus, proposers=args.proposers, tree_width=args.tree_width,
+                     batch_k=args.batch_k,
                      prompts=args.prompts,
                      reps=args.reps, chat=not args.no_chat, peers=args.peers, peer_k=args.peer_k,
                      price_per_hour=args.price_per_hour, seed=args.seed, progress=not args.no_progress,

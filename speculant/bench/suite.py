@@ -38,10 +38,13 @@ from speculant.bench.summary import ALL, Row, summarize
 from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.errors import SpeculantError
 from speculant.models.loader import LoadedModel, default_model_path, load_model
+from speculant.proposers.corpus import FILE as CORPUS_FILE
 from speculant.speedup import CostCurve, measure_cost_curve
+from speculant.training.shipped import TREE_WIDTH
 
-PROPOSERS = ("ngram", "draft_model", "eagle", "draft_model+lookup", "eagle+lookup", "eagle+tree", "eagle+lookup+tree")
-DEFAULT_PROPOSERS = ("ngram", "draft_model", "eagle")
+PROPOSERS = ("ngram", "ngram+corpus", "draft_model", "eagle", "draft_model+lookup", "eagle+lookup", "eagle+tree",
+             "eagle+lookup+tree", "eagle+lookup+corpus+tree")
+DEFAULT_PROPOSERS = ("ngram", "ngram+corpus", "draft_model", "eagle")
 PEERS = ("transformers", "llama.cpp")
 DRAFTS_DIR = Path(__file__).resolve().parents[1] / "data" / "drafts"
 
@@ -55,8 +58,9 @@ class BenchPlan:
     quantization: str | None = None  # int8 | int4 | auto: weight-only quantization of target and drafts
     draft_model: str | None = None
     eagle: str | None = None
+    corpus: str | None = None
     proposers: list[str] = field(default_factory=lambda: list(DEFAULT_PROPOSERS))
-    tree_width: int = 3  # of the +tree proposers' draft trees
+    tree_width: int = TREE_WIDTH  # of the +tree proposers' draft trees
     ks: list[int] = field(default_factory=lambda: [2, 4, 6, 8])
     batch_k: int | None = None  # None: each proposer's best k from the k sweep
     batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
@@ -150,7 +154,8 @@ def _load_average() -> list[float] | None:
 
 def shipped_drafts() -> dict[str, Path]:
     """Drafts shipped for the bundled model under speculant/data/drafts/, found by their files: an
-    EAGLE head has eagle_config.json, a draft model config.json, each beside its safetensors."""
+    EAGLE head has eagle_config.json, a draft model config.json, each beside its safetensors; a corpus
+    table is its file."""
     found: dict[str, Path] = {}
     if DRAFTS_DIR.is_dir():
         for config in sorted(DRAFTS_DIR.rglob("*config.json")):
@@ -159,6 +164,8 @@ def shipped_drafts() -> dict[str, Path]:
                 found.setdefault("eagle", folder)
             elif config.name == "config.json" and (folder / "model.safetensors").exists():
                 found.setdefault("draft_model", folder)
+        for table in sorted(DRAFTS_DIR.rglob(CORPUS_FILE)):
+            found.setdefault("corpus", table)
     return found
 
 
@@ -166,7 +173,8 @@ def draft_paths(plan: BenchPlan) -> dict[str, Path | None]:
     """The draft model and EAGLE head to use: the user's, else those shipped for the bundled model."""
     drafts = shipped_drafts() if plan.model is None else {}
     return {"draft_model": Path(plan.draft_model) if plan.draft_model else drafts.get("draft_model"),
-            "eagle": Path(plan.eagle) if plan.eagle else drafts.get("eagle")}
+            "eagle": Path(plan.eagle) if plan.eagle else drafts.get("eagle"),
+            "corpus": Path(plan.corpus) if plan.corpus else drafts.get("corpus")}
 
 
 def proposer_configs(plan: BenchPlan, k: int) -> tuple[list[SpeculativeConfig], list[str]]:
@@ -175,16 +183,19 @@ def proposer_configs(plan: BenchPlan, k: int) -> tuple[list[SpeculativeConfig], 
     configs, notes = [], []
     for name in plan.proposers:
         method, *options = name.split("+")
-        if method == "ngram":
-            configs.append(SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": k}))
-        elif paths.get(method):
-            configs.append(SpeculativeConfig.parse({"method": method, "model": str(paths[method]),
-                                                    "num_speculative_tokens": k, "lookup_first": "lookup" in options,
-                                                    "tree_width": plan.tree_width if "tree" in options else 1}))
-        else:
-            flag = "--draft-model" if method == "draft_model" else "--eagle"
-            notes.append(f"{name} skipped: no {method.replace('_', ' ')} given ({flag} PATH) or shipped "
+        needed = [d for d in (method, *options) if d in ("draft_model", "eagle", "corpus") and not paths.get(d)]
+        if needed:
+            flag = {"draft_model": "--draft-model", "eagle": "--eagle", "corpus": "--corpus"}[needed[0]]
+            notes.append(f"{name} skipped: no {needed[0].replace('_', ' ')} given ({flag} PATH) or shipped "
                          f"under speculant/data/drafts/")
+            continue
+        config = {"method": method, "num_speculative_tokens": k}
+        if "corpus" in options:
+            config["corpus"] = str(paths["corpus"])
+        if method != "ngram":
+            config |= {"model": str(paths[method]), "lookup_first": "lookup" in options,
+                       "tree_width": plan.tree_width if "tree" in options else 1}
+        configs.append(SpeculativeConfig.parse(config))
     return configs, notes
 
 
