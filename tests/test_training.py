@@ -149,16 +149,21 @@ def test_distilled_draft_loads_in_transformers(tiny_target, tiny_data, tmp_path)
     torch.testing.assert_close(mine, ref(ids).logits.float(), atol=1e-3, rtol=1e-3)
 
 
-def test_dataset_from_the_standard_library(smollm_path, tmp_path):
-    """The full recording path (pools, chat template, self-written answers, resume, manifest) on
-    a tiny random model that uses SmolLM2's tokenizer."""
+@pytest.fixture(scope="module")
+def tiny_with_smollm_tokenizer(smollm_path, tmp_path_factory):
+    """A tiny random model that uses SmolLM2's tokenizer (and chat template)."""
     from speculant.models.gguf import convert_gguf
 
-    folder = save_tiny(tmp_path / "tiny", vocab_size=49152, hidden_size=32, intermediate_size=64,
-                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    folder = save_tiny(tmp_path_factory.mktemp("tok") / "tiny", vocab_size=49152, hidden_size=32,
+                       intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(convert_gguf(smollm_path)[0] / name, folder / name)
-    target = load_model(folder)
+    return load_model(folder)
+
+
+def test_dataset_from_the_standard_library(tiny_with_smollm_tokenizer, tmp_path):
+    """The full recording path (pools, chat template, self-written answers, resume, manifest)."""
+    target = tiny_with_smollm_tokenizer
     settings = dict(n_text_chars=6000, n_prompts=12, answer_tokens=48, top_k=4, max_len=64, shard_items=4)
     # Two workers one after the other: the first leaves the data set incomplete, the second finds the
     # first phase complete and records the rest.
@@ -263,3 +268,43 @@ def test_corpus_table_from_recorded_data(tiny_target, tiny_data, tmp_path):
     cycle = sequences[0][:8]
     drafts, context = table.draft(cycle, 4)
     assert context == 3 and drafts == sequences[0][8:12]
+
+
+def test_greedy_answers_for_a_corpus_table(tiny_with_smollm_tokenizer, tmp_path):
+    """record_answers: the requests, then rewrites of the target's writing, answered greedily in batches,
+    tokens only; a rerun keeps the shards."""
+    from speculant.engine import Engine
+    from speculant.training.data import load_token_sequences, record_answers
+
+    target = tiny_with_smollm_tokenizer
+    manifest = record_answers(target, tmp_path / "answers", n_prompts=12, answer_tokens=48, seed=0, batch_size=5,
+                              shard_items=4)
+    sequences = list(load_token_sequences([tmp_path / "answers"]))
+    items = build_items(0, 12, 0)
+    assert manifest["complete"] and manifest["tokens"] == sum(map(len, sequences))
+    assert len(sequences) == manifest["sequences"] > len(items)  # the rewrites came after the requests
+    first = [target.tokenizer.encode_chat([{"role": "user", "content": it.text}]) for it in items[:2]]
+    engine = Engine(target, max_batch_size=1, max_model_len=max(map(len, first)) + 49)
+    for prompt, recorded in zip(first, sequences):
+        seq = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=48))
+        engine.generate([seq])
+        assert recorded == seq.tokens  # the prompt, then the greedy answer decoded alone
+    shards = sorted((tmp_path / "answers").glob("shard-*"))
+    stamps = [p.stat().st_mtime_ns for p in shards]
+    assert record_answers(target, tmp_path / "answers", n_prompts=12, answer_tokens=48, seed=0, batch_size=5,
+                          shard_items=4)["tokens"] == manifest["tokens"]
+    assert [p.stat().st_mtime_ns for p in shards] == stamps
+
+
+def test_train_draft_corpus_records_greedy_answers_then_builds_the_table(tiny_with_smollm_tokenizer, tmp_path):
+    from speculant.cli import main
+    from speculant.proposers.corpus import load_corpus
+
+    target = tiny_with_smollm_tokenizer
+    out = tmp_path / "corpus"
+    assert main(["train-draft", "--kind", "corpus", "--target", str(target.source), "--out", str(out),
+                 "--prompts", "6", "--answer-tokens", "24", "--dtype", "float32"]) == 0
+    manifest = json.loads((out / "data" / "manifest.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
+    assert manifest["recorded"] == ["tokens (greedy answers)"] and summary["tokens"] == manifest["tokens"]
+    assert load_corpus(out, target).entries == summary["entries"]

@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from speculant.models.loader import load_model
-    from speculant.training.data import build_dataset, load_dataset
+    from speculant.training.data import build_dataset, load_dataset, record_answers, recorded
     from speculant.training.train import train
 
     if args.threads:
@@ -85,6 +85,11 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     target = load_model(args.target, dtype=args.dtype, quantization=args.quantization)
     data_dir = args.data or args.out / "data"
+    if args.kind == "corpus":
+        # A table needs tokens only: an existing recording of either kind, else greedy answers alone.
+        if not recorded(data_dir):
+            record_answers(target, data_dir, n_prompts=args.prompts, answer_tokens=args.answer_tokens, seed=args.seed)
+        return build_corpus(target, [data_dir, *args.more_data], args.out, t0)
     manifest = build_dataset(target, data_dir, n_text_chars=args.text_chars, n_prompts=args.prompts,
                              answer_tokens=args.answer_tokens, top_k=args.top_k, seed=args.seed,
                              worker=args.worker, workers=args.workers)
@@ -94,8 +99,6 @@ def run(args: argparse.Namespace) -> int:
     if not manifest["complete"]:
         raise SpeculantError(f"{data_dir}: the data set is incomplete (other workers still recording?)")
     folders = [data_dir, *args.more_data]
-    if args.kind == "corpus":
-        return build_corpus(target, folders, args.out, t0)
     data = load_dataset(folders)
     log.info("data: %d tokens in %d sequences (%s)", len(data["tokens"]), len(data["offsets"]) - 1,
              ", ".join(map(str, folders)))

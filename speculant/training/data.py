@@ -309,6 +309,66 @@ def describe(folder: Path, target: LoadedModel, settings: dict) -> dict:
     }
 
 
+def record_answers(target: LoadedModel, out: Path, n_prompts: int = 2400, answer_tokens: int = 160, seed: int = 0,
+                   batch_size: int = 32, shard_items: int = 256) -> dict:
+    """Only what a corpus table reads: the target's greedy answers (prompt + answer tokens) to build_items'
+    requests, then to rewrites of its own pieces of writing, decoded in batches with no features
+    recorded. Shards hold tokens, offsets and kinds like build_dataset's; complete shards are kept on
+    a rerun. Greedy answers because a greedy request's drafts come true when they are what the target
+    writes greedily (a table of the greedy half of the recorded answers drafted 1.75 tokens a step in
+    simulation, of the sampled half 1.70)."""
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    first = build_items(0, n_prompts, seed)
+    answers = _answer_shards(target, out, first, 0, answer_tokens, batch_size, shard_items)
+    written = [target.tokenizer.decode(a[len(tokenize(it, target, 512)):])
+               for it, a in zip(first, answers) if it.kind == "chat:writing"]
+    second = rewrite_items(written, seed + 1)
+    _answer_shards(target, out, second, -(-len(first) // shard_items), answer_tokens, batch_size, shard_items)
+    manifest = {"target": target.source, "tokens": sum(len(t) for t in load_token_sequences([out])),
+                "sequences": len(first) + len(second), "recorded": ["tokens (greedy answers)"],
+                "settings": dict(n_prompts=n_prompts, answer_tokens=answer_tokens, seed=seed), "complete": True,
+                "wall_time_s_this_run": round(time.perf_counter() - t0, 1)}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return manifest
+
+
+def _answer_shards(target: LoadedModel, out: Path, items: list[Item], first_index: int, answer_tokens: int,
+                   batch_size: int, shard_items: int) -> list[list[int]]:
+    """Every item's prompt + greedy answer, shard by shard (read back where a shard is there already)."""
+    from speculant.engine import Engine
+
+    sequences = []
+    for n, shard in enumerate(tqdm(in_shards(items, shard_items), desc="answering", unit="shard")):
+        path = out / _shard_name(first_index + n)
+        if path.exists():
+            data = load_file(str(path))
+            tokens, offsets = data["tokens"].tolist(), data["offsets"].tolist()
+            sequences += [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+            continue
+        prompts_ = [tokenize(it, target, 512) for it in shard]
+        engine = Engine(target, max_batch_size=batch_size, max_model_len=max(map(len, prompts_)) + answer_tokens + 1)
+        seqs = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=answer_tokens)) for p in prompts_]
+        engine.generate(seqs)
+        lengths = torch.tensor([0] + [len(s.tokens) for s in seqs])
+        data = {"tokens": torch.tensor([t for s in seqs for t in s.tokens], dtype=torch.int32),
+                "offsets": lengths.cumsum(0), "kinds": torch.tensor([_KINDS.index(it.kind) for it in shard],
+                                                                    dtype=torch.int32)}
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        save_file(data, str(tmp))
+        tmp.rename(path)
+        sequences += [s.tokens for s in seqs]
+    return sequences
+
+
+def recorded(folder: Path) -> bool:
+    """Whether `folder` holds a complete recording (build_dataset's or record_answers')."""
+    try:
+        return json.loads((folder / MANIFEST).read_text()).get("complete", False)
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
 def load_token_sequences(folders: list[Path]) -> Iterator[list[int]]:
     """Every recorded sequence's tokens, without the features (a corpus table needs the tokens only)."""
     for folder in folders:
