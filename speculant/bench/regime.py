@@ -40,7 +40,8 @@ def regime_verdict(curve: CostCurve, width: int = VERDICT_WIDTH) -> str:
     ratios = ", ".join(f"B={b}: {curve.ratio(b, width):.2f}" for b in curve.batch_sizes)
     largest = curve.batch_sizes[-1]
     if limit is None:
-        head = "compute-bound already at batch 1: verifying drafts costs real time, speculation gains little"
+        head = ("compute-bound already at batch 1: each verified draft costs real time, so only drafts that "
+                "are usually right and cheap to make pay (adaptive k verifies those alone)")
     elif limit == largest:
         head = f"memory-bound at every measured batch size (up to {largest}): verifying drafts is nearly free"
     else:
