@@ -294,6 +294,8 @@ def test_greedy_answers_for_a_corpus_table(tiny_with_smollm_tokenizer, tmp_path)
     assert record_answers(target, tmp_path / "answers", n_prompts=12, answer_tokens=48, seed=0, batch_size=5,
                           shard_items=4)["tokens"] == manifest["tokens"]
     assert [p.stat().st_mtime_ns for p in shards] == stamps
+    with pytest.raises(SpeculantError, match="holds tokens only"):
+        load_dataset(tmp_path / "answers")
 
 
 def test_train_draft_corpus_records_greedy_answers_then_builds_the_table(tiny_with_smollm_tokenizer, tmp_path):

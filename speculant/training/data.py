@@ -324,7 +324,7 @@ def record_answers(target: LoadedModel, out: Path, n_prompts: int = 2400, answer
     written = [target.tokenizer.decode(a[len(tokenize(it, target, 512)):])
                for it, a in zip(first, answers) if it.kind == "chat:writing"]
     second = rewrite_items(written, seed + 1)
-    _answer_shards(target, out, second, -(-len(first) // shard_items), answer_tokens, batch_size, shard_items)
+    _answer_shards(target, out, second, len(in_shards(first, shard_items)), answer_tokens, batch_size, shard_items)
     manifest = {"target": target.source, "tokens": sum(len(t) for t in load_token_sequences([out])),
                 "sequences": len(first) + len(second), "recorded": ["tokens (greedy answers)"],
                 "settings": dict(n_prompts=n_prompts, answer_tokens=answer_tokens, seed=seed), "complete": True,
@@ -391,6 +391,9 @@ def load_dataset(folders: Path | list[Path]) -> dict[str, torch.Tensor]:
         if not found:
             raise SpeculantError(f"{folder}: no recorded shards (run the recording first)")
         shards += found
+    if any("hidden" not in s for s in shards):
+        raise SpeculantError(f"{', '.join(map(str, folders))}: holds tokens only (greedy answers recorded for a "
+                             "corpus table); an EAGLE head or a draft model trains on a full recording")
     if len({(s["hidden"].shape[1], s["topk_ids"].shape[1]) for s in shards}) > 1:
         raise SpeculantError(f"{', '.join(map(str, folders))}: recorded from different targets or with different "
                              "--top-k (feature or log-probability widths differ)")
