@@ -1,4 +1,5 @@
-// What the AMX kernels share: the tile configuration and Linux's permission to use the tiles.
+// What the quantized-weight kernels share: the weights' prefetch, the tile configuration and Linux's
+// permission to use the tiles.
 #pragma once
 #include <cpuid.h>
 #include <immintrin.h>
@@ -7,6 +8,18 @@
 #include <unistd.h>
 
 namespace speculant {
+
+// Each thread streams its blocks' weights from memory, and at one row per pass the work per group is
+// too short for the hardware prefetcher to keep enough lines in flight: the weights are requested this
+// far ahead of the group being unpacked (measured, SmolLM2's int4 products + int8 head from memory, one
+// row: 6.3 → 5.4 ms; 2, 8, 16 and 64 KB ahead, to L1 or L2, all did less).
+constexpr int64_t kPrefetchBytes = 4096;
+
+// Request the `bytes` of weights that lie kPrefetchBytes beyond `at`, to L1.
+inline void prefetch_ahead(const uint8_t* at, int64_t bytes) {
+  const char* ahead = (const char*)at + kPrefetchBytes;
+  for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
+}
 
 struct TileConfig {
   uint8_t palette_id;

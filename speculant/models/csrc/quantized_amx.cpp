@@ -25,12 +25,6 @@ using speculant::amx_permitted;
 using speculant::load_bf16;
 using speculant::TileConfig;
 
-// Each thread streams its blocks' weights from memory, and at one row per pass the tile work per group
-// is too short for the hardware prefetcher to keep enough lines in flight: the weights are requested
-// this far ahead of the group being unpacked (measured, SmolLM2's int4 products + int8 head from
-// memory, one row: 6.3 → 5.4 ms; 2, 8, 16 and 64 KB ahead, to L1 or L2, all did less; int4.cpp too).
-constexpr int64_t kPrefetchBytes = 4096;
-
 struct Operands {
   const uint16_t* X;  // [M, K]
   const uint8_t* Q;
@@ -82,8 +76,7 @@ void multiply_rows(const Operands& o, const Q8_0& f, int64_t r0, int rows, int m
     f.unpack(Qb, cur[0]);
     f.unpack(Qb + bytes, cur[1]);
     for (int64_t g = 0; g < G; g += 2) {
-      const char* ahead = (const char*)(Qb + g * bytes) + kPrefetchBytes;
-      for (int64_t c = 0; c < 2 * bytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
+      speculant::prefetch_ahead(Qb + g * bytes, 2 * bytes);
       if (g + 2 < G) {
         f.unpack(Qb + (g + 2) * bytes, next[0]);
         f.unpack(Qb + (g + 3) * bytes, next[1]);
