@@ -268,9 +268,19 @@ def _record_shards(shards: list[list[Item]], first_index: int, mine: Callable[[i
                 seqs[j] = full
         data = record(seqs, target, top_k)
         data["kinds"] = torch.tensor([_KINDS.index(it.kind) for it in shard], dtype=torch.int32)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        save_file(data, str(tmp))
-        tmp.rename(path)  # a shard exists only once complete: resume never reads half a file
+        _save_shard(data, path)
+
+
+def _save_shard(data: dict[str, torch.Tensor], path: Path) -> None:
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    save_file(data, str(tmp))
+    tmp.rename(path)  # a shard exists only once complete: resume never reads half a file
+
+
+def _sequences(tokens: torch.Tensor, offsets: torch.Tensor) -> list[list[int]]:
+    """A shard's sequences from its tokens [N] and offsets [S+1]."""
+    tokens, offsets = tokens.tolist(), offsets.tolist()
+    return [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
 
 
 def written_answers(out: Path, shards: list[list[Item]], target: LoadedModel, max_len: int) -> list[str]:
@@ -310,7 +320,7 @@ def describe(folder: Path, target: LoadedModel, settings: dict) -> dict:
 
 
 def record_answers(target: LoadedModel, out: Path, n_prompts: int = 2400, answer_tokens: int = 160, seed: int = 0,
-                   batch_size: int = 32, shard_items: int = 256) -> dict:
+                   batch_size: int = 32, shard_items: int = 256, max_len: int = 512) -> dict:
     """Only what a corpus table reads: the target's greedy answers (prompt + answer tokens) to build_items'
     requests, then to rewrites of its own pieces of writing, decoded in batches with no features
     recorded. Shards hold tokens, offsets and kinds like build_dataset's; complete shards are kept on
@@ -319,34 +329,31 @@ def record_answers(target: LoadedModel, out: Path, n_prompts: int = 2400, answer
     simulation, of the sampled half 1.70)."""
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    first = build_items(0, n_prompts, seed)
-    answers = _answer_shards(target, out, first, 0, answer_tokens, batch_size, shard_items)
-    written = [target.tokenizer.decode(a[len(tokenize(it, target, 512)):])
-               for it, a in zip(first, answers) if it.kind == "chat:writing"]
-    second = rewrite_items(written, seed + 1)
-    _answer_shards(target, out, second, len(in_shards(first, shard_items)), answer_tokens, batch_size, shard_items)
-    manifest = {"target": target.source, "tokens": sum(len(t) for t in load_token_sequences([out])),
-                "sequences": len(first) + len(second), "recorded": ["tokens (greedy answers)"],
+    first = in_shards(build_items(0, n_prompts, seed), shard_items)
+    answers = _answer_shards(target, out, first, 0, answer_tokens, batch_size, max_len)
+    second = in_shards(rewrite_items(written_answers(out, first, target, max_len), seed + 1), shard_items)
+    answers += _answer_shards(target, out, second, len(first), answer_tokens, batch_size, max_len)
+    manifest = {"target": target.source, "tokens": sum(map(len, answers)),
+                "sequences": len(answers), "recorded": ["tokens (greedy answers)"],
                 "settings": dict(n_prompts=n_prompts, answer_tokens=answer_tokens, seed=seed), "complete": True,
                 "wall_time_s_this_run": round(time.perf_counter() - t0, 1)}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest
 
 
-def _answer_shards(target: LoadedModel, out: Path, items: list[Item], first_index: int, answer_tokens: int,
-                   batch_size: int, shard_items: int) -> list[list[int]]:
+def _answer_shards(target: LoadedModel, out: Path, shards: list[list[Item]], first_index: int, answer_tokens: int,
+                   batch_size: int, max_len: int) -> list[list[int]]:
     """Every item's prompt + greedy answer, shard by shard (read back where a shard is there already)."""
     from speculant.engine import Engine
 
     sequences = []
-    for n, shard in enumerate(tqdm(in_shards(items, shard_items), desc="answering", unit="shard")):
+    for n, shard in enumerate(tqdm(shards, desc="answering", unit="shard")):
         path = out / _shard_name(first_index + n)
         if path.exists():
             data = load_file(str(path))
-            tokens, offsets = data["tokens"].tolist(), data["offsets"].tolist()
-            sequences += [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+            sequences += _sequences(data["tokens"], data["offsets"])
             continue
-        prompts_ = [tokenize(it, target, 512) for it in shard]
+        prompts_ = [tokenize(it, target, max_len) for it in shard]
         engine = Engine(target, max_batch_size=batch_size, max_model_len=max(map(len, prompts_)) + answer_tokens + 1)
         seqs = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=answer_tokens)) for p in prompts_]
         engine.generate(seqs)
@@ -354,9 +361,7 @@ def _answer_shards(target: LoadedModel, out: Path, items: list[Item], first_inde
         data = {"tokens": torch.tensor([t for s in seqs for t in s.tokens], dtype=torch.int32),
                 "offsets": lengths.cumsum(0), "kinds": torch.tensor([_KINDS.index(it.kind) for it in shard],
                                                                     dtype=torch.int32)}
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        save_file(data, str(tmp))
-        tmp.rename(path)
+        _save_shard(data, path)
         sequences += [s.tokens for s in seqs]
     return sequences
 
@@ -377,8 +382,7 @@ def load_token_sequences(folders: list[Path]) -> Iterator[list[int]]:
             raise SpeculantError(f"{folder}: no recorded shards (run the recording first)")
         for path in shards:
             with safe_open(str(path), "pt") as f:
-                tokens, offsets = f.get_tensor("tokens").tolist(), f.get_tensor("offsets").tolist()
-            yield from (tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:]))
+                yield from _sequences(f.get_tensor("tokens"), f.get_tensor("offsets"))
 
 
 def load_dataset(folders: Path | list[Path]) -> dict[str, torch.Tensor]:
