@@ -52,6 +52,9 @@ class CorpusTable:
     next_token: dict[int, dict[tuple[int, ...], int]]  # context length → (its last tokens → next token)
     info: dict  # vocab_size, vocab_digest, how the table was built
 
+    def __post_init__(self):
+        self.longest_first = sorted(self.next_token, reverse=True)  # the context lengths a draft tries
+
     @classmethod
     def build(cls, sequences: Iterable[list[int]], target: LoadedModel, max_context: int = MAX_CONTEXT,
               min_count: int = MIN_COUNT, min_share: float = MIN_SHARE) -> CorpusTable:
@@ -78,10 +81,10 @@ class CorpusTable:
     def draft(self, tokens: list[int], k: int) -> tuple[list[int], int]:
         """Up to k drafts after `tokens`, each from the longest context the table holds, and the context
         length the first one matched (([], 0) when none does)."""
-        context = list(tokens[-max(self.next_token, default=0):])
+        context = list(tokens[-self.longest_first[0]:]) if self.longest_first else []
         drafts, first = [], 0
         while len(drafts) < k:
-            for n in sorted(self.next_token, reverse=True):
+            for n in self.longest_first:
                 token = self.next_token[n].get(tuple(context[-n:])) if len(context) >= n else None
                 if token is not None:
                     break
