@@ -101,10 +101,8 @@ class Engine:
         self._ids = itertools.count()
         self._last_log = time.perf_counter()
         self._logged = SpecStats()
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.device
+        self.device = self.model.device
+        self._batch: list[Sequence] = []  # the rows _batch_tensors last built for
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -159,10 +157,10 @@ class Engine:
         if not batch:
             return []
         t0 = time.perf_counter()
-        sb = SamplingBatch.build([s.params for s in batch], [s.generator for s in batch], self.device)
+        sb, slots = self._batch_tensors(batch)
         proposal = self.propose(batch, sb)
         t1 = time.perf_counter()
-        hidden, logits = self.score(batch, proposal)
+        hidden, logits = self.score(batch, slots, proposal)
         t2 = time.perf_counter()
         accepted, next_tokens = self.verify(proposal, logits, sb)
         n_accepted = [len(a) for a in accepted]
@@ -175,7 +173,7 @@ class Engine:
         n_valid = [len(s.tokens) - s.num_cached + n for s, n in zip(batch, n_accepted)]
         if proposal.parents is not None:
             hidden = self.keep_branches(batch, accepted, hidden)
-        outputs = self.commit(batch, proposal, accepted, drafted, next_tokens, logits)
+        outputs = self.commit(batch, slots, proposal, accepted, drafted, next_tokens, logits)
         if self.proposer is not None:
             self.proposer.commit(batch, TargetHidden(hidden, start, n_valid))
         self._release_finished()
@@ -226,14 +224,22 @@ class Engine:
             available = keep(found.bucket_list(), available)
         return found.trimmed(self.adaptive.plan(found.bucket_list(), available, remaining=remaining))
 
-    def score(self, batch: list[Sequence], proposal: Proposal) -> tuple[torch.Tensor, torch.Tensor]:
+    def _batch_tensors(self, batch: list[Sequence]) -> tuple[SamplingBatch, torch.Tensor]:
+        """The batch's sampling transforms and cache slots [B], built again only when its rows change."""
+        if len(batch) != len(self._batch) or any(a is not b for a, b in zip(batch, self._batch)):
+            self._batch = list(batch)
+            self._sb = SamplingBatch.build([s.params for s in batch], [s.generator for s in batch], self.device)
+            self._slots = torch.tensor([s.slot for s in batch], device=self.device)
+        return self._sb, self._slots
+
+    def score(self, batch: list[Sequence], slots: torch.Tensor,
+              proposal: Proposal) -> tuple[torch.Tensor, torch.Tensor]:
         """One target pass over each row's unseen tokens plus its drafts → (the final hidden states
         of every fed token [B, T, D], the logits at each draft position and after the last [B, k+1, V])."""
         n_draft = proposal.n_draft.tolist()
         drafts = proposal.tokens.tolist()
         rows = [s.tokens[s.num_cached:] + d[:n] for s, d, n in zip(batch, drafts, n_draft)]
         tokens, n_new = pad_rows(rows, self.device)
-        slots = torch.tensor([s.slot for s in batch], device=self.device)
         parents = None
         if proposal.parents is not None:
             # The unseen tokens are a chain; draft j hangs below the last of them or below its parent draft.
@@ -244,19 +250,25 @@ class Engine:
                 fed = chain_padded([], unseen) + [unseen - 1 if p < 0 else unseen + p for p in tree[:n]]
                 parents.append(chain_padded(fed, T))
         hidden = self.model(tokens, self.cache, slots, n_new, parents)  # [B, T, D]
-        # Row b's last unseen token predicts its first draft: positions n_unseen-1 .. n_new-1.
+        # Row b's last unseen token predicts its first draft: positions n_unseen-1 .. n_new-1 (all of a
+        # row that fed one unseen token and k drafts: decoding's usual pass).
         k = proposal.tokens.shape[1]
-        first = n_new - proposal.n_draft - 1
-        at = (first[:, None] + torch.arange(k + 1, device=self.device)).minimum(n_new[:, None] - 1)
-        scored = hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, k+1, D]
-        return hidden, self.model.logits(scored)
+        at = [[min(len(row) - n - 1 + j, len(row) - 1) for j in range(k + 1)] for row, n in zip(rows, n_draft)]
+        at_every = list(range(k + 1))
+        scored = hidden
+        if hidden.shape[1] != k + 1 or any(a != at_every for a in at):
+            index = torch.tensor(at, device=self.device)[..., None].expand(-1, -1, hidden.shape[-1])
+            scored = hidden.gather(1, index)  # [B, k+1, D]
+        # In the lm_head's dtype: greedy verification reads bf16 logits as they are (the native argmax), the
+        # rest converts where it computes with them.
+        return hidden, self.model.lm_head(scored)
 
     def verify(self, proposal: Proposal, logits: torch.Tensor,
                sb: SamplingBatch) -> tuple[list[list[int]], list[int]]:
         """(Each row's accepted drafts, as indices into its drafts; each row's next token.)"""
         if proposal.parents is None:
             n_accepted, next_tokens = verify_logits(proposal.tokens, proposal.n_draft, logits, proposal.q, sb)
-            return [list(range(n)) for n in n_accepted.tolist()], next_tokens.tolist()
+            return [list(range(n)) for n in n_accepted], next_tokens
         paths, next_tokens = verify_tree_logits(proposal.tokens, proposal.n_draft, proposal.parents, logits, sb)
         return paths, next_tokens.tolist()
 
@@ -281,8 +293,8 @@ class Engine:
         index = torch.tensor(order, device=hidden.device)[..., None].expand(-1, -1, hidden.shape[-1])
         return hidden.gather(1, index)
 
-    def commit(self, batch: list[Sequence], proposal: Proposal, accepted: list[list[int]], drafted: list[int],
-               next_tokens: list[int], logits: torch.Tensor) -> list[StepOutput]:
+    def commit(self, batch: list[Sequence], slots: torch.Tensor, proposal: Proposal, accepted: list[list[int]],
+               drafted: list[int], next_tokens: list[int], logits: torch.Tensor) -> list[StepOutput]:
         """Append each row's accepted drafts and next token; `drafted`: the drafts it could have accepted."""
         outputs = []
         drafts = proposal.tokens.tolist()
@@ -297,8 +309,7 @@ class Engine:
             outputs.append(self._append(seq, new, lps))
             # The target has seen every token but the newest (it is the next pass's input).
             seq.num_cached = len(seq.tokens) - 1
-        self.cache.lengths[torch.tensor([s.slot for s in batch], device=self.device)] = torch.tensor(
-            [s.num_cached for s in batch], device=self.device)
+        self.cache.lengths[slots] = torch.tensor([s.num_cached for s in batch], device=self.device)
         return outputs
 
     # -- helpers ----------------------------------------------------------------------------

@@ -17,11 +17,12 @@ from speculant.sampling import SamplingBatch, argmax, probabilities, sample, uni
 
 
 def verify_logits(draft: torch.Tensor, n_draft: torch.Tensor, logits: torch.Tensor, q: torch.Tensor | None,
-                  sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """`verify` from the target's logits [B, k+1, V] under the batch's sampling transforms."""
+                  sb: SamplingBatch) -> tuple[list[int], list[int]]:
+    """`verify` from the target's logits [B, k+1, V] under the batch's sampling transforms, as lists."""
     if sb.all_greedy:
-        return verify_greedy(draft, n_draft, argmax(logits))
-    return verify(draft, n_draft, probabilities(logits, sb), q, sb.generators)
+        return verify_greedy(draft.tolist(), n_draft.tolist(), argmax(logits).tolist())
+    n_accepted, next_tokens = verify(draft, n_draft, probabilities(logits, sb), q, sb.generators)
+    return n_accepted.tolist(), next_tokens.tolist()
 
 
 def verify_tree_logits(draft: torch.Tensor, n_draft: torch.Tensor, parents: list[list[int]], logits: torch.Tensor,
@@ -79,12 +80,17 @@ def verify_tree(draft: torch.Tensor, n_draft: torch.Tensor, parents: list[list[i
     return paths, torch.cat(next_tokens)
 
 
-def verify_greedy(draft: torch.Tensor, n_draft: torch.Tensor,
-                  target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`verify` with one-hot p at target [B, k+1] (the argmax tokens): a draft is accepted while it
-    equals the target's token, and the next token is the target's at the first mismatch."""
-    n_accepted = accepted_run(draft == target[:, :draft.shape[1]], n_draft)
-    return n_accepted, target.gather(1, n_accepted[:, None].long()).squeeze(1)
+def verify_greedy(draft: list[list[int]], n_draft: list[int], target: list[list[int]]) -> tuple[list[int], list[int]]:
+    """`verify` with one-hot p at target [B][k+1] (the argmax tokens): a draft is accepted while it
+    equals the target's token, and the next token is the target's at the first mismatch. On lists: a
+    step's few tokens cost less in Python than in PyTorch's dispatch."""
+    n_accepted = []
+    for tokens, wanted, n in zip(draft, target, n_draft):
+        run = 0
+        while run < n and tokens[run] == wanted[run]:
+            run += 1
+        n_accepted.append(run)
+    return n_accepted, [wanted[run] for wanted, run in zip(target, n_accepted)]
 
 
 def verify(draft: torch.Tensor, n_draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None,

@@ -8,6 +8,7 @@ import torch
 from speculant import sampling
 from speculant.config import SamplingParams
 from speculant.engine import Engine
+from speculant.models import native
 from speculant.models.loader import load_model
 from speculant.sampling import SamplingBatch, argmax, probabilities
 from speculant.verify import verify, verify_greedy
@@ -76,14 +77,24 @@ def test_greedy_is_one_hot_argmax():
     assert probs(temperature=0).tolist() == [1.0, 0, 0, 0, 0, 0]
 
 
-@pytest.mark.parametrize("vocab", [49152, 1000])
-def test_argmax_is_the_first_maximum_like_torch(vocab):
+@pytest.mark.parametrize("kernel", ["native", "chunked"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [49152, 1000, 77])
+def test_argmax_is_the_first_maximum_like_torch(vocab, dtype, kernel, monkeypatch):
+    if kernel == "native" and not native.argmax_usable(torch.zeros(1, dtype=dtype)):
+        pytest.skip("the native kernels do not run here")
+    if kernel == "chunked":
+        monkeypatch.setattr(native, "argmax_usable", lambda x: False)
     gen = torch.Generator().manual_seed(0)
     # Coarse values make ties common, inside a 128-wide chunk and across chunks.
-    logits = torch.randint(0, 40, (6, 9, vocab), generator=gen).float()
-    logits[0, 0, [5, 300, 900]] = 99.0
+    logits = torch.randint(0, 40, (6, 9, vocab), generator=gen).to(dtype)
+    logits[0, 0, [5, 30, 70]] = 99.0
+    logits[1, 0] = float("-inf")
+    logits[1, 1, [9, 40]] = float("nan")  # torch.argmax: the first NaN
     assert torch.equal(argmax(logits), logits.argmax(dim=-1))
     assert argmax(logits)[0, 0] == 5
+    strided = torch.randn(4, 2 * vocab, generator=gen).to(dtype)[:, ::2]
+    assert torch.equal(argmax(strided), strided.argmax(dim=-1))
 
 
 def test_greedy_verification_is_the_rule_with_one_hot_distributions():
@@ -96,10 +107,10 @@ def test_greedy_verification_is_the_rule_with_one_hot_distributions():
     draft = torch.where(torch.rand(B, k, generator=gen) < 0.8, target[:, :k], other)
     n_draft = torch.randint(0, k + 1, (B,), generator=gen)
     one_hot = torch.nn.functional.one_hot(target, V).float()
-    n_acc, nxt = verify_greedy(draft, n_draft, target)
+    n_acc, nxt = verify_greedy(draft.tolist(), n_draft.tolist(), target.tolist())
     ref_acc, ref_next = verify(draft, n_draft, one_hot, None, [None] * B)
-    assert torch.equal(n_acc, ref_acc) and torch.equal(nxt, ref_next)
-    assert set(n_acc.tolist()) == set(range(k + 1))
+    assert n_acc == ref_acc.tolist() and nxt == ref_next.tolist()
+    assert set(n_acc) == set(range(k + 1))
 
 
 def test_mixed_rows_get_their_own_transforms():

@@ -18,6 +18,7 @@ otherwise.
   (interleaved, medians of 200).
 - layer_ops.cpp: RMSNorm, rotary embedding and SwiGLU's product for bf16 rows, one call each where
   PyTorch dispatches several operations (its RMSNorm ~10).
+- argmax.cpp: each row's first maximum in one pass over bf16 or fp32 logits (greedy decoding's token).
 - decoder.cpp: a whole decoder layer of AMX weights (int4 or bf16) in one call, the same kernels in the
   same order.
 """
@@ -37,7 +38,7 @@ log = logging.getLogger("speculant")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ["int4.cpp", "quantized_amx.cpp", "bf16_amx.cpp", "attention.cpp", "attention_amx.cpp", "layer_ops.cpp",
-           "decoder.cpp"]
+           "argmax.cpp", "decoder.cpp"]
 HEADERS = ["amx.h", "attention.h", "bf16.h", "kernels.h"]
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi", "-mavx512vnni", "-mamx-tile",
           "-mamx-bf16", "-mamx-int8", "-fopenmp"]
@@ -156,6 +157,15 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n_keys:
     attends to the first n_keys[b, t] keys (a draft tree's, `tree`: see llama.Pass) → [B, T, Hq, D], scaled
     by 1/√D as scaled_dot_product_attention does; on the AMX kernel where the CPU has AMX."""
     return kernels().attention(q, keys, values, n_keys, q.shape[-1] ** -0.5, tree=tree)
+
+
+def argmax_usable(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) and kernels() is not None
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., V] → each row's first maximum [...] (int64), as torch.argmax gives it."""
+    return kernels().argmax_rows(x)
 
 
 def layer_ops_usable(x: torch.Tensor) -> bool:

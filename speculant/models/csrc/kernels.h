@@ -20,3 +20,6 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t n_heads);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+
+// argmax.cpp: x [..., V] bf16 or fp32 → each row's first maximum (a NaN the largest), int64 [...].
+torch::Tensor argmax_rows(torch::Tensor x);
