@@ -14,6 +14,7 @@ MAX_SPECULATIVE_TOKENS = 32
 MAX_VERIFY_WIDTH = MAX_SPECULATIVE_TOKENS + 1
 MAX_LOGPROBS = 20
 MAX_TREE_WIDTH = 8
+MAX_HISTORY_TOKENS = 10_000_000  # an answer history holds ~330 bytes a token (its list and two index entries)
 METHODS = ("draft_model", "ngram", "eagle")
 
 
@@ -80,13 +81,17 @@ class SpeculativeConfig:
     # Our extension, for ngram and lookup_first: a corpus table (proposers/corpus.py, a file or its folder)
     # whose drafts are verified where prompt lookup matches fewer than 2 tokens.
     corpus: str | None = None
+    # Our extension, for ngram and lookup_first: keep the last history_tokens tokens of answers and draft
+    # from them where they agree with more of a sequence than its prompt does (proposers/history.py).
+    # 0: off. Opt-in: a request's speed then depends on the requests served before it.
+    history_tokens: int = 0
 
     @property
     def proposer(self) -> str:
         """The proposer as reports name it: ngram, eagle, eagle+lookup (lookup first), eagle+tree (a draft
         tree), ngram+corpus (a corpus table behind lookup) …"""
         return (self.method + "+lookup" * self.lookup_first + "+corpus" * (self.corpus is not None)
-                + "+tree" * (self.tree_width > 1))
+                + "+history" * (self.history_tokens > 0) + "+tree" * (self.tree_width > 1))
 
     @classmethod
     def parse(cls, value: str | dict | None) -> SpeculativeConfig | None:
@@ -117,7 +122,8 @@ class SpeculativeConfig:
                   prompt_lookup_min=value.get("prompt_lookup_min", cls.prompt_lookup_min),
                   prompt_lookup_max=value.get("prompt_lookup_max", cls.prompt_lookup_max),
                   adaptive=value.get("adaptive", False), lookup_first=value.get("lookup_first", False),
-                  tree_width=value.get("tree_width", 1), corpus=value.get("corpus"))
+                  tree_width=value.get("tree_width", 1), corpus=value.get("corpus"),
+                  history_tokens=value.get("history_tokens", 0))
         for key in ("adaptive", "lookup_first"):
             if not isinstance(getattr(cfg, key), bool):
                 raise SpeculantError(f"speculative config: {key} must be true or false, got {getattr(cfg, key)!r}")
@@ -134,6 +140,13 @@ class SpeculativeConfig:
                                  f"drafts a step; at most {MAX_SPECULATIVE_TOKENS}")
         if cfg.corpus is not None and not (isinstance(cfg.corpus, str) and cfg.corpus):
             raise SpeculantError(f"speculative config: corpus must be a path, got {cfg.corpus!r}")
+        history = cfg.history_tokens
+        if not isinstance(history, int) or isinstance(history, bool) or not 0 <= history <= MAX_HISTORY_TOKENS:
+            raise SpeculantError(f"speculative config: history_tokens={history!r} is out of range "
+                                 f"[0, {MAX_HISTORY_TOKENS}]")
+        if history and not (method == "ngram" or cfg.lookup_first):
+            raise SpeculantError("speculative config: history_tokens (drafts from earlier answers) works with "
+                                 "prompt lookup; it needs method ngram or lookup_first")
         if cfg.corpus and not (method == "ngram" or cfg.lookup_first):
             raise SpeculantError("speculative config: corpus drafts where prompt lookup finds little; it needs "
                                  "method ngram or lookup_first")

@@ -124,6 +124,12 @@ def test_bad_device_and_dtype(tiny):
     ('[1, 2]', "must be a JSON object"),
     ('{"method": "eagle", "model": "x", "num_speculative_tokens": 3, "corpus": "t"}', "corpus .* needs method ngram"),
     ('{"method": "ngram", "num_speculative_tokens": 3, "corpus": 5}', "corpus must be a path, got 5"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "history_tokens": -1}', "history_tokens=-1 is out of range"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "history_tokens": true}', "history_tokens=True is out of range"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "history_tokens": 100000000000}',
+     "history_tokens=100000000000 is out of range"),
+    ('{"method": "eagle", "model": "x", "num_speculative_tokens": 3, "history_tokens": 1000}',
+     "history_tokens .* needs method ngram or lookup_first"),
 ])
 def test_invalid_speculative_config(config, message):
     with raises(message):

@@ -66,7 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of ngram, ngram+corpus (a corpus table where prompt lookup finds little), "
                    "draft_model, eagle, and draft_model+lookup, eagle+lookup (prompt lookup first, the model's "
                    "drafts where it finds nothing), eagle+tree, eagle+lookup+tree (a draft tree, --tree-width), "
-                   "eagle+lookup+corpus+tree; default: ngram, ngram+corpus, draft_model, eagle, those available")
+                   "eagle+lookup+corpus+tree, ngram+history, ngram+corpus+history (drafts from earlier answers: "
+                   "see --repeat); default: ngram, ngram+corpus, draft_model, eagle, those available")
     s.add_argument("--tree-width", type=int, default=TREE_WIDTH,
                    help="the +tree proposers' tree width: k + N - 1 drafts a step (default: the shipped "
                         f"EAGLE head's best, {TREE_WIDTH})")
@@ -85,6 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--per-class", type=int, default=None, help="prompts per class (default 6; 0: all)")
     w.add_argument("--max-tokens", type=int, default=None, help="output tokens per prompt (default 128)")
     w.add_argument("--reps", type=int, default=1, help="repetitions of every prompt (default 1)")
+    w.add_argument("--repeat", action="store_true",
+                   help="requests that repeat: each batch of prompts is decoded once untimed, then timed (the "
+                        "+history proposers draft from the first answers; without it no run sees another's)")
     w.add_argument("--no-chat", action="store_true", help="raw prompts, no chat template")
     w.add_argument("--seed", type=int, default=0, help="base seed of sampled requests (default 0)")
     c = p.add_argument_group("regime and cost")
@@ -111,7 +115,7 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
                      eagle=args.eagle, corpus=args.corpus, proposers=args.proposers, tree_width=args.tree_width,
                      batch_k=args.batch_k,
                      prompts=args.prompts,
-                     reps=args.reps, chat=not args.no_chat, peers=args.peers, peer_k=args.peer_k,
+                     reps=args.reps, repeat=args.repeat, chat=not args.no_chat, peers=args.peers, peer_k=args.peer_k,
                      price_per_hour=args.price_per_hour, seed=args.seed, progress=not args.no_progress,
                      command=" ".join(["speculant", *map(shlex.quote, sys.argv[1:])]))
     if args.quick:

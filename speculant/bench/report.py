@@ -103,7 +103,9 @@ def markdown(result: BenchResult) -> str:
            "the threads of one process would wait for each other at every operation."
            if m["torch_threads"] < (m["cpu_count"] or 1) else "") + "\n",
         f"Command: `{m['command']}`  \n{m['prompts']} prompts ({', '.join(m['prompt_classes'])}), up to "
-        f"{plan.max_tokens} output tokens each, stopping at end of sequence.\n",
+        f"{plan.max_tokens} output tokens each, stopping at end of sequence."
+        + (" **Repeated requests** (`--repeat`): every configuration decoded each batch of prompts once, "
+           "untimed, right before its timed run." if plan.repeat else "") + "\n",
     ]
     parts += headline(result)
     parts += regime_section(result)

@@ -72,6 +72,9 @@ class Runner:
     def run(self, prompts: list[list[int]], params: list[SamplingParams]) -> Measurement:
         raise NotImplementedError
 
+    def forget(self) -> None:
+        """Drop what the runner learned from earlier requests: no run drafts from another's answers."""
+
     def descriptor(self) -> Runner:
         """The runner's identity without its model or engine, to keep after the runs."""
         return Runner(self.name, self.family, self.method, self.k, self.reference, self.max_batch_size,
@@ -94,6 +97,10 @@ def spec_method(spec: SpeculativeConfig) -> str:
 @dataclass
 class EngineRunner(Runner):
     engine: Engine | None = None
+
+    def forget(self) -> None:
+        if self.engine.proposer is not None:
+            self.engine.proposer.forget()
 
     def run(self, prompts: list[list[int]], params: list[SamplingParams]) -> Measurement:
         engine = self.engine
@@ -174,12 +181,18 @@ def interleave(runners: list[Runner], jobs: list[Job]) -> Iterator[tuple[Runner,
             yield runner, job
 
 
-def run_jobs(runners: list[Runner], jobs: list[Job],
-             tick: Callable[[str], None] | None = None) -> list[Measurement]:
+def run_jobs(runners: list[Runner], jobs: list[Job], tick: Callable[[str], None] | None = None,
+             repeat: bool = False) -> list[Measurement]:
+    """Each job on each runner, timed. A runner forgets earlier requests before each job (an answer history
+    would otherwise draft a repetition from the same prompt's earlier answer); with `repeat`, it then
+    decodes the job once untimed: the case of requests that repeat."""
     out = []
     for runner, job in interleave(runners, jobs):
         if tick:
             tick(runner.name)
+        runner.forget()
+        if repeat:
+            runner.run(job.tokens, job.params)
         m = runner.run(job.tokens, job.params)
         m.prompt_ids, m.prompt_class, m.rep = job.prompt_ids, job.prompt_class, job.rep
         out.append(m)

@@ -42,8 +42,10 @@ from speculant.proposers.corpus import FILE as CORPUS_FILE
 from speculant.speedup import CostCurve, measure_cost_curve
 from speculant.training.shipped import TREE_WIDTH
 
-PROPOSERS = ("ngram", "ngram+corpus", "draft_model", "eagle", "draft_model+lookup", "eagle+lookup", "eagle+tree",
-             "eagle+lookup+tree", "eagle+lookup+corpus+tree")
+PROPOSERS = ("ngram", "ngram+corpus", "ngram+history", "ngram+corpus+history", "draft_model", "eagle",
+             "draft_model+lookup", "eagle+lookup", "eagle+tree", "eagle+lookup+tree", "eagle+lookup+corpus+tree")
+# The +history proposers' answer history (proposers/history.py): ~330 MB at most.
+HISTORY_TOKENS = 1_000_000
 DEFAULT_PROPOSERS = ("ngram", "ngram+corpus", "draft_model", "eagle")
 PEERS = ("transformers", "llama.cpp")
 DRAFTS_DIR = Path(__file__).resolve().parents[1] / "data" / "drafts"
@@ -71,6 +73,7 @@ class BenchPlan:
     max_prompt_tokens: int = 384
     chat: bool = True
     reps: int = 1
+    repeat: bool = False  # decode each batch of prompts once untimed before its timed run (repeated requests)
     peers: list[str] = field(default_factory=lambda: list(PEERS))
     peer_k: int = 4
     adaptive: bool = True  # also run each proposer with adaptive k (up to the largest k swept)
@@ -192,6 +195,8 @@ def proposer_configs(plan: BenchPlan, k: int) -> tuple[list[SpeculativeConfig], 
         config = {"method": method, "num_speculative_tokens": k}
         if "corpus" in options:
             config["corpus"] = str(paths["corpus"])
+        if "history" in options:
+            config["history_tokens"] = HISTORY_TOKENS
         if method != "ngram":
             config |= {"model": str(paths[method]), "lookup_first": "lookup" in options,
                        "tree_width": plan.tree_width if "tree" in options else 1}
@@ -305,7 +310,8 @@ def k_sweep(plan: BenchPlan, target: LoadedModel, model_path: Path, prompts: lis
     runners += peer_runners(plan, target, model_path, max_len, notes)
     jobs = make_jobs(prompts, 1, 0.0, plan.max_tokens, plan.reps, plan.seed)
     warm_up(runners, jobs[0])
-    measurements = run_jobs(runners, jobs, progress.phase("k sweep (batch 1)", len(jobs) * len(runners)))
+    measurements = run_jobs(runners, jobs, progress.phase("k sweep (batch 1)", len(jobs) * len(runners)),
+                            plan.repeat)
     return Experiment("k", "batch 1, greedy: plain decoding vs every proposer at every k, and the peers",
                       [r.descriptor() for r in runners], measurements)
 
@@ -363,7 +369,7 @@ def batch_sweep(plan: BenchPlan, target: LoadedModel, prompts: list[BenchPrompt]
     for b in sizes:
         runners = [engine_runner(target, spec, b, max_len) for spec in [None, *configs]]
         warm_up(runners, plan_jobs[b][0])
-        exp.measurements += run_jobs(runners, plan_jobs[b], tick)
+        exp.measurements += run_jobs(runners, plan_jobs[b], tick, plan.repeat)
         exp.runners = [r.descriptor() for r in runners]
     return exp
 
@@ -374,7 +380,8 @@ def temperature_sweep(plan: BenchPlan, target: LoadedModel, prompts: list[BenchP
     runners: list[Runner] = [engine_runner(target, spec, 1, max_len) for spec in [None, *configs]]
     jobs = [j for t in temperatures for j in make_jobs(prompts, 1, t, plan.max_tokens, plan.reps, plan.seed)]
     warm_up(runners, jobs[0])
-    measurements = run_jobs(runners, jobs, progress.phase("temperature sweep", len(jobs) * len(runners)))
+    measurements = run_jobs(runners, jobs, progress.phase("temperature sweep", len(jobs) * len(runners)),
+                            plan.repeat)
     return Experiment("temperature", "batch 1, sampled: plain vs each proposer at its best k",
                       [r.descriptor() for r in runners], measurements)
 

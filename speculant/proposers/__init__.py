@@ -15,7 +15,8 @@ def build_proposer(cfg: SpeculativeConfig, target: LoadedModel, max_batch_size: 
     if cfg.lookup_first:
         from speculant.proposers.lookup_first import LookupFirstProposer
 
-        model = build_proposer(replace(cfg, lookup_first=False, corpus=None), target, max_batch_size, max_len)
+        alone = replace(cfg, lookup_first=False, corpus=None, history_tokens=0)
+        model = build_proposer(alone, target, max_batch_size, max_len)
         return LookupFirstProposer(prompt_lookup(cfg, target), model)
     if cfg.method == "ngram":
         return prompt_lookup(cfg, target)
@@ -36,7 +37,9 @@ def build_proposer(cfg: SpeculativeConfig, target: LoadedModel, max_batch_size: 
 
 def prompt_lookup(cfg: SpeculativeConfig, target: LoadedModel) -> Proposer:
     from speculant.proposers.corpus import load_corpus
+    from speculant.proposers.history import AnswerHistory
     from speculant.proposers.ngram import NgramProposer
 
     corpus = load_corpus(cfg.corpus, target) if cfg.corpus else None
-    return NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max, corpus)
+    history = AnswerHistory(cfg.history_tokens) if cfg.history_tokens else None
+    return NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max, corpus, history)

@@ -117,6 +117,9 @@ class Proposer:
     def remove(self, seq: Sequence) -> None:
         """A sequence leaves (finished or aborted): free its state."""
 
+    def forget(self) -> None:
+        """Drop what was learned from earlier requests (an answer history)."""
+
     def prefill(self, seqs: list[Sequence], target: TargetHidden) -> None:
         """New sequences' prompts, all but the last token, went through the target."""
         self.commit(seqs, target)

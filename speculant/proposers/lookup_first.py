@@ -26,15 +26,19 @@ class LookupFirstProposer(Proposer):
     def __init__(self, lookup: NgramProposer, model: Proposer):
         self.lookup, self.model = lookup, model
         method, *options = model.name.split("+")
-        corpus = ["corpus"] if lookup.corpus else []
-        self.name = "+".join((method, "lookup", *corpus, *options))  # as SpeculativeConfig.proposer names it
+        behind = lookup.name.split("+")[1:]  # corpus, history
+        self.name = "+".join((method, "lookup", *behind, *options))  # as SpeculativeConfig.proposer names it
         self.extra_nodes = model.extra_nodes
 
     def add(self, seq: Sequence) -> None:
         self.model.add(seq)
 
     def remove(self, seq: Sequence) -> None:
+        self.lookup.remove(seq)
         self.model.remove(seq)
+
+    def forget(self) -> None:
+        self.lookup.forget()
 
     def prefill(self, seqs: list[Sequence], target: TargetHidden) -> None:
         self.model.prefill(seqs, target)

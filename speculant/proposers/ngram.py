@@ -7,6 +7,7 @@ import numpy as np
 
 from speculant.proposers.base import Proposal, Proposer
 from speculant.proposers.corpus import CORPUS_BUCKET, CorpusTable
+from speculant.proposers.history import HISTORY_BUCKET, AnswerHistory
 from speculant.sampling import SamplingBatch
 from speculant.sequence import Sequence
 
@@ -40,14 +41,25 @@ def lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> tuple[list[int
 class NgramProposer(Proposer):
     """Prompt lookup, and where it matches fewer than CORPUS_UNDER tokens, a corpus table's drafts when
     one is given (proposers/corpus.py): simulated, a 2-token match of the prompt's continued right
-    more often than the table, a 1-token match less often."""
+    more often than the table, a 1-token match less often. With an answer history (proposers/history.py,
+    opt-in), an earlier answer that agrees with more of the sequence's last tokens than the prompt does,
+    for as many drafts, drafts first."""
 
     free_drafts = True
 
-    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, corpus: CorpusTable | None = None):
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, corpus: CorpusTable | None = None,
+                 history: AnswerHistory | None = None):
         self.n_min, self.n_max = prompt_lookup_min, prompt_lookup_max
-        self.corpus = corpus
-        self.name = "ngram+corpus" if corpus else "ngram"
+        self.corpus, self.history = corpus, history
+        self.name = "ngram" + "+corpus" * (corpus is not None) + "+history" * (history is not None)
+
+    def remove(self, seq: Sequence) -> None:
+        if self.history is not None:
+            self.history.learn(seq.prompt_ids, seq.output_ids)
+
+    def forget(self) -> None:
+        if self.history is not None:
+            self.history = AnswerHistory(self.history.max_tokens)
 
     def propose(self, seqs: list[Sequence], ks: list[int], sb: SamplingBatch) -> Proposal:
         found = [self._draft(s.tokens, k) if k else ([], 0) for s, k in zip(seqs, ks)]
@@ -56,6 +68,11 @@ class NgramProposer(Proposer):
     def _draft(self, tokens: list[int], k: int) -> tuple[list[int], int]:
         """A row's drafts and their bucket (adaptive k's acceptance is kept per bucket)."""
         drafts, n = lookup(np.asarray(tokens), k, self.n_min, self.n_max)
+        if self.history is not None:
+            past, match = self.history.draft(tokens, k)
+            # An answer that ends soon after the match (a loop's latest turn) loses to a longer lookup draft.
+            if past and match > n and len(past) >= len(drafts):
+                return past, HISTORY_BUCKET + match
         if self.corpus is not None and n < CORPUS_UNDER:
             from_corpus, context = self.corpus.draft(tokens, k)
             if from_corpus:
