@@ -19,7 +19,6 @@ from speculant.config import SamplingParams
 from speculant.engine import Engine
 from speculant.models.loader import load_model
 from speculant.proposers.draft_model import DraftModelProposer
-from speculant.proposers.history import AnswerHistory
 from speculant.proposers.ngram import NgramProposer
 from speculant.sampling import SamplingBatch, probabilities
 
@@ -123,20 +122,6 @@ def test_corpus_drafts_sampling_matches_target(models):
     assert engine.stats.num_accepted_tokens > 0
     assert p > ALPHA
 
-
-def test_history_drafts_sampling_matches_target(models):
-    """Drafts from earlier answers are deterministic like lookup's; a history of long answers over 8
-    tokens (nearly every 3-token context is in it) drafts at most steps, and learns the sampled answers."""
-    gen = torch.Generator().manual_seed(1)
-    history = AnswerHistory(100_000)
-    for _ in range(4):
-        history.learn(PROMPT, torch.randint(0, 8, (400,), generator=gen).tolist())
-    engine = Engine(models[0], NgramProposer(2, 3, history=history), 3, max_batch_size=BATCH, max_model_len=32)
-    params = SETTINGS["t1"]
-    p = g_test(sampled_joint(engine, params, N_SAMPLES), exact_joint(models[0].model, params, N_TOKENS))
-    print(f"history drafts: G-test p = {p:.4f}, {engine.stats.num_draft_tokens} drafts")
-    assert engine.stats.num_accepted_tokens > 0 and len(history.entries) > 4
-    assert p > ALPHA
 
 
 def test_inverse_cdf_sampler_alone_is_exact(models, monkeypatch):

@@ -2,56 +2,51 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
+import torch
 from test_greedy_lossless import GREEDY, PROMPTS, run
 
 from speculant.config import SpeculativeConfig
 from speculant.models.loader import load_model
-from speculant.proposers.history import CONTEXT, END, HISTORY_BUCKET, LEAD, MAX_MATCH, AnswerHistory
+from speculant.proposers.history import CONTEXT, END, HISTORY_BUCKET, AnswerHistory
+from speculant.proposers.ngram import NgramProposer
+from speculant.sampling import SamplingBatch
+
+LEAD = list(range(70, 70 + CONTEXT))  # a prompt's last tokens
 
 
-def test_draft_continues_the_latest_agreeing_answer():
+def test_draft_continues_the_latest_answer_after_the_same_tokens():
     h = AnswerHistory(1000)
-    h.learn([69, 70, 71], [1, 2, 3, 4, 5, 6, 7, 8])
-    h.learn([72], [10, 2, 3, 4, 99, 98])
-    assert h.draft([0, 2, 3, 4], 5) == ([99, 98], CONTEXT)  # the newer answer; its end stops the draft
-    assert h.draft([2, 3, 4], 1) == ([99], CONTEXT)
-    assert h.draft([3, 4], 5) == ([], 0)  # shorter than a context
-    assert h.draft([7, 7, 7], 5) == ([], 0)
-    # A repeated request finds its answer from the first token: the prompt's last tokens lead into it.
-    assert h.draft([5, 69, 70, 71], 3) == ([1, 2, 3], CONTEXT)
-    assert h.draft([70, 71, 1], 2) == ([2, 3], CONTEXT)
-    # Drafts are answer tokens only: no context is followed by a prompt token.
-    assert all(h.tokens[at] not in (69, 70, 71, 72, END) for at in h.latest.values())
-
-
-def test_a_longer_agreement_wins_over_a_newer_one_and_sets_the_bucket():
-    h = AnswerHistory(1000)
-    h.learn([0], list(range(1, 13)))
-    h.learn([0], [50, 4, 5, 6, 60])
-    # Six agreeing tokens find the older answer; the match reaches back as far as the sequence agrees.
-    assert h.draft([1, 2, 3, 4, 5, 6], 3) == ([7, 8, 9], 6)
-    assert h.draft(list(range(1, 10)), 2) == ([10, 11], MAX_MATCH)
-    assert h.draft([9, 4, 5, 6], 3) == ([60], CONTEXT)
+    h.learn([1, 2] + LEAD, list(range(10, 30)))
+    h.learn([3] + LEAD, [11, 12] + list(range(40, 50)))
+    assert h.draft(LEAD, 4) == [11, 12, 40, 41]  # a repeated prompt: the newer answer from its first token
+    assert h.draft([5] + LEAD + [11], 3) == [12, 40, 41]
+    assert h.draft(list(range(10, 18)), 30) == list(range(18, 30))  # the answer's end stops the draft
+    assert h.draft(list(range(11, 18)), 3) == []  # fewer than CONTEXT agreeing tokens
+    assert h.draft([0] + list(range(11, 18)), 3) == []
+    # Drafts are answer tokens only: no context is followed by a prompt token or an end.
+    assert all(h.tokens[at] in range(10, 50) for at in h.latest.values())
 
 
 def test_forgets_the_oldest_half_beyond_max_tokens():
-    h = AnswerHistory(60)
-    answers = [list(range(100 * i, 100 * i + 9)) for i in range(12)]
+    h = AnswerHistory(100)
+    answers = [list(range(100 * i, 100 * i + 12)) for i in range(12)]
     for i, answer in enumerate(answers):
-        h.learn([i + 1], answer)
-        assert h.size <= 60 and len(h.tokens) == h.size + 1
+        h.learn([i] * 20, answer)
+        assert h.size <= 100 and len(h.tokens) == h.size + 1
     assert h.tokens[0] == END and h.tokens[-1] == END
-    assert h.draft(answers[-1][:4], 2) == (answers[-1][4:6], 4)  # the newest is kept
-    assert h.draft(answers[0][:4], 2) == ([], 0)  # the oldest is gone, from the index too
+    assert h.draft(answers[-1][:CONTEXT], 2) == answers[-1][CONTEXT:CONTEXT + 2]  # the newest is kept
+    assert h.draft(answers[0][:CONTEXT], 2) == []  # the oldest is gone, from the index too
     # What is kept is indexed as if learned anew.
     rebuilt = AnswerHistory(1000)
     for lead, answer in h.entries:
         rebuilt.learn(lead, answer)
     assert rebuilt.tokens == h.tokens and rebuilt.latest == h.latest
-    h.learn(list(range(20)), list(range(1000, 1100)))  # longer than the history: its start is kept
-    assert list(h.entries) == [(list(range(20 - LEAD, 20)), list(range(1000, 1000 + 60 - LEAD - 1)))]
-    assert len(h.tokens) == 61
+    h.learn(LEAD, list(range(1000, 1200)))  # longer than the history: its start is kept
+    assert list(h.entries) == [(LEAD, list(range(1000, 1000 + 100 - CONTEXT - 1)))]
+    assert len(h.tokens) == 101
 
 
 def test_repeated_requests_draft_their_earlier_answers(tiny_pair):
@@ -61,20 +56,22 @@ def test_repeated_requests_draft_their_earlier_answers(tiny_pair):
     assert SpeculativeConfig.parse(spec).proposer == "ngram+history"
     first, engine = run(target, spec, PROMPTS)
     assert engine.proposer.name == "ngram+history"
-    history = engine.proposer.history
-    assert history.size == sum(len(p[-LEAD:]) + len(o) + 1 for p, o in zip(PROMPTS, outputs))
+    assert engine.proposer.history.size == sum(len(p[-CONTEXT:]) + len(o) + 1 for p, o in zip(PROMPTS, outputs))
     # The same requests again: each continues its own earlier answer, from its first token on.
     before = engine.stats.num_accepted_tokens
     seqs = [engine.add_request(p, GREEDY) for p in PROMPTS]
     engine.generate(seqs)
     assert first == outputs and [s.output_ids for s in seqs] == outputs
-    # The tiny model's answers end in loops, where lookup of the answer itself drafts as well: 72 drafts
-    # kept the first time, 110 the second.
     assert engine.stats.num_accepted_tokens - before > 1.4 * before
     for prompt, answer in zip(PROMPTS, outputs):
         if len(prompt) >= CONTEXT:
-            drafts, bucket = engine.proposer._draft(prompt, 6)
-            assert drafts == answer[:6] and bucket >= HISTORY_BUCKET + CONTEXT
+            assert engine.proposer._draft(prompt, 6) == (answer[:6], HISTORY_BUCKET)
+    # A sampled row drafts as without the history: an earlier sample is a poor draft (see ngram.py).
+    for params, same in ((replace(GREEDY, temperature=0.8, seed=3), True), (GREEDY, False)):
+        seqs = [engine.add_request(p, params) for p in PROMPTS]
+        sb = SamplingBatch.build([s.params for s in seqs], [None] * len(seqs), torch.device("cpu"))
+        with_history = engine.proposer.propose(seqs, [6] * len(seqs), sb).tokens.tolist()
+        assert (with_history == NgramProposer(1, 6).propose(seqs, [6] * len(seqs), sb).tokens.tolist()) == same
 
 
 @pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 4, "adaptive": True},

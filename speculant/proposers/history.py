@@ -4,11 +4,13 @@ an agent's next tool call — and an earlier answer continues a new one where th
 Prompt lookup reads the request itself, the corpus table what the target most often writes; this reads
 what it wrote lately, in the order the requests finished.
 
-The history keeps answers, each after its prompt's last LEAD tokens (so that a repeated request finds
+The history keeps answers, each after its prompt's last CONTEXT tokens (so that a repeated request finds
 its answer from the first token), up to `max_tokens` tokens in all; past that the oldest half goes. A
-draft continues the latest earlier answer whose last LONG_CONTEXT tokens agree with the sequence's,
-else the latest whose last CONTEXT tokens do; drafts are answer tokens only. Its bucket (adaptive k
-keeps acceptance per bucket) is HISTORY_BUCKET + how far back the agreement goes, up to MAX_MATCH.
+draft continues the latest earlier answer whose CONTEXT tokens before it equal the sequence's last ones.
+Simulated on the bench's greedy outputs (18 prompts × 128 tokens, every draft up to 6 checked, lookup
+and the corpus table as in the default): the same requests again made 5.8 tokens a step with 8 tokens of
+context (5.4 with 4); other requests' answers 1.79 against 1.79 without the history (4 tokens: 1.77,
+short contexts of unrelated answers pushed out better drafts).
 
 Opt-in ("history_tokens" in the speculative config): a request's drafts, and so its speed, then depend on
 the requests served before it — never its output, every draft is verified — which tells a client who
@@ -19,11 +21,8 @@ from __future__ import annotations
 
 from collections import deque
 
-HISTORY_BUCKET = 20
-CONTEXT = 3
-LONG_CONTEXT = 6
-MAX_MATCH = 8
-LEAD = MAX_MATCH  # a repeated prompt's end agrees with its earlier one's as far back as a match reaches
+HISTORY_BUCKET = 20  # adaptive k's acceptance bucket for history drafts
+CONTEXT = 8
 END = -1  # after each answer: a draft stops there, and no token equals it
 
 
@@ -37,7 +36,7 @@ class AnswerHistory:
     def learn(self, prompt: list[int], answer: list[int]) -> None:
         """Keep `answer` (the newest) after its prompt's last tokens, forgetting the oldest half of the
         history when it is full (the index is rebuilt once per max_tokens / 2 tokens learned)."""
-        lead = prompt[-LEAD:]
+        lead = prompt[-CONTEXT:]
         answer = answer[:max(0, self.max_tokens - len(lead) - 1)]
         if not answer:
             return
@@ -51,25 +50,17 @@ class AnswerHistory:
             self.size -= len(old_lead) + len(old_answer) + 1
         self._rebuild()
 
-    def draft(self, tokens: list[int], k: int) -> tuple[list[int], int]:
-        """Up to k tokens that followed the latest agreeing context in an earlier answer, and how many of
-        the sequence's last tokens agree there (([], 0) when none does)."""
-        at = None
-        for n in (LONG_CONTEXT, CONTEXT):
-            if len(tokens) >= n and (at := self.latest.get(tuple(tokens[-n:]))) is not None:
-                break
+    def draft(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the sequence's last CONTEXT tokens in the latest earlier answer."""
+        at = self.latest.get(tuple(tokens[-CONTEXT:])) if len(tokens) >= CONTEXT else None
         if at is None:
-            return [], 0
-        match = n
-        # Entries lie between ENDs (the first after tokens[0]), which no token equals: the index stays ≥ 0.
-        while match < MAX_MATCH and match < len(tokens) and self.tokens[at - match - 1] == tokens[-match - 1]:
-            match += 1
+            return []
         drafts = []
         for token in self.tokens[at:at + k]:
             if token == END:
                 break
             drafts.append(token)
-        return drafts, match
+        return drafts
 
     def _rebuild(self) -> None:
         self.tokens = [END]
@@ -79,8 +70,7 @@ class AnswerHistory:
 
     def _append(self, lead: list[int], answer: list[int]) -> None:
         start, text = len(self.tokens), lead + answer
-        for n in (CONTEXT, LONG_CONTEXT):
-            for i in range(max(n, len(lead)), len(text)):  # contexts followed by an answer token
-                self.latest[tuple(text[i - n:i])] = start + i
+        for i in range(max(CONTEXT, len(lead)), len(text)):  # contexts followed by an answer token
+            self.latest[tuple(text[i - CONTEXT:i])] = start + i
         self.tokens += text
         self.tokens.append(END)
