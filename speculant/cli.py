@@ -68,12 +68,27 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="draft length k (default 4)")
     s.add_argument("--adaptive", action="store_true",
                    help="choose k per step from the measured cost curve and acceptance (0 where it loses)")
+    s.add_argument("--history-tokens", type=int, default=None,
+                   help="serving: draft from the target's last N tokens of answers where a sequence's last 8 "
+                        "tokens appear in one (repeated requests; greedy rows), on top of prompt lookup "
+                        "(\"history_tokens\": N; ~330 bytes a token). Opt-in: a request's speed then depends on "
+                        "the requests before it")
     s.add_argument("--no-speculation", action="store_true",
                    help="plain decoding (k = 0); without any speculation flag the bundled model uses "
                         "its best measured proposer (n-gram lookup, k up to 6), adaptively")
 
 
 def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
+    cfg = _speculative_config(args)
+    if args.history_tokens is None:
+        return cfg
+    if cfg is None:
+        raise SpeculantError("--history-tokens drafts from earlier answers beside prompt lookup: this run does "
+                             "not speculate (add --ngram)")
+    return SpeculativeConfig.parse({**asdict(cfg), "history_tokens": args.history_tokens})
+
+
+def _speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     if args.no_speculation:
         return None
     if args.speculative_config:

@@ -228,3 +228,13 @@ def test_speculation_shortcut_flags():
         config("--lookup-first")
     with raises("lookup_first .* needs method draft_model or eagle"):
         config("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}', "--lookup-first")
+    assert config("--ngram", "--history-tokens", "5000").proposer == "ngram+history"
+    cfg = config("--speculative-config", '{"method": "draft_model", "model": "d", "num_speculative_tokens": 2, '
+                 '"lookup_first": true}', "--history-tokens", "5000")
+    assert cfg.proposer == "draft_model+lookup+history" and cfg.history_tokens == 5000
+    with raises("--history-tokens drafts from earlier answers beside prompt lookup: this run does not speculate"):
+        config("--no-speculation", "--history-tokens", "5000")
+    with raises("history_tokens .* needs method ngram or lookup_first"):
+        config("--eagle", "some/head", "--history-tokens", "5000")
+    with raises("history_tokens=-3 is out of range"):
+        config("--ngram", "--history-tokens", "-3")

@@ -403,3 +403,22 @@ def test_logprobs_in_completions_and_chat(client):
     tokens = [t.token for chunk in streamed for choice in chunk.choices if choice.logprobs
               for t in choice.logprobs.content]
     assert tokens == [t.token for t in content]
+
+
+def test_answer_history_spans_requests(smollm_path):
+    """With "history_tokens" the server's proposer keeps answers across requests: the same question
+    again gets the same answer, drafted from the first one."""
+    from speculant.llm import build_engine
+    from speculant.server.app import create_app
+
+    spec = {"method": "ngram", "num_speculative_tokens": 6, "history_tokens": 100_000}
+    engine = build_engine(str(smollm_path), speculative_config=spec, max_model_len=MAX_MODEL_LEN)
+    with live_server(create_app(engine, ["smollm"], api_key=API_KEY)) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0)
+        messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
+        first, again = (client.chat.completions.create(model="smollm", messages=messages, max_tokens=40, **GREEDY)
+                        for _ in range(2))
+    assert again.choices[0].message.content == first.choices[0].message.content
+    stats = [out.model_extra["speculative_stats"] for out in (first, again)]
+    assert stats[0]["method"] == "ngram+history"
+    assert stats[1]["target_passes"] < stats[0]["target_passes"] / 2
