@@ -71,7 +71,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--history-tokens", type=int, default=None,
                    help="serving: draft from the target's last N tokens of answers where a sequence's last 8 "
                         "tokens appear in one (repeated requests; greedy rows), on top of prompt lookup "
-                        "(\"history_tokens\": N; ~330 bytes a token). Opt-in: a request's speed then depends on "
+                        "(\"history_tokens\": N; ~220 bytes a token). Opt-in: a request's speed then depends on "
                         "the requests before it")
     s.add_argument("--no-speculation", action="store_true",
                    help="plain decoding (k = 0); without any speculation flag the bundled model uses "

@@ -14,7 +14,7 @@ MAX_SPECULATIVE_TOKENS = 32
 MAX_VERIFY_WIDTH = MAX_SPECULATIVE_TOKENS + 1
 MAX_LOGPROBS = 20
 MAX_TREE_WIDTH = 8
-MAX_HISTORY_TOKENS = 10_000_000  # an answer history holds ~330 bytes a token (its list and two index entries)
+MAX_HISTORY_TOKENS = 10_000_000  # an answer history holds ~220 bytes a token (its lists and index entry)
 METHODS = ("draft_model", "ngram", "eagle")
 
 
@@ -81,9 +81,9 @@ class SpeculativeConfig:
     # Our extension, for ngram and lookup_first: a corpus table (proposers/corpus.py, a file or its folder)
     # whose drafts are verified where prompt lookup matches fewer than 2 tokens.
     corpus: str | None = None
-    # Our extension, for ngram and lookup_first: keep the last history_tokens tokens of answers and draft
-    # from them where they agree with more of a sequence than its prompt does (proposers/history.py).
-    # 0: off. Opt-in: a request's speed then depends on the requests served before it.
+    # Our extension, for ngram and lookup_first: keep the last history_tokens tokens of answers and, for
+    # greedy rows, draft what followed a sequence's last 8 tokens in the latest answer that has them
+    # (proposers/history.py). 0: off. Opt-in: a request's speed then depends on the requests served before it.
     history_tokens: int = 0
 
     @property

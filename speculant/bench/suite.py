@@ -44,7 +44,7 @@ from speculant.training.shipped import TREE_WIDTH
 
 PROPOSERS = ("ngram", "ngram+corpus", "ngram+history", "ngram+corpus+history", "draft_model", "eagle",
              "draft_model+lookup", "eagle+lookup", "eagle+tree", "eagle+lookup+tree", "eagle+lookup+corpus+tree")
-# The +history proposers' answer history (proposers/history.py): ~330 MB at most.
+# The +history proposers' answer history (proposers/history.py): ~220 MB at most.
 HISTORY_TOKENS = 1_000_000
 DEFAULT_PROPOSERS = ("ngram", "ngram+corpus", "draft_model", "eagle")
 PEERS = ("transformers", "llama.cpp")

@@ -9,11 +9,12 @@
 #include <cmath>
 #include <cstring>
 
+#include "bf16.h"
 #include "kernels.h"
 
 namespace {
 
-inline __mmask16 lanes(int64_t left) { return left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1); }
+using speculant::lanes;
 
 // Masked-off lanes read −inf: they never win.
 inline __m512 load_row(const float* p, __mmask16 m) {

@@ -13,6 +13,9 @@ inline uint16_t to_bf16(float f) {  // round to nearest even, as PyTorch does
   return u >> 16;
 }
 
+// The mask of a vector's first min(left, 16) lanes: a row's last, partial vector.
+inline __mmask16 lanes(int64_t left) { return left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1); }
+
 inline __m512 load_bf16(const uint16_t* p) {  // 16 bf16 values → fp32
   return _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i*)p));
 }

@@ -17,10 +17,9 @@
 namespace {
 
 using speculant::exp_ps;
+using speculant::lanes;
 
 constexpr int64_t ROWS_PER_TASK = 64;  // decode rows are tiny: a thread per 64 of them, else one thread
-
-inline __mmask16 lanes(int64_t left) { return left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1); }
 
 inline __m512 load(const uint16_t* p, __mmask16 m) {
   return _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, p));
