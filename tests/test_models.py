@@ -353,3 +353,32 @@ def test_packed_bf16_linear_gives_every_row_the_same_bits_whatever_the_row_count
     with torch.no_grad():
         single = torch.stack([torch.cat([packed(x[b, t][None]) for t in range(5)]) for b in range(8)])
         assert torch.equal(packed(x), single)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_weights_moved_to_huge_pages_compute_the_same_and_stay_tied(tmp_path, quantization):
+    from speculant.models.hugepages import huge_pages_available, move_to_huge_pages
+
+    if not huge_pages_available():
+        pytest.skip("no transparent huge pages here (not Linux, or THP set to never)")
+    folder = save_tiny(tmp_path, hidden_size=128, intermediate_size=256, tie_word_embeddings=True)
+    loaded = load_model(folder, dtype="bfloat16", quantization=quantization)
+    assert loaded.load_info["huge_pages_bytes"] > 0  # moved at load
+    model = load_model(folder, dtype="bfloat16", quantization=quantization, pack=False).model  # not moved
+    assert "huge_pages_bytes" not in load_model(folder, pack=False).load_info
+    tokens = torch.tensor([[5, 9, 31, 7, 2, 60]])
+
+    def logits():
+        cache = model.new_cache(1, 16)
+        with torch.no_grad():
+            return model.logits(model(tokens, cache, torch.tensor([0])))
+
+    before = logits()
+    moved = move_to_huge_pages(model)
+    mapping = torch.frombuffer(model._huge_page_mapping, dtype=torch.uint8)
+    lo, hi = mapping.data_ptr(), mapping.data_ptr() + mapping.numel()
+    inside = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if lo <= t.data_ptr() < hi]
+    assert moved > 0 and "model.embed_tokens.weight" in inside and any("layers.1" in n for n in inside)
+    if quantization == "none":  # tied: the embedding and the lm_head are one tensor, moved once
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(logits(), before)

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from speculant.errors import SpeculantError
+from speculant.models.hugepages import move_to_huge_pages
 from speculant.models.kernels import fast_bfloat16, pack_linears
 from speculant.models.llama import ModelConfig, Transformer, rope_inv_freq
 from speculant.models.quantize import QUANTIZATIONS, matching_quantization, quantize
@@ -109,6 +110,8 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float
     quantize(model, quantization)
     if pack:
         pack_linears(model)
+        if torch_device.type == "cpu":
+            info["huge_pages_bytes"] = move_to_huge_pages(model)
         if torch_device.type == "cuda":
             model.narrow_passes = "static" if os.environ.get(CUDA_GRAPHS_ENV, "on") == "off" else "graphs"
     tokenizer = Tokenizer.from_folder(folder)
