@@ -357,7 +357,7 @@ def test_packed_bf16_linear_gives_every_row_the_same_bits_whatever_the_row_count
 
 @pytest.mark.parametrize("quantization", ["none", "int4"])
 def test_weights_moved_to_huge_pages_compute_the_same_and_stay_tied(tmp_path, quantization):
-    from speculant.models.hugepages import huge_pages_available, move_to_huge_pages
+    from speculant.models.hugepages import PAGE, huge_pages_available, move_to_huge_pages
 
     if not huge_pages_available():
         pytest.skip("no transparent huge pages here (not Linux, or THP set to never)")
@@ -373,12 +373,16 @@ def test_weights_moved_to_huge_pages_compute_the_same_and_stay_tied(tmp_path, qu
         with torch.no_grad():
             return model.logits(model(tokens, cache, torch.tensor([0])))
 
-    before = logits()
+    def addresses() -> dict[str, int]:
+        return {name: t.data_ptr() for name, t in [*model.named_parameters(), *model.named_buffers()]}
+
+    before, old = logits(), addresses()
     moved = move_to_huge_pages(model)
-    mapping = torch.frombuffer(model._huge_page_mapping, dtype=torch.uint8)
-    lo, hi = mapping.data_ptr(), mapping.data_ptr() + mapping.numel()
-    inside = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if lo <= t.data_ptr() < hi]
-    assert moved > 0 and "model.embed_tokens.weight" in inside and any("layers.1" in n for n in inside)
+    new = addresses()
+    changed = [name for name in new if new[name] != old[name]]
+    first = min(new[name] for name in changed)  # one region, from a 2 MB boundary
+    assert first % PAGE == 0 and all(first <= new[name] < first + moved for name in changed)
+    assert "model.embed_tokens.weight" in changed and any("layers.1." in name for name in changed)
     if quantization == "none":  # tied: the embedding and the lm_head are one tensor, moved once
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert torch.equal(logits(), before)
