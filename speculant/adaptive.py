@@ -50,7 +50,7 @@ CALIBRATION_MIN_PASSES = 8  # of each width compared, plain passes included
 # The weight a new request leaves to what the drafts of earlier requests showed (at batch 1): their texts
 # may suit a drafter better or worse than its own.
 REQUEST_MEMORY = 0.1
-CURVE_VERSION = 9  # cached curves of an older measurement or model code are measured again
+CURVE_VERSION = 10  # cached curves of an older measurement or model code (10: weights in huge pages) are measured again
 
 
 @dataclass
