@@ -356,14 +356,17 @@ def test_packed_bf16_linear_gives_every_row_the_same_bits_whatever_the_row_count
 
 
 @pytest.mark.parametrize("quantization", ["none", "int4"])
-def test_weights_moved_to_huge_pages_compute_the_same_and_stay_tied(tmp_path, quantization):
-    from speculant.models.hugepages import PAGE, huge_pages_available, move_to_huge_pages
+def test_weights_moved_to_huge_pages_compute_the_same_and_stay_tied(tmp_path, monkeypatch, quantization):
+    from speculant.models.hugepages import PAGE, SWITCH_ENV, huge_pages_available, move_to_huge_pages
 
     if not huge_pages_available():
         pytest.skip("no transparent huge pages here (not Linux, or THP set to never)")
     folder = save_tiny(tmp_path, hidden_size=128, intermediate_size=256, tie_word_embeddings=True)
     loaded = load_model(folder, dtype="bfloat16", quantization=quantization)
     assert loaded.load_info["huge_pages_bytes"] > 0  # moved at load
+    monkeypatch.setenv(SWITCH_ENV, "off")
+    assert load_model(folder, dtype="bfloat16", quantization=quantization).load_info["huge_pages_bytes"] == 0
+    monkeypatch.delenv(SWITCH_ENV)
     model = load_model(folder, dtype="bfloat16", quantization=quantization, pack=False).model  # not moved
     assert "huge_pages_bytes" not in load_model(folder, pack=False).load_info
     tokens = torch.tensor([[5, 9, 31, 7, 2, 60]])

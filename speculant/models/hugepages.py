@@ -14,6 +14,7 @@ difference (same process, interleaved, 300 and 1500 cached tokens: 3752 / 3762 a
 from __future__ import annotations
 
 import mmap
+import os
 from pathlib import Path
 
 import torch
@@ -23,11 +24,14 @@ PAGE = 2 ** 21
 MIN_BYTES = 4096  # smaller tensors (norm weights) stay where they are
 ALIGN = 64
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+# SPECULANT_HUGE_PAGES=off leaves the weights where they were loaded (to compare).
+SWITCH_ENV = "SPECULANT_HUGE_PAGES"
 
 
 def huge_pages_available() -> bool:
-    """Whether madvise(MADV_HUGEPAGE) can give this process huge pages (Linux, THP not "never")."""
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
+    """Whether madvise(MADV_HUGEPAGE) can give this process huge pages (Linux, THP not "never"), and
+    SWITCH_ENV does not turn them off."""
+    if os.environ.get(SWITCH_ENV, "on") == "off" or not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
     try:
         return "[never]" not in THP_SETTING.read_text()
