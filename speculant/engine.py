@@ -253,10 +253,9 @@ class Engine:
         # Row b's last unseen token predicts its first draft: positions n_unseen-1 .. n_new-1 (all of a
         # row that fed one unseen token and k drafts: decoding's usual pass).
         k = proposal.tokens.shape[1]
-        at = [[min(len(row) - n - 1 + j, len(row) - 1) for j in range(k + 1)] for row, n in zip(rows, n_draft)]
-        at_every = list(range(k + 1))
         scored = hidden
-        if hidden.shape[1] != k + 1 or any(a != at_every for a in at):
+        if any(n != k or len(row) != k + 1 for row, n in zip(rows, n_draft)):
+            at = [[min(len(row) - n - 1 + j, len(row) - 1) for j in range(k + 1)] for row, n in zip(rows, n_draft)]
             index = torch.tensor(at, device=self.device)[..., None].expand(-1, -1, hidden.shape[-1])
             scored = hidden.gather(1, index)  # [B, k+1, D]
         # In the lm_head's dtype: greedy verification reads bf16 logits as they are (the native argmax), the
