@@ -6,7 +6,8 @@ otherwise.
   does), on VNNI up to 8 rows and AMX's int8 tiles above; integer sums, so every row gets the same bits
   at any row count. SmolLM2-135M's 120 int4 layers at 1 / 4 / 8 / 16 rows: PyTorch 5.1 / 9.9 / 14.7 / 29 ms
   (an earlier run), bf16 activations on AMX 3.6 / 3.7 / 4.2 / 5.2, this kernel 2.0 / 2.4 / 3.5 / 5.8
-  (medians, random weights, this project's 2-core Sapphire Rapids VM).
+  (medians, random weights, this project's 2-core Sapphire Rapids VM); since two blocks of outputs
+  at a time, 1.62 / 1.96 / 3.02 ms at 1 / 4 / 8 rows in decoding's conditions (the real weights, see int4.cpp).
 - quantized_amx.cpp: int8 (Q8_0) weight × bf16 activation products on AMX tiles (the int4 model's
   lm_head).
 - bf16_amx.cpp: bf16 weight × bf16 activation products on AMX tiles, every row alike at any row count.
