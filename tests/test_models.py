@@ -165,9 +165,10 @@ def test_bfloat16_batch_rows_equal_single_rows_bitwise(tmp_path):
 
 
 def test_native_layer_ops_match_pytorch_in_fp32_and_give_a_row_the_same_bits_in_any_call():
-    """RMSNorm, rotary embedding and silu(gate)·up, one call each: within bf16 rounding of an fp32
-    computation, sizes that are not multiples of the vector width included, and a row's bits do not
-    depend on the other rows of the call."""
+    """RMSNorm (alone or with the residual sum before it: PyTorch's sum's bits), rotary embedding and
+    silu(gate)·up, one call each: within bf16 rounding of an fp32 computation, sizes that are not
+    multiples of the vector width included, and a row's bits do not depend on the other rows of the
+    call."""
     import torch.nn.functional as F
 
     from speculant.models import native
@@ -185,6 +186,9 @@ def test_native_layer_ops_match_pytorch_in_fp32_and_give_a_row_the_same_bits_in_
         y = native.rms_norm(x, w, 1e-5)
         assert close(y, F.rms_norm(x.float(), (D,), w.float(), 1e-5))
         assert torch.equal(native.rms_norm(x[1:2, 3:4], w, 1e-5), y[1:2, 3:4])
+        residual = torch.randn(3, 7, D, generator=gen).bfloat16()
+        total, normed = native.add_rms_norm(x, residual, w, 1e-5)  # the sum and its norm in one call
+        assert torch.equal(total, x + residual) and torch.equal(normed, native.rms_norm(x + residual, w, 1e-5))
 
         gate_up = torch.randn(3, 7, 2 * D, generator=gen).bfloat16() * 4
         gate, up = gate_up.float().chunk(2, dim=-1)

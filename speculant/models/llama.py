@@ -444,12 +444,14 @@ class Transformer(nn.Module):
                            self.cfg.sliding_window, parents)
         x = self.model.embed_tokens(tokens)
         if fwd.n_keys is not None and self.native_stack is not None:
-            x = self.native_stack.forward(x, fwd.cos, fwd.sin, cache.k, cache.v, fwd.slots, fwd.n_keys, fwd.tree)
+            hidden = self.native_stack.forward(x, fwd.cos, fwd.sin, cache.k, cache.v, fwd.slots, fwd.n_keys,
+                                               fwd.tree)
         else:
             for block in self.model.layers:
                 x = block(x, cache, fwd)
+            hidden = self.model.norm(x)
         cache.lengths[slots] = fwd.end
-        return self.model.norm(x)
+        return hidden
 
     def graphs_for(self, cache: KVCache) -> PassGraphs:
         """The CUDA graphs of this model's passes over `cache` (a graph holds the cache's addresses)."""
@@ -461,13 +463,13 @@ class Transformer(nn.Module):
 
     @functools.cached_property
     def native_stack(self) -> object | None:
-        """Every layer in one native call (native.decoder_stack: each layer as Block.forward_native computes
-        it), or None where a layer runs as modules. Built on the first pass that asks: a model's weights
-        are final by then (quantized and packed at load)."""
+        """Every layer and the final norm in one native call (native.decoder_stack: each layer as
+        Block.forward_native computes it), or None where a layer runs as modules. Built on the first pass
+        that asks: a model's weights are final by then (quantized and packed at load)."""
         weights = [block.native_weights for block in self.model.layers]
-        if None in weights:
+        if None in weights or self.model.norm.weight.dtype != torch.bfloat16:
             return None
-        return native.decoder_stack(weights, self.cfg.n_heads, self.cfg.n_kv_heads)
+        return native.decoder_stack(weights, self.model.norm.weight, self.cfg.n_heads, self.cfg.n_kv_heads)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

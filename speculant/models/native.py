@@ -17,8 +17,8 @@ otherwise.
 - attention_amx.cpp: the same on AMX tiles (attention.cpp calls it where the CPU has AMX), the rows that
   read one key head together: 1 / 4 / 8 rows 0.34 / 0.46 / 0.67 ms, the vector kernel 0.49 / 1.41 / 2.60
   (interleaved, medians of 200).
-- layer_ops.cpp: RMSNorm, rotary embedding and SwiGLU's product for bf16 rows, one call each where
-  PyTorch dispatches several operations (its RMSNorm ~10).
+- layer_ops.cpp: RMSNorm (alone, or with the residual sum before it), rotary embedding and SwiGLU's
+  product for bf16 rows, one call each where PyTorch dispatches several operations (its RMSNorm ~10).
 - argmax.cpp: each row's first maximum in one pass over bf16 or fp32 logits (greedy decoding's token).
 - decoder.cpp: a whole decoder layer of AMX weights (int4 or bf16) in one call, the same kernels in the
   same order.
@@ -185,17 +185,25 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int) -
     kernels().rope_(x.flatten(0, 1), cos, sin, n_heads)
 
 
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + y, rms_norm(x + y)) in one call, the sum rounded to bf16 as PyTorch's is."""
+    return kernels().add_rms_norm(x, y, weight, eps)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[..., 2n] (gate, then up) → silu(gate) · up [..., n]."""
     return kernels().silu_mul(gate_up)
 
 
-def decoder_stack(layers: list[list], n_heads: int, n_kv_heads: int):
-    """Every decoder layer in one native object (decoder.cpp's DecoderStack): `layers` each layer's
-    Block.native_weights. Its forward(x, cos, sin, k_cache, v_cache, slots, n_keys, tree) is a pass over
-    all of them, the whole KV cache [layers, rows, Hkv, L, Dh] given at once."""
+def decoder_stack(layers: list[list], final_norm: torch.Tensor, n_heads: int, n_kv_heads: int):
+    """Every decoder layer and the final norm in one native object (decoder.cpp's DecoderStack): `layers`
+    each layer's Block.native_weights. Its forward(x, cos, sin, k_cache, v_cache, slots, n_keys, tree) is
+    a pass over all of them, the whole KV cache [layers, rows, Hkv, L, Dh] given at once, and returns the
+    final norm's output."""
     eps = layers[0][2]
-    return kernels().DecoderStack([[[w[0]], [w[1]], *w[3:]] for w in layers], eps, n_heads, n_kv_heads)
+    return kernels().DecoderStack([[[w[0]], [w[1]], *w[3:]] for w in layers], final_norm, eps, n_heads,
+                                  n_kv_heads)
 
 
 def decoder_layer(x: torch.Tensor, weights: list, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,

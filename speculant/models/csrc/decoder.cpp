@@ -41,6 +41,28 @@ torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& 
   return p.size() == 3 ? int4_mm(x, p[0], p[1], p[2]) : bf16_mm(x, p[0]);
 }
 
+// One layer over rows [B·T, D] and their input norm `normed`; returns the layer's output and, where
+// next_norm is given (the next layer's input norm, or the model's final one), that output's norm.
+std::tuple<torch::Tensor, torch::Tensor> layer_rows(
+    const torch::Tensor& rows, const torch::Tensor& normed, const torch::Tensor& post_attention_norm, double eps,
+    const std::vector<torch::Tensor>& qkv_proj, const std::vector<torch::Tensor>& o_proj,
+    const std::vector<torch::Tensor>& gate_up_proj, const std::vector<torch::Tensor>& down_proj,
+    const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor k_cache, torch::Tensor v_cache,
+    const torch::Tensor& slots, const torch::Tensor& n_keys, int64_t n_heads, int64_t n_kv_heads,
+    const c10::optional<torch::Tensor>& tree, const c10::optional<torch::Tensor>& next_norm) {
+  const int64_t B = n_keys.size(0), T = n_keys.size(1), Dh = k_cache.size(3);
+  const int64_t heads = n_heads + 2 * n_kv_heads;
+  auto qkv = project(normed, qkv_proj).view({B * T, heads, Dh});
+  rope_(qkv, cos, sin, n_heads + n_kv_heads);
+  write_kv(qkv, k_cache, v_cache, slots, n_keys, n_heads, n_kv_heads);
+  auto q = qkv.view({B, T, heads, Dh}).narrow(2, 0, n_heads);
+  auto mixed = attention(q, k_cache, v_cache, n_keys, std::pow((double)Dh, -0.5), slots, tree).view({B * T, n_heads * Dh});
+  auto [h, h_normed] = add_rms_norm(rows, project(mixed, o_proj), post_attention_norm, eps);
+  auto down = project(silu_mul(project(h_normed, gate_up_proj)), down_proj);
+  if (next_norm) return add_rms_norm(h, down, *next_norm, eps);
+  return {h + down, torch::Tensor()};
+}
+
 }  // namespace
 
 // x [B, T, D]; each projection's weights as project() takes them; cos, sin [B, T, 1, Dh]; k_cache, v_cache
@@ -53,47 +75,47 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor input_norm, torch::Te
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor slots, torch::Tensor n_keys, int64_t n_heads, int64_t n_kv_heads,
                             c10::optional<torch::Tensor> tree) {
-  const int64_t B = x.size(0), T = x.size(1), D = x.size(2), Dh = k_cache.size(3);
-  const int64_t heads = n_heads + 2 * n_kv_heads;
-  auto rows = x.reshape({B * T, D});
-  auto qkv = project(rms_norm(rows, input_norm, eps), qkv_proj).view({B * T, heads, Dh});
-  rope_(qkv, cos, sin, n_heads + n_kv_heads);
-  write_kv(qkv, k_cache, v_cache, slots, n_keys, n_heads, n_kv_heads);
-  auto q = qkv.view({B, T, heads, Dh}).narrow(2, 0, n_heads);
-  auto mixed = attention(q, k_cache, v_cache, n_keys, std::pow((double)Dh, -0.5), slots, tree).view({B * T, n_heads * Dh});
-  auto h = rows + project(mixed, o_proj);
-  auto gate_up = project(rms_norm(h, post_attention_norm, eps), gate_up_proj);
-  auto out = h + project(silu_mul(gate_up), down_proj);
-  return out.view({B, T, D});
+  auto rows = x.reshape({-1, x.size(2)});
+  auto out = std::get<0>(layer_rows(rows, rms_norm(rows, input_norm, eps), post_attention_norm, eps, qkv_proj,
+                                    o_proj, gate_up_proj, down_proj, cos, sin, k_cache, v_cache, slots, n_keys,
+                                    n_heads, n_kv_heads, tree, c10::nullopt));
+  return out.view(x.sizes());
 }
 
-// Every decoder layer of a model, their weights handed over once: a pass is one call. Layer by layer
-// from Python, each call cost ~20 µs of interpreter work and argument conversion, 30 of them a pass.
+// Every decoder layer of a model and its final norm, their weights handed over once: a pass is one call.
+// Layer by layer from Python, each call cost ~20 µs of interpreter work and argument conversion, 30 of them
+// a pass. Each residual sum is taken with the norm that follows it (add_rms_norm).
 class DecoderStack {
  public:
   // layers[i]: input norm, post-attention norm, then the qkv, o, gate_up and down projections' weights.
-  DecoderStack(std::vector<std::vector<std::vector<torch::Tensor>>> layers, double eps, int64_t n_heads,
-               int64_t n_kv_heads)
-      : layers_(std::move(layers)), eps_(eps), n_heads_(n_heads), n_kv_heads_(n_kv_heads) {
+  DecoderStack(std::vector<std::vector<std::vector<torch::Tensor>>> layers, torch::Tensor final_norm, double eps,
+               int64_t n_heads, int64_t n_kv_heads)
+      : layers_(std::move(layers)), final_norm_(final_norm), eps_(eps), n_heads_(n_heads), n_kv_heads_(n_kv_heads) {
     for (const auto& layer : layers_) TORCH_CHECK(layer.size() == 6 && layer[0].size() == 1 && layer[1].size() == 1,
                                                   "a layer: two norms and four projections");
   }
 
-  // x [B, T, D]; k_cache, v_cache the whole KV cache [layers, rows, Hkv, L, Dh]; the rest as decoder_layer.
+  // x [B, T, D]; k_cache, v_cache the whole KV cache [layers, rows, Hkv, L, Dh]; the rest as decoder_layer
+  // → the last layer's output under the final norm [B, T, D].
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                         torch::Tensor v_cache, torch::Tensor slots, torch::Tensor n_keys,
                         c10::optional<torch::Tensor> tree) const {
     TORCH_CHECK(k_cache.size(0) == (int64_t)layers_.size(), "one cache layer per decoder layer");
+    auto rows = x.reshape({-1, x.size(2)});
+    auto normed = rms_norm(rows, layers_[0][0][0], eps_);
     for (size_t i = 0; i < layers_.size(); i++) {
       const auto& l = layers_[i];
-      x = decoder_layer(x, l[0][0], l[1][0], eps_, l[2], l[3], l[4], l[5], cos, sin, k_cache.select(0, i),
-                        v_cache.select(0, i), slots, n_keys, n_heads_, n_kv_heads_, tree);
+      const auto& next_norm = i + 1 < layers_.size() ? layers_[i + 1][0][0] : final_norm_;
+      std::tie(rows, normed) = layer_rows(rows, normed, l[1][0], eps_, l[2], l[3], l[4], l[5], cos, sin,
+                                          k_cache.select(0, i), v_cache.select(0, i), slots, n_keys, n_heads_,
+                                          n_kv_heads_, tree, next_norm);
     }
-    return x;
+    return normed.view(x.sizes());
   }
 
  private:
   std::vector<std::vector<std::vector<torch::Tensor>>> layers_;
+  torch::Tensor final_norm_;
   double eps_;
   int64_t n_heads_, n_kv_heads_;
 };
@@ -106,6 +128,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           pybind11::arg("n_keys"), pybind11::arg("scale"), pybind11::arg("slots") = pybind11::none(),
           pybind11::arg("tree") = pybind11::none(), pybind11::arg("amx") = true);
   mod.def("rms_norm", &rms_norm);
+  mod.def("add_rms_norm", &add_rms_norm);
   mod.def("rope_", &rope_);
   mod.def("silu_mul", &silu_mul);
   mod.def("argmax_rows", &argmax_rows);
@@ -115,7 +138,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("slots"), pybind11::arg("n_keys"),
           pybind11::arg("n_heads"), pybind11::arg("n_kv_heads"), pybind11::arg("tree") = pybind11::none());
   pybind11::class_<DecoderStack>(mod, "DecoderStack")
-      .def(pybind11::init<std::vector<std::vector<std::vector<torch::Tensor>>>, double, int64_t, int64_t>())
+      .def(pybind11::init<std::vector<std::vector<std::vector<torch::Tensor>>>, torch::Tensor, double, int64_t,
+                          int64_t>())
       .def("forward", &DecoderStack::forward, pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin"),
            pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("slots"), pybind11::arg("n_keys"),
            pybind11::arg("tree") = pybind11::none());

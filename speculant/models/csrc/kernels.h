@@ -16,8 +16,10 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
                         double scale, c10::optional<torch::Tensor> slots, c10::optional<torch::Tensor> tree,
                         bool amx = true);
 
-// layer_ops.cpp: RMSNorm, rotary embedding in place, silu(gate) · up.
+// layer_ops.cpp: RMSNorm (after a residual sum), rotary embedding in place, silu(gate) · up.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor y, torch::Tensor weight,
+                                                      double eps);
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t n_heads);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 

@@ -36,6 +36,20 @@ void check_bf16(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.device().is_cpu(), name, " must be a bf16 CPU tensor");
 }
 
+// One row of D: y = x / rms(x) · w.
+void norm_row(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t D, double eps) {
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t i = 0; i < D; i += 16) {
+    const __m512 v = load(x + i, lanes(D - i));
+    squares = _mm512_fmadd_ps(v, v, squares);
+  }
+  const __m512 scale = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(squares) / D + (float)eps));
+  for (int64_t i = 0; i < D; i += 16) {
+    const __mmask16 m = lanes(D - i);
+    store(y + i, _mm512_mul_ps(_mm512_mul_ps(load(x + i, m), scale), load(w + i, m)), m);
+  }
+}
+
 }  // namespace
 
 // x [..., D], weight [D] → x / rms(x) · weight, [..., D].
@@ -47,25 +61,37 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   auto xc = x.contiguous();
   auto wc = weight.contiguous();
   auto out = torch::empty_like(xc);
-  const int64_t R = xc.numel() / D;
   const uint16_t *X = bf16_data(xc), *W = bf16_data(wc);
   uint16_t* Y = bf16_data_mut(out);
-  at::parallel_for(0, R, ROWS_PER_TASK, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; r++) {
-      const uint16_t* x_r = X + r * D;
-      __m512 squares = _mm512_setzero_ps();
-      for (int64_t i = 0; i < D; i += 16) {
-        const __m512 v = load(x_r + i, lanes(D - i));
-        squares = _mm512_fmadd_ps(v, v, squares);
-      }
-      const __m512 scale = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(squares) / D + (float)eps));
-      for (int64_t i = 0; i < D; i += 16) {
-        const __mmask16 m = lanes(D - i);
-        store(Y + r * D + i, _mm512_mul_ps(_mm512_mul_ps(load(x_r + i, m), scale), load(W + i, m)), m);
-      }
-    }
+  at::parallel_for(0, xc.numel() / D, ROWS_PER_TASK, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) norm_row(X + r * D, W, Y + r * D, D, eps);
   });
   return out;
+}
+
+// The residual sum and the next norm in one call (a decoder layer's two ATen additions each cost about as
+// much as its norms): x, y [..., D] → (x + y rounded to bf16 as PyTorch's sum is, rms_norm of that sum).
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor y, torch::Tensor weight,
+                                                      double eps) {
+  check_bf16(x, "x");
+  check_bf16(y, "y");
+  check_bf16(weight, "weight");
+  const int64_t D = x.size(-1);
+  TORCH_CHECK(weight.numel() == D && x.sizes() == y.sizes(), "shapes");
+  auto xc = x.contiguous(), yc = y.contiguous(), wc = weight.contiguous();
+  auto sum = torch::empty_like(xc), normed = torch::empty_like(xc);
+  const uint16_t *X = bf16_data(xc), *Y = bf16_data(yc), *W = bf16_data(wc);
+  uint16_t *S = bf16_data_mut(sum), *N = bf16_data_mut(normed);
+  at::parallel_for(0, xc.numel() / D, ROWS_PER_TASK, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+      for (int64_t i = 0; i < D; i += 16) {
+        const __mmask16 m = lanes(D - i);
+        store(S + r * D + i, _mm512_add_ps(load(X + r * D + i, m), load(Y + r * D + i, m)), m);
+      }
+      norm_row(S + r * D, W, N + r * D, D, eps);
+    }
+  });
+  return {sum, normed};
 }
 
 // x [R, H, Dh] (contiguous): the first n_heads heads of every row rotated in place by the row's cos and
