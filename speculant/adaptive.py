@@ -38,8 +38,10 @@ from speculant.speedup import CostCurve, measure_cost_curve, speedup_from
 # Gains below this are noise on a shared CPU: not worth the risk of a loss.
 MIN_GAIN = 1.05
 # In a batch the model overestimates: measured 0.07-0.27 under its prediction (fp32 bench, fixed k = 2,
-# batch 2-32: ragged rows, per-row work it leaves out). Below this it cannot tell a gain from a loss.
-MIN_GAIN_BATCHED = 1.25
+# batch 2-32: ragged rows, per-row work it leaves out). Below this it cannot tell a gain from a loss: at
+# 1.25, once int4's wide passes got cheaper, batch 4 widened 11% of its steps for 0.92x plain (two bench
+# runs); at 1.4, 4% of them, 0.95-0.96x.
+MIN_GAIN_BATCHED = 1.4
 MAX_PROBE_INTERVAL = 64
 MAX_SKIPPED = 8  # steps a batch goes without looking for drafts after a step that drafted none
 PROBE_WIDTH = 2
