@@ -16,7 +16,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
                         double scale, c10::optional<torch::Tensor> slots, c10::optional<torch::Tensor> tree,
                         bool amx = true);
 
-// layer_ops.cpp: RMSNorm (after a residual sum), rotary embedding in place, silu(gate) · up.
+// layer_ops.cpp: RMSNorm (alone or after a residual sum), rotary embedding in place, silu(gate) · up.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor y, torch::Tensor weight,
                                                       double eps);
