@@ -213,9 +213,9 @@ def test_native_layer_ops_match_pytorch_in_fp32_and_give_a_row_the_same_bits_in_
 
 @pytest.mark.parametrize("quantization", ["int4", "none"])
 def test_fused_layers_give_the_bits_of_the_layer_modules(tmp_path, monkeypatch, quantization):
-    """native.decoder_stack (one call a pass; int4 and bf16 weights) against llama.Block's modules on
-    the same weights: one token, a verify pass, a ragged batch in cache rows out of order; logits and
-    cache bit for bit."""
+    """native.decoder_stack (one call a pass, its parallel loops on one team of threads; int4 and bf16
+    weights) against llama.Block's modules on the same weights: one token, a verify pass, a ragged batch
+    in cache rows out of order; logits and cache bit for bit."""
     from speculant.models import native
 
     if not native.amx():
@@ -239,6 +239,16 @@ def test_fused_layers_give_the_bits_of_the_layer_modules(tmp_path, monkeypatch, 
         return out, cache
 
     fused, fused_cache = decode()
+    # An error inside the pass (a position past the cache: the Python side refuses it before) reaches the
+    # caller from the stack's team of threads, and the next passes run as before.
+    cache = model.new_cache(1, 64)
+    x = torch.zeros(1, 1, model.cfg.dim, dtype=torch.bfloat16)
+    cos = torch.ones(1, 1, 1, model.cfg.head_dim, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="cache position out of range"):
+        model.native_stack.forward(x, cos, torch.zeros_like(cos), cache.k, cache.v, torch.tensor([0]),
+                                   torch.tensor([[cache.k.shape[3] + 1]]), None)
+    again, _ = decode()
+    assert all(torch.equal(a, b) for a, b in zip(again, fused))
     monkeypatch.setattr(model, "native_stack", None)
     modules, module_cache = decode()
     for a, b in zip(fused, modules):

@@ -21,7 +21,8 @@ otherwise.
   product for bf16 rows, one call each where PyTorch dispatches several operations (its RMSNorm ~10).
 - argmax.cpp: each row's first maximum in one pass over bf16 or fp32 logits (greedy decoding's token).
 - decoder.cpp: a whole decoder layer of AMX weights (int4 or bf16) in one call, the same kernels in the
-  same order.
+  same order; every layer of a pass in one call, its parallel loops handed to one team of threads
+  (team.h: a parallel region per kernel cost ~1.7 µs, 150 a pass; passes 2–5% faster, in one process).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ log = logging.getLogger("speculant")
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ["int4.cpp", "quantized_amx.cpp", "bf16_amx.cpp", "attention.cpp", "attention_amx.cpp", "layer_ops.cpp",
            "argmax.cpp", "decoder.cpp"]
-HEADERS = ["amx.h", "attention.h", "bf16.h", "kernels.h"]
+HEADERS = ["amx.h", "attention.h", "bf16.h", "kernels.h", "team.h"]
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi", "-mavx512vnni", "-mamx-tile",
           "-mamx-bf16", "-mamx-int8", "-fopenmp"]
 # The compiler may use any instruction CFLAGS allow anywhere: the module loads only where all of them run;

@@ -4,13 +4,13 @@
 // torch.argmax on CPU reads a 49152-token row at ~1 GB/s, and sampling.argmax's chunked amax took
 // ~9 small PyTorch operations a step.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cmath>
 #include <cstring>
 
 #include "bf16.h"
 #include "kernels.h"
+#include "team.h"
 
 namespace {
 
@@ -81,7 +81,7 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   int64_t* Y = out.data_ptr<int64_t>();
   const bool bf16 = xc.scalar_type() == at::kBFloat16;
   const void* X = xc.data_ptr();
-  at::parallel_for(0, R, 4, [&](int64_t r0, int64_t r1) {
+  speculant::Team::parallel_for(0, R, 4, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++)
       Y[r] = bf16 ? first_maximum((const uint16_t*)X + r * V, V) : first_maximum((const float*)X + r * V, V);
   });

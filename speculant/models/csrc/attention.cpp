@@ -9,13 +9,13 @@
 // Two kernels compute this: attention_amx.cpp on CPUs with AMX (rows that share a key head go through
 // its tiles together), the vector kernel below elsewhere. Each machine always runs the same one.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include "amx.h"
 #include "attention.h"
 #include "bf16.h"
 #include "kernels.h"
+#include "team.h"
 
 namespace {
 
@@ -55,7 +55,7 @@ void attend_row(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t
 // The vector kernel: one task per row and query head.
 void attend_rows(const AttentionArgs& a) {
   const int64_t group = a.Hq / a.Hkv;
-  at::parallel_for(0, a.B * a.Hq * a.T, 1, [&](int64_t i0, int64_t i1) {
+  speculant::Team::parallel_for(0, a.B * a.Hq * a.T, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(a.S);
     std::vector<int64_t> index(a.tree ? a.S : 0);
     for (int64_t i = i0; i < i1; i++) {

@@ -15,12 +15,12 @@
 // order) as when the row is alone. A tile step adds its products at a precision finer than fp32, so
 // where a tree row's keys are not the cache's contiguous positions it takes its own tile steps.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include "amx.h"
 #include "attention.h"
 #include "bf16.h"
+#include "team.h"
 
 namespace speculant {
 namespace {
@@ -240,7 +240,7 @@ void attention_amx(const AttentionArgs& a) {
   const int64_t blocks = (a.T * (a.Hq / a.Hkv) + 15) / 16;
   int64_t longest = 0;
   for (int64_t i = 0; i < a.B * a.T; i++) longest = std::max(longest, std::min<int64_t>(a.n_keys[i], a.S));
-  at::parallel_for(0, a.B * a.Hkv * blocks, 1, [&](int64_t i0, int64_t i1) {
+  speculant::Team::parallel_for(0, a.B * a.Hkv * blocks, 1, [&](int64_t i0, int64_t i1) {
     TileConfig cfg = {};
     cfg.palette_id = 1;
     for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;

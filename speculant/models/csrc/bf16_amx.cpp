@@ -5,12 +5,12 @@
 // block of 16 outputs keeps one fp32 accumulator tile over all of K, whatever the rows: every row is
 // computed by the same instructions in the same order, alone or among 100 others.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include "amx.h"
 #include "bf16.h"
 #include "kernels.h"
+#include "team.h"
 
 // x [M, K] bf16; w bf16 [N/16, K/32, 16, 32]: block b, group g, input pair r, output j, member e holds
 // W[16 b + j, 32 g + 2 r + e] (see native.bf16_layout) → [M, N] bf16.
@@ -26,7 +26,7 @@ torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor w) {
   uint16_t* Y = (uint16_t*)y.data_ptr<at::BFloat16>();
   // Blocks outside, rows inside: a block's weights (K × 32 bytes) stay in cache for every row block
   // of a prompt.
-  at::parallel_for(0, N / 16, 1, [&](int64_t b0, int64_t b1) {
+  speculant::Team::parallel_for(0, N / 16, 1, [&](int64_t b0, int64_t b1) {
     alignas(64) float sums[16 * 16];
     int configured = -1;
     for (int64_t b = b0; b < b1; b++) {

@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "kernels.h"
+#include "team.h"
 
 namespace {
 
@@ -84,7 +85,8 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor input_norm, torch::Te
 
 // Every decoder layer of a model and its final norm, their weights handed over once: a pass is one call.
 // Layer by layer from Python, each call cost ~20 µs of interpreter work and argument conversion, 30 of them
-// a pass. Each residual sum is taken with the norm that follows it (add_rms_norm).
+// a pass. Each residual sum is taken with the norm that follows it (add_rms_norm), and the pass's parallel
+// loops are handed to one team of threads (team.h).
 class DecoderStack {
  public:
   // layers[i]: input norm, post-attention norm, then the qkv, o, gate_up and down projections' weights.
@@ -103,13 +105,15 @@ class DecoderStack {
     TORCH_CHECK(k_cache.size(0) == (int64_t)layers_.size(), "one cache layer per decoder layer");
     auto rows = x.reshape({-1, x.size(2)});
     auto normed = rms_norm(rows, layers_[0][0][0], eps_);
-    for (size_t i = 0; i < layers_.size(); i++) {
-      const auto& l = layers_[i];
-      const auto& next_norm = i + 1 < layers_.size() ? layers_[i + 1][0][0] : final_norm_;
-      std::tie(rows, normed) = layer_rows(rows, normed, l[1][0], eps_, l[2], l[3], l[4], l[5], cos, sin,
-                                          k_cache.select(0, i), v_cache.select(0, i), slots, n_keys, n_heads_,
-                                          n_kv_heads_, tree, next_norm);
-    }
+    speculant::Team::run([&] {
+      for (size_t i = 0; i < layers_.size(); i++) {
+        const auto& l = layers_[i];
+        const auto& next_norm = i + 1 < layers_.size() ? layers_[i + 1][0][0] : final_norm_;
+        std::tie(rows, normed) = layer_rows(rows, normed, l[1][0], eps_, l[2], l[3], l[4], l[5], cos, sin,
+                                            k_cache.select(0, i), v_cache.select(0, i), slots, n_keys, n_heads_,
+                                            n_kv_heads_, tree, next_norm);
+      }
+    });
     return normed.view(x.sizes());
   }
 

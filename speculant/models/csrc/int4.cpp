@@ -13,12 +13,12 @@
 // rows 3.9 → 2.7 (random weights, medians, one run). The int8 activations cost ~0.6% of a product's
 // norm (bf16 ones ~0.2%), as in llama.cpp.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include "amx.h"
 #include "bf16.h"
 #include "kernels.h"
+#include "team.h"
 
 namespace {
 
@@ -218,7 +218,7 @@ torch::Tensor int4_mm(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::
   const Activations act((const uint16_t*)xc.data_ptr<at::BFloat16>(), M, K);
   const Operands o{act, (const uint8_t*)q.data_ptr(), (const uint16_t*)d.data_ptr<at::BFloat16>(),
                    (const uint16_t*)m.data_ptr<at::BFloat16>(), (uint16_t*)y.data_ptr<at::BFloat16>(), K, N, G};
-  at::parallel_for(0, N / 16, 1, [&](int64_t b0, int64_t b1) {
+  speculant::Team::parallel_for(0, N / 16, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t r0 = 0; r0 < M; r0 += 16) {
       const int rows = (int)std::min<int64_t>(16, M - r0);
       if (rows > kVnniRows)

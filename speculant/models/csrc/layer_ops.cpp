@@ -7,11 +7,11 @@
 // rounds once; a row's result depends on that row alone, so verify passes and batches score rows as
 // plain decoding does.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include "bf16.h"
 #include "kernels.h"
+#include "team.h"
 #include <cmath>
 
 namespace {
@@ -63,7 +63,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   auto out = torch::empty_like(xc);
   const uint16_t *X = bf16_data(xc), *W = bf16_data(wc);
   uint16_t* Y = bf16_data_mut(out);
-  at::parallel_for(0, xc.numel() / D, ROWS_PER_TASK, [&](int64_t r0, int64_t r1) {
+  speculant::Team::parallel_for(0, xc.numel() / D, ROWS_PER_TASK, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++) norm_row(X + r * D, W, Y + r * D, D, eps);
   });
   return out;
@@ -82,7 +82,7 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
   auto sum = torch::empty_like(xc), normed = torch::empty_like(xc);
   const uint16_t *X = bf16_data(xc), *Y = bf16_data(yc), *W = bf16_data(wc);
   uint16_t *S = bf16_data_mut(sum), *N = bf16_data_mut(normed);
-  at::parallel_for(0, xc.numel() / D, ROWS_PER_TASK, [&](int64_t r0, int64_t r1) {
+  speculant::Team::parallel_for(0, xc.numel() / D, ROWS_PER_TASK, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++) {
       for (int64_t i = 0; i < D; i += 16) {
         const __mmask16 m = lanes(D - i);
@@ -106,7 +106,7 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t n_head
   auto cc = cos.contiguous(), sc = sin.contiguous();
   const uint16_t *C = bf16_data(cc), *S = bf16_data(sc);
   uint16_t* X = bf16_data_mut(x);
-  at::parallel_for(0, R, ROWS_PER_TASK, [&](int64_t r0, int64_t r1) {
+  speculant::Team::parallel_for(0, R, ROWS_PER_TASK, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++) {
       const uint16_t *c = C + r * Dh, *s = S + r * Dh;
       for (int64_t h = 0; h < n_heads; h++) {
@@ -135,7 +135,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   const int64_t R = gu.numel() / (2 * n);
   const uint16_t* G = bf16_data(gu);
   uint16_t* Y = bf16_data_mut(out);
-  at::parallel_for(0, R, ROWS_PER_TASK, [&](int64_t r0, int64_t r1) {
+  speculant::Team::parallel_for(0, R, ROWS_PER_TASK, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++) {
       const uint16_t *g = G + r * 2 * n, *u = g + n;
       for (int64_t i = 0; i < n; i += 16) {

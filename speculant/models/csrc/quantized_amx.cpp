@@ -12,12 +12,12 @@
 //
 // The tiles hold q, exact in bf16; the scales are applied per group on fp32 sums.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include "amx.h"
 #include "bf16.h"
 #include "kernels.h"
+#include "team.h"
 
 namespace {
 
@@ -130,7 +130,7 @@ torch::Tensor int8_mm(torch::Tensor x, torch::Tensor q, torch::Tensor d) {
   auto y = torch::empty({M, N}, x.options());
   const Operands o{(const uint16_t*)xc.data_ptr<at::BFloat16>(), (const uint8_t*)q.data_ptr(),
                    (const uint16_t*)d.data_ptr<at::BFloat16>(), (uint16_t*)y.data_ptr<at::BFloat16>(), K, N, G};
-  at::parallel_for(0, N / 16, 1, [&](int64_t b0, int64_t b1) {
+  speculant::Team::parallel_for(0, N / 16, 1, [&](int64_t b0, int64_t b1) {
     const Q8_0 f;
     alignas(64) uint32_t tiles[4][256];
     for (int64_t r0 = 0; r0 < M; r0 += 32) {
