@@ -14,6 +14,7 @@
 #include <atomic>
 #include <exception>
 #include <functional>
+#include <utility>
 
 namespace speculant {
 
@@ -28,13 +29,13 @@ class Team {
     {
       if (omp_get_thread_num() == 0) {
         team.size_ = omp_get_num_threads();
-        current() = &team;
+        Team* outer = std::exchange(current(), &team);  // a run inside a run has a team of one
         try {
           body();
         } catch (...) {
           error = std::current_exception();
         }
-        current() = nullptr;
+        current() = outer;
         team.post(nullptr, 0, 0, 0);  // no work: the others leave
       } else {
         team.serve(omp_get_thread_num());
