@@ -34,13 +34,13 @@ inline std::pair<int64_t, int64_t> row_keys(const AttentionArgs& a, int64_t b, i
 inline float exponentiate(float* scores, int64_t n) {
   __m512 top = _mm512_set1_ps(-INFINITY);
   for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 live = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+    const __mmask16 live = lanes(n - j);
     top = _mm512_mask_max_ps(top, live, top, _mm512_maskz_loadu_ps(live, scores + j));
   }
   const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
   __m512 total = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 live = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+    const __mmask16 live = lanes(n - j);
     const __m512 p = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, scores + j), peak)));
     _mm512_mask_storeu_ps(scores + j, live, p);
     total = _mm512_add_ps(total, p);
