@@ -51,7 +51,8 @@ class Team {
     Team* team = current();
     if (!team) return at::parallel_for(begin, end, grain, f);
     if (end - begin <= grain || team->size_ == 1) return f(begin, end);
-    const std::function<void(int64_t, int64_t)> task = f;
+    // The loop's body by address, no copy: it lives in this frame until every thread is done with it.
+    const Task task{&f, [](const void* body, int64_t b0, int64_t b1) { (*static_cast<const F*>(body))(b0, b1); }};
     const int64_t chunk = (end - begin + team->size_ - 1) / team->size_;
     team->post(&task, begin, end, chunk);
     std::exception_ptr error;
@@ -60,19 +61,24 @@ class Team {
     } catch (...) {
       error = std::current_exception();
     }
-    // `task` lives in this frame: the others must be done with it before it goes, error or not.
+    // The others must be done with `task` before this frame goes, error or not.
     while (team->done_.load(std::memory_order_acquire) != team->size_ - 1) _mm_pause();
     if (!error) error = team->error_;
     if (error) std::rethrow_exception(error);
   }
 
  private:
+  struct Task {
+    const void* body;
+    void (*call)(const void* body, int64_t b0, int64_t b1);
+  };
+
   static Team*& current() {
     static thread_local Team* team = nullptr;
     return team;
   }
 
-  void post(const std::function<void(int64_t, int64_t)>* task, int64_t begin, int64_t end, int64_t chunk) {
+  void post(const Task* task, int64_t begin, int64_t end, int64_t chunk) {
     task_ = task, begin_ = begin, end_ = end, chunk_ = chunk;
     done_.store(0, std::memory_order_relaxed);
     round_.fetch_add(1, std::memory_order_release);
@@ -86,7 +92,7 @@ class Team {
       if (!task_) return;
       const int64_t b0 = begin_ + thread * chunk_, b1 = std::min(end_, b0 + chunk_);
       try {
-        if (b0 < b1) (*task_)(b0, b1);
+        if (b0 < b1) task_->call(task_->body, b0, b1);
       } catch (...) {
         error_ = std::current_exception();  // the loop's caller rethrows it
       }
@@ -94,7 +100,7 @@ class Team {
     }
   }
 
-  const std::function<void(int64_t, int64_t)>* task_ = nullptr;
+  const Task* task_ = nullptr;
   int64_t begin_ = 0, end_ = 0, chunk_ = 0;
   int size_ = 1;
   std::atomic<uint64_t> round_{0};
