@@ -371,6 +371,23 @@ def test_packed_bf16_linear_gives_every_row_the_same_bits_whatever_the_row_count
         assert torch.equal(packed(x), single)
 
 
+def test_huge_pages_leave_onednn_packed_weights_where_they_are():
+    # Without the native kernels a bf16 lm_head is prepacked by oneDNN (an opaque tensor, no storage):
+    # loading the bundled int4 model that way raised NotImplementedError here.
+    from speculant.models.hugepages import huge_pages_available, move_to_huge_pages
+
+    if not huge_pages_available():
+        pytest.skip("no transparent huge pages here (not Linux, or THP set to never)")
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this PyTorch build has no oneDNN")
+    module = torch.nn.Module()
+    module.plain = torch.nn.Parameter(torch.randn(64, 64), requires_grad=False)
+    module.register_buffer("packed", torch.randn(64, 64).to_mkldnn())
+    packed = module.packed
+    assert move_to_huge_pages(module) == 64 * 64 * 4
+    assert module.packed is packed
+
+
 @pytest.mark.parametrize("quantization", ["none", "int4"])
 def test_weights_moved_to_huge_pages_compute_the_same_and_stay_tied(tmp_path, monkeypatch, quantization):
     from speculant.models.hugepages import PAGE, SWITCH_ENV, huge_pages_available, move_to_huge_pages

@@ -52,9 +52,10 @@ def move_to_huge_pages(model: nn.Module) -> int:
         for table, is_parameter in ((module._parameters, True), (module._buffers, False)):
             for name, t in table.items():
                 nbytes = 0 if t is None else t.numel() * t.element_size()
-                # A whole storage only: not a view into a larger one, nor a layout with padding past numel.
-                if (t is not None and t.device.type == "cpu" and t.is_contiguous() and nbytes >= MIN_BYTES
-                        and t.untyped_storage().nbytes() == nbytes):
+                # A whole storage only: not a view into a larger one, nor a layout with padding past numel,
+                # nor oneDNN's packed weights (PackedLinear without the native kernels), which have none.
+                if (t is not None and t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous()
+                        and nbytes >= MIN_BYTES and t.untyped_storage().nbytes() == nbytes):
                     key = (t.data_ptr(), t.dtype, tuple(t.shape))
                     slots.append((module, name, is_parameter, key))
                     sizes[key] = nbytes
