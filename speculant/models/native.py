@@ -2,14 +2,14 @@
 where the CPU has AVX512-BF16 and a C++ compiler is installed; callers fall back to PyTorch's own kernels
 otherwise.
 
-- int4.cpp: int4 (Q4_1) weight × int8 activation products (the activations quantized per 32 as llama.cpp
-  does), on VNNI up to 8 rows and AMX's int8 tiles above; integer sums, so every row gets the same bits
-  at any row count. SmolLM2-135M's 120 int4 layers at 1 / 4 / 8 / 16 rows: PyTorch 5.1 / 9.9 / 14.7 / 29 ms
-  (an earlier run), bf16 activations on AMX 3.6 / 3.7 / 4.2 / 5.2, this kernel 2.0 / 2.4 / 3.5 / 5.8
-  (medians, random weights, this project's 2-core Sapphire Rapids VM); since two blocks of outputs
-  at a time, 1.62 / 1.96 / 3.02 ms at 1 / 4 / 8 rows in decoding's conditions (the real weights, see int4.cpp).
-- quantized_amx.cpp: int8 (Q8_0) weight × bf16 activation products on AMX tiles (the int4 model's
-  lm_head).
+- quantized.cpp: int4 (Q4_1) and int8 (Q8_0) weight × int8 activation products (the activations quantized
+  per 32 as llama.cpp does), on VNNI up to 8 rows and AMX's int8 tiles above; integer sums, so every row
+  gets the same bits at any row count. SmolLM2-135M's 120 int4 layers at 1 / 4 / 8 / 16 rows: PyTorch 5.1 /
+  9.9 / 14.7 / 29 ms (an earlier run), bf16 activations on AMX 3.6 / 3.7 / 4.2 / 5.2, this kernel 2.0 / 2.4 /
+  3.5 / 5.8 (medians, random weights, this project's 2-core Sapphire Rapids VM); since two blocks of outputs
+  at a time, 1.62 / 1.96 / 3.02 ms at 1 / 4 / 8 rows in decoding's conditions (the real weights, see
+  quantized.cpp). The int4 model's Q8_0 lm_head the same way (it ran on AMX's bf16 tiles, its weights
+  unpacked to bf16 at every pass).
 - bf16_amx.cpp: bf16 weight × bf16 activation products on AMX tiles, every row alike at any row count.
 - attention.cpp: bf16 decode attention, one query row over exactly its keys, so rows score alike alone
   or in a verify pass or batch. SmolLM2's 30 layers, 300 cached keys, 1 / 4 / 8 rows: 0.53 / 1.6 / 3.1 ms;
@@ -39,7 +39,7 @@ import torch
 log = logging.getLogger("speculant")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ["int4.cpp", "quantized_amx.cpp", "bf16_amx.cpp", "attention.cpp", "attention_amx.cpp", "layer_ops.cpp",
+SOURCES = ["quantized.cpp", "bf16_amx.cpp", "attention.cpp", "attention_amx.cpp", "layer_ops.cpp",
            "argmax.cpp", "decoder.cpp"]
 HEADERS = ["amx.h", "attention.h", "bf16.h", "kernels.h", "team.h"]
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi", "-mavx512vnni", "-mamx-tile",
@@ -102,7 +102,7 @@ def quantized_usable(out_features: int, in_features: int) -> bool:
 def int4_layout(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """q [N, K] in 0..15, scale and minimum [N, K/32] → the kernel's layout: per block of 16 outputs and
     group of 32 inputs, 4 vectors of 64 bytes, byte 4j + e of vector v = q[j][4v + e] | q[j][16 + 4v + e] << 4
-    (int4.cpp's unpack); scales and minimums as bf16 [N/16, K/32, 16]."""
+    (quantized.cpp's Q4_1 unpack); scales and minimums as bf16 [N/16, K/32, 16]."""
     N, K = q.shape
     quads = q.view(N // 16, 16, K // 32, 2, 4, 4)  # block, output, group, half, vector, member
     packed = (quads[:, :, :, 0] | (quads[:, :, :, 1] << 4)).to(torch.uint8).permute(0, 2, 3, 1, 4).contiguous()
@@ -119,11 +119,12 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum:
 
 
 def int8_layout(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [N, K] int8, scale [N, K/32] → the kernel's layout: per block of 16 outputs and group of 32
-    inputs, 16 rows (input pairs) of 32 int8, element 2j + e of row r = q[j][2r + e]; scales as bf16
-    [N/16, K/32, 16]."""
+    """q [N, K] int8, scale [N, K/32] → the kernel's layout: per block of 16 outputs and group of 32 inputs,
+    8 vectors of 64 bytes, byte 4j + e of vector v = q[j][4v + e] + 128 (unsigned, as VNNI and AMX's int8
+    tiles read their weights); scales as bf16 [N/16, K/32, 16]."""
     N, K = q.shape
-    packed = q.view(N // 16, 16, K // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+    quads = (q.to(torch.int16) + 128).to(torch.uint8).view(N // 16, 16, K // 32, 8, 4)  # block, output, group, v, e
+    packed = quads.permute(0, 2, 3, 1, 4).reshape(N // 16, K // 32, 8, 64).contiguous()
     return packed, scale.view(N // 16, 16, K // 32).transpose(1, 2).contiguous().to(torch.bfloat16)
 
 

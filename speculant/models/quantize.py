@@ -9,8 +9,8 @@ whatever the number of rows, so a verify pass scores like plain decoding.
 
 int4 stores the weight as llama.cpp's Q4_1 does (w = d·q + m, q in 0..15, per 32 weights): a model
 read from a Q4_1 GGUF file comes back on its own grid, so the int4 target is the file's weights
-(scales rounded to bf16). Where the AMX kernel runs, int4 products read the activations as int8 per
-32 (csrc/int4.cpp), as llama.cpp's Q4_1 products do.
+(scales rounded to bf16). Where the AMX kernel runs, int4 products and the int8 lm_head read the
+activations as int8 per 32 (csrc/quantized.cpp), as llama.cpp's Q4_1 and Q8_0 products do.
 """
 
 from __future__ import annotations
@@ -102,9 +102,9 @@ class Int4Linear(QuantizedLinear):
 
 
 class Int8GroupLinear(QuantizedLinear):
-    """int8 weights in groups of 32 inputs with a scale each (llama.cpp's Q8_0), on the AMX kernel: finer
-    than Int8Linear's one scale per output, and flat in the rows (a verify pass) where PyTorch's int8
-    kernel is not."""
+    """int8 weights in groups of 32 inputs with a scale each (llama.cpp's Q8_0), on the native kernel
+    (int8 activations per 32, VNNI or AMX): finer than Int8Linear's one scale per output, and flat in the
+    rows (a verify pass) where PyTorch's int8 kernel is not."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__(linear)

@@ -2,10 +2,10 @@
 #pragma once
 #include <torch/extension.h>
 
-// int4.cpp: x [M, K] bf16 × Q4_1 weights in the kernel's layout (native.int4_layout) → [M, N] bf16.
+// quantized.cpp: x [M, K] bf16 × Q4_1 weights in the kernel's layout (native.int4_layout) → [M, N] bf16.
 torch::Tensor int4_mm(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m);
 
-// quantized_amx.cpp: x [M, K] bf16 × Q8_0 weights in the kernel's layout (native.int8_layout) → [M, N] bf16.
+// quantized.cpp: x [M, K] bf16 × Q8_0 weights in the kernel's layout (native.int8_layout) → [M, N] bf16.
 torch::Tensor int8_mm(torch::Tensor x, torch::Tensor q, torch::Tensor d);
 
 // bf16_amx.cpp: x [M, K] bf16 × bf16 weights in the kernel's layout (native.bf16_layout) → [M, N] bf16.
