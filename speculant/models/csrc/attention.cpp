@@ -82,8 +82,9 @@ void attend_rows(const AttentionArgs& a) {
 // With `tree` [B, T] (int64 bit masks) the pass's new tokens are a draft tree: row (b, t), written at position
 // n_keys[b, t] − 1 = start + t, sees the keys before `start` and the new tokens start + j whose bit j is set
 // (itself and its ancestors), in position order, so a node attends exactly as its branch decoded alone would.
-torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor n_keys,
-                        double scale, c10::optional<torch::Tensor> slots, c10::optional<torch::Tensor> tree, bool amx) {
+void attention_into(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                    const torch::Tensor& n_keys, double scale, const c10::optional<torch::Tensor>& slots,
+                    const c10::optional<torch::Tensor>& tree, bool amx, torch::Tensor& out) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16 &&
               values.scalar_type() == at::kBFloat16, "bf16 only");
   const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hkv = keys.size(1), S = keys.size(2);
@@ -92,7 +93,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
               "layout");
   auto nk = n_keys.to(torch::kLong).contiguous();
   auto rows = slots ? slots->to(torch::kLong).contiguous() : torch::arange(B, torch::kLong);
-  auto out = torch::empty({B, T, Hq, D}, q.options());
+  TORCH_CHECK(out.is_contiguous() && out.numel() == B * T * Hq * D && out.scalar_type() == at::kBFloat16, "the output must be a contiguous bf16 tensor of the result's size");
   const uint16_t* Q = (const uint16_t*)q.data_ptr<at::BFloat16>();
   const uint16_t* K = (const uint16_t*)keys.data_ptr<at::BFloat16>();
   const uint16_t* V = (const uint16_t*)values.data_ptr<at::BFloat16>();
@@ -106,5 +107,11 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
     speculant::attention_amx(args);
   else
     attend_rows(args);
+}
+
+torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor n_keys,
+                        double scale, c10::optional<torch::Tensor> slots, c10::optional<torch::Tensor> tree, bool amx) {
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2), q.size(3)}, q.options());
+  attention_into(q, keys, values, n_keys, scale, slots, tree, amx, out);
   return out;
 }

@@ -101,9 +101,9 @@ inline void store_accumulator(int64_t g, float* out) {
 struct Scratch {
   // Left uninitialized: a tile row past the task's rows reads whatever is there, into an output row
   // nobody reads (tile rows never mix).
-  std::unique_ptr<float[]> scores;    // [16 rows, width]
-  std::unique_ptr<uint16_t[]> probs;  // [16 rows, width] bf16, 0 past a row's keys
-  std::vector<uint16_t> zeros;        // one key or value row of zeros
+  float* scores;     // [16 rows, width]
+  uint16_t* probs;   // [16 rows, width] bf16, 0 past a row's keys
+  static constexpr uint16_t zeros[128] = {};  // one key or value row of zeros (heads of at most 128)
   alignas(64) uint32_t queries[8][256];  // per 32-dimension chunk: 16 pairs × 16 rows
   alignas(64) uint32_t values[4][256];   // one step's value tiles
   alignas(64) float out[16][256];        // per group of 16 dimensions: 16 rows × 16
@@ -124,8 +124,8 @@ void attend_block(const AttentionArgs& a, int64_t b, int64_t head, int64_t r0, S
     extent = std::max(extent, std::min<int64_t>(a.n_keys[b * a.T + t], a.S));  // a tree row's keys lie below
   }
   const int64_t width = (extent + kStep - 1) / kStep * kStep;
-  float* scores = s.scores.get();
-  uint16_t* probs = s.probs.get();
+  float* scores = s.scores;
+  uint16_t* probs = s.probs;
 
   // The rows' queries as the B operand: pair p of chunk c, column r = (q[r][32c + 2p], q[r][32c + 2p + 1]).
   for (int64_t r = 0; r < 16; r++) {
@@ -206,7 +206,7 @@ void attend_block(const AttentionArgs& a, int64_t b, int64_t head, int64_t r0, S
     for (int64_t j0 = 0; j0 < shared; j0 += kStep) {
       for (int64_t j = j0 + 2 * kStep; j < std::min(j0 + 3 * kStep, extent); j++)
         for (int64_t c = 0; c < a.D; c += 32) _mm_prefetch((const char*)(V + j * a.ss + c), _MM_HINT_T0);
-      for (int64_t j = 0; j < kStep; j++) key_rows[j] = j0 + j < extent ? V + (j0 + j) * a.ss : s.zeros.data();
+      for (int64_t j = 0; j < kStep; j++) key_rows[j] = j0 + j < extent ? V + (j0 + j) * a.ss : Scratch::zeros;
       step(probs + j0, s.width * 2);
     }
     // A tree position's rows (its query heads) read the same keys: one step serves them all.
@@ -215,7 +215,7 @@ void attend_block(const AttentionArgs& a, int64_t b, int64_t head, int64_t r0, S
       for (int64_t j0 = shared; j0 < count[r]; j0 += kStep) {
         for (int64_t j = 0; j < kStep; j++) {
           const int64_t key = j0 + j;
-          key_rows[j] = key >= count[r] ? s.zeros.data() : V + (key < start[r] ? key : tail[r][key - start[r]]) * a.ss;
+          key_rows[j] = key >= count[r] ? Scratch::zeros : V + (key < start[r] ? key : tail[r][key - start[r]]) * a.ss;
         }
         std::fill(s.some_rows, s.some_rows + 16 * kStep, 0);
         for (int64_t i = r; i < next; i++)
@@ -245,11 +245,13 @@ void attention_amx(const AttentionArgs& a) {
     cfg.palette_id = 1;
     for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
     speculant::load_tile_config(cfg);
+    // Each thread's, kept from call to call: a pass makes 30 calls.
+    static thread_local std::vector<float> scores;
+    static thread_local std::vector<uint16_t> probs;
     Scratch s;
     s.width = (longest + kStep - 1) / kStep * kStep;
-    s.scores = std::make_unique_for_overwrite<float[]>(16 * s.width);
-    s.probs = std::make_unique_for_overwrite<uint16_t[]>(16 * s.width);
-    s.zeros.assign(a.D, 0);
+    if ((int64_t)scores.size() < 16 * s.width) scores.resize(16 * s.width), probs.resize(16 * s.width);
+    s.scores = scores.data(), s.probs = probs.data();
     for (int64_t i = i0; i < i1; i++)
       attend_block(a, i / (a.Hkv * blocks), (i / blocks) % a.Hkv, i % blocks * 16, s);
     _tile_release();

@@ -13,14 +13,14 @@
 #include "team.h"
 
 // x [M, K] bf16; w bf16 [N/16, K/32, 16, 32]: block b, group g, input pair r, output j, member e holds
-// W[16 b + j, 32 g + 2 r + e] (see native.bf16_layout) → [M, N] bf16.
-torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor w) {
+// W[16 b + j, 32 g + 2 r + e] (see native.bf16_layout) → y [M, N] bf16.
+void bf16_mm_into(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& y) {
   TORCH_CHECK(speculant::amx_permitted(), "the kernel asked Linux for AMX tile state and was refused");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && w.scalar_type() == at::kBFloat16, "bf16, 2-D x");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * 16, G = K / 32;
   TORCH_CHECK(K % 32 == 0 && w.size(1) == G, "input size must be a multiple of 32 matching the weight");
+  TORCH_CHECK(y.is_contiguous() && y.numel() == M * N && y.scalar_type() == at::kBFloat16, "the output must be a contiguous bf16 tensor of the result's size");
   auto xc = x.contiguous();
-  auto y = torch::empty({M, N}, x.options());
   const uint16_t* X = (const uint16_t*)xc.data_ptr<at::BFloat16>();
   const uint16_t* W = (const uint16_t*)w.data_ptr<at::BFloat16>();
   uint16_t* Y = (uint16_t*)y.data_ptr<at::BFloat16>();
@@ -55,5 +55,10 @@ torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor w) {
     }
     if (configured >= 0) _tile_release();
   });
+}
+
+torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor w) {
+  auto y = torch::empty({x.size(0), w.size(0) * 16}, x.options());
+  bf16_mm_into(x, w, y);
   return y;
 }

@@ -38,30 +38,65 @@ void write_kv(const torch::Tensor& qkv, torch::Tensor& k_cache, torch::Tensor& v
 }
 
 // A projection's weights: (q, d, m) in int4_mm's layout, or (w) in bf16_mm's.
-torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& p) {
-  return p.size() == 3 ? int4_mm(x, p[0], p[1], p[2]) : bf16_mm(x, p[0]);
+void project(const torch::Tensor& x, const std::vector<torch::Tensor>& p, torch::Tensor& y) {
+  if (p.size() == 3)
+    int4_mm_into(x, p[0], p[1], p[2], y);
+  else
+    bf16_mm_into(x, p[0], y);
 }
 
-// One layer over rows [B·T, D] and their input norm `normed`; returns the layer's output and, where
-// next_norm is given (the next layer's input norm, or the model's final one), that output's norm.
-std::tuple<torch::Tensor, torch::Tensor> layer_rows(
-    const torch::Tensor& rows, const torch::Tensor& normed, const torch::Tensor& post_attention_norm, double eps,
-    const std::vector<torch::Tensor>& qkv_proj, const std::vector<torch::Tensor>& o_proj,
-    const std::vector<torch::Tensor>& gate_up_proj, const std::vector<torch::Tensor>& down_proj,
-    const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor k_cache, torch::Tensor v_cache,
-    const torch::Tensor& slots, const torch::Tensor& n_keys, int64_t n_heads, int64_t n_kv_heads,
-    const c10::optional<torch::Tensor>& tree, const c10::optional<torch::Tensor>& next_norm) {
-  const int64_t B = n_keys.size(0), T = n_keys.size(1), Dh = k_cache.size(3);
-  const int64_t heads = n_heads + 2 * n_kv_heads;
-  auto qkv = project(normed, qkv_proj).view({B * T, heads, Dh});
-  rope_(qkv, cos, sin, n_heads + n_kv_heads);
-  write_kv(qkv, k_cache, v_cache, slots, n_keys, n_heads, n_kv_heads);
-  auto q = qkv.view({B, T, heads, Dh}).narrow(2, 0, n_heads);
-  auto mixed = attention(q, k_cache, v_cache, n_keys, std::pow((double)Dh, -0.5), slots, tree).view({B * T, n_heads * Dh});
-  auto [h, h_normed] = add_rms_norm(rows, project(mixed, o_proj), post_attention_norm, eps);
-  auto down = project(silu_mul(project(h_normed, gate_up_proj)), down_proj);
-  if (next_norm) return add_rms_norm(h, down, *next_norm, eps);
-  return {h + down, torch::Tensor()};
+// A pass's intermediate rows, allocated once for all its layers (each of the ~10 allocations and views a
+// layer made cost ~0.25 µs, ~300 a pass). Outputs of a layer that outlive it are the caller's.
+struct Workspace {
+  torch::Tensor qkv, q, mixed, attended, o, h, h_normed, gate_up, act, down;
+
+  Workspace(int64_t B, int64_t T, int64_t D, int64_t n_heads, int64_t n_kv_heads, int64_t Dh, int64_t inner,
+            const at::TensorOptions& options) {
+    const int64_t heads = n_heads + 2 * n_kv_heads;
+    qkv = torch::empty({B * T, heads, Dh}, options);
+    q = qkv.view({B, T, heads, Dh}).narrow(2, 0, n_heads);
+    attended = torch::empty({B, T, n_heads, Dh}, options);
+    mixed = attended.view({B * T, n_heads * Dh});
+    o = torch::empty({B * T, D}, options);
+    h = torch::empty({B * T, D}, options);
+    h_normed = torch::empty({B * T, D}, options);
+    gate_up = torch::empty({B * T, 2 * inner}, options);
+    act = torch::empty({B * T, inner}, options);
+    down = torch::empty({B * T, D}, options);
+  }
+};
+
+// One layer over rows [B·T, D] and their input norm `normed`; writes the layer's output to `out` and, where
+// next_norm is given (the next layer's input norm, or the model's final one), that output's norm to
+// `out_normed` (else `out` is the sum alone).
+void layer_rows(const torch::Tensor& rows, const torch::Tensor& normed, const torch::Tensor& post_attention_norm,
+                double eps, const std::vector<torch::Tensor>& qkv_proj, const std::vector<torch::Tensor>& o_proj,
+                const std::vector<torch::Tensor>& gate_up_proj, const std::vector<torch::Tensor>& down_proj,
+                const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                const torch::Tensor& slots, const torch::Tensor& n_keys, int64_t n_heads, int64_t n_kv_heads,
+                const c10::optional<torch::Tensor>& tree, const c10::optional<torch::Tensor>& next_norm, Workspace& w,
+                torch::Tensor& out, torch::Tensor& out_normed) {
+  const int64_t Dh = k_cache.size(3);
+  project(normed, qkv_proj, w.qkv);
+  rope_(w.qkv, cos, sin, n_heads + n_kv_heads);
+  write_kv(w.qkv, k_cache, v_cache, slots, n_keys, n_heads, n_kv_heads);
+  attention_into(w.q, k_cache, v_cache, n_keys, std::pow((double)Dh, -0.5), slots, tree, true, w.attended);
+  project(w.mixed, o_proj, w.o);
+  add_rms_norm_into(rows, w.o, post_attention_norm, eps, w.h, w.h_normed);
+  project(w.h_normed, gate_up_proj, w.gate_up);
+  silu_mul_into(w.gate_up, w.act);
+  project(w.act, down_proj, w.down);
+  if (next_norm)
+    add_rms_norm_into(w.h, w.down, *next_norm, eps, out, out_normed);
+  else
+    torch::add_out(out, w.h, w.down);
+}
+
+Workspace workspace_for(const torch::Tensor& rows, const torch::Tensor& n_keys, int64_t head_dim,
+                        const std::vector<torch::Tensor>& down_proj, int64_t n_heads, int64_t n_kv_heads) {
+  const int64_t inner = down_proj.size() == 3 ? down_proj[1].size(1) * 32 : down_proj[0].size(1) * 32;
+  return Workspace(n_keys.size(0), n_keys.size(1), rows.size(1), n_heads, n_kv_heads, head_dim, inner,
+                   rows.options());
 }
 
 }  // namespace
@@ -77,9 +112,12 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor input_norm, torch::Te
                             torch::Tensor slots, torch::Tensor n_keys, int64_t n_heads, int64_t n_kv_heads,
                             c10::optional<torch::Tensor> tree) {
   auto rows = x.reshape({-1, x.size(2)});
-  auto out = std::get<0>(layer_rows(rows, rms_norm(rows, input_norm, eps), post_attention_norm, eps, qkv_proj,
-                                    o_proj, gate_up_proj, down_proj, cos, sin, k_cache, v_cache, slots, n_keys,
-                                    n_heads, n_kv_heads, tree, c10::nullopt));
+  Workspace w = workspace_for(rows, n_keys, k_cache.size(3), down_proj, n_heads, n_kv_heads);
+  auto out = torch::empty_like(rows);
+  torch::Tensor unused;
+  layer_rows(rows, rms_norm(rows, input_norm, eps), post_attention_norm, eps, qkv_proj, o_proj, gate_up_proj,
+             down_proj, cos, sin, k_cache, v_cache, slots, n_keys, n_heads, n_kv_heads, tree, c10::nullopt, w, out,
+             unused);
   return out.view(x.sizes());
 }
 
@@ -105,13 +143,19 @@ class DecoderStack {
     TORCH_CHECK(k_cache.size(0) == (int64_t)layers_.size(), "one cache layer per decoder layer");
     auto rows = x.reshape({-1, x.size(2)});
     auto normed = rms_norm(rows, layers_[0][0][0], eps_);
+    Workspace w = workspace_for(rows, n_keys, k_cache.size(4), layers_[0][5], n_heads_, n_kv_heads_);
+    // Each layer's output and its norm, alternating between two pairs: the next layer reads one pair
+    // while writing the other. The last norm is the caller's, a tensor of its own.
+    torch::Tensor sums[2] = {torch::empty_like(rows), torch::empty_like(rows)};
+    torch::Tensor norms[2] = {torch::empty_like(rows), torch::empty_like(rows)};
     speculant::Team::run([&] {
       for (size_t i = 0; i < layers_.size(); i++) {
         const auto& l = layers_[i];
         const auto& next_norm = i + 1 < layers_.size() ? layers_[i + 1][0][0] : final_norm_;
-        std::tie(rows, normed) = layer_rows(rows, normed, l[1][0], eps_, l[2], l[3], l[4], l[5], cos, sin,
-                                            k_cache.select(0, i), v_cache.select(0, i), slots, n_keys, n_heads_,
-                                            n_kv_heads_, tree, next_norm);
+        layer_rows(rows, normed, l[1][0], eps_, l[2], l[3], l[4], l[5], cos, sin, k_cache.select(0, i),
+                   v_cache.select(0, i), slots, n_keys, n_heads_, n_kv_heads_, tree, next_norm, w, sums[i % 2],
+                   norms[i % 2]);
+        rows = sums[i % 2], normed = norms[i % 2];
       }
     });
     return normed.view(x.sizes());

@@ -4,24 +4,33 @@
 
 // quantized.cpp: x [M, K] bf16 × Q4_1 weights in the kernel's layout (native.int4_layout) → [M, N] bf16.
 torch::Tensor int4_mm(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m);
+void int4_mm_into(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& m,
+                  torch::Tensor& y);
 
 // quantized.cpp: x [M, K] bf16 × Q8_0 weights in the kernel's layout (native.int8_layout) → [M, N] bf16.
 torch::Tensor int8_mm(torch::Tensor x, torch::Tensor q, torch::Tensor d);
 
 // bf16_amx.cpp: x [M, K] bf16 × bf16 weights in the kernel's layout (native.bf16_layout) → [M, N] bf16.
 torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor w);
+void bf16_mm_into(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& y);
 
 // attention.cpp: each query row over exactly its keys; `amx` false keeps the vector kernel on an AMX CPU.
 torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor n_keys,
                         double scale, c10::optional<torch::Tensor> slots, c10::optional<torch::Tensor> tree,
                         bool amx = true);
+void attention_into(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                    const torch::Tensor& n_keys, double scale, const c10::optional<torch::Tensor>& slots,
+                    const c10::optional<torch::Tensor>& tree, bool amx, torch::Tensor& out);
 
 // layer_ops.cpp: RMSNorm (alone or after a residual sum), rotary embedding in place, silu(gate) · up.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor y, torch::Tensor weight,
                                                       double eps);
+void add_rms_norm_into(const torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& weight, double eps,
+                       torch::Tensor& sum, torch::Tensor& normed);
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t n_heads);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+void silu_mul_into(const torch::Tensor& gate_up, torch::Tensor& out);
 
 // argmax.cpp: x [..., V] bf16 or fp32 → each row's first maximum (a NaN the largest), int64 [...].
 torch::Tensor argmax_rows(torch::Tensor x);

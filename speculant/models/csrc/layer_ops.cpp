@@ -70,16 +70,17 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 }
 
 // The residual sum and the next norm in one call (a decoder layer's two ATen additions each cost about as
-// much as its norms): x, y [..., D] → (x + y rounded to bf16 as PyTorch's sum is, rms_norm of that sum).
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor y, torch::Tensor weight,
-                                                      double eps) {
+// much as its norms): x, y [..., D] → sum = x + y rounded to bf16 as PyTorch's sum is, normed = rms_norm of
+// that sum.
+void add_rms_norm_into(const torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& weight, double eps,
+                       torch::Tensor& sum, torch::Tensor& normed) {
   check_bf16(x, "x");
   check_bf16(y, "y");
   check_bf16(weight, "weight");
   const int64_t D = x.size(-1);
-  TORCH_CHECK(weight.numel() == D && x.sizes() == y.sizes(), "shapes");
+  TORCH_CHECK(weight.numel() == D && x.numel() == y.numel() && sum.numel() == x.numel() &&
+              normed.numel() == x.numel() && sum.is_contiguous() && normed.is_contiguous(), "shapes: x, y, sum and normed alike, weight [D]");
   auto xc = x.contiguous(), yc = y.contiguous(), wc = weight.contiguous();
-  auto sum = torch::empty_like(xc), normed = torch::empty_like(xc);
   const uint16_t *X = bf16_data(xc), *Y = bf16_data(yc), *W = bf16_data(wc);
   uint16_t *S = bf16_data_mut(sum), *N = bf16_data_mut(normed);
   speculant::Team::parallel_for(0, xc.numel() / D, ROWS_PER_TASK, [&](int64_t r0, int64_t r1) {
@@ -91,6 +92,12 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
       norm_row(S + r * D, W, N + r * D, D, eps);
     }
   });
+}
+
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor y, torch::Tensor weight,
+                                                      double eps) {
+  auto sum = torch::empty_like(x, at::MemoryFormat::Contiguous), normed = torch::empty_like(sum);
+  add_rms_norm_into(x, y, weight, eps, sum, normed);
   return {sum, normed};
 }
 
@@ -124,15 +131,13 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t n_head
   });
 }
 
-// gate_up [..., 2n] (gate, then up) → silu(gate) · up, [..., n].
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+// gate_up [..., 2n] (gate, then up) → out = silu(gate) · up, [..., n].
+void silu_mul_into(const torch::Tensor& gate_up, torch::Tensor& out) {
   check_bf16(gate_up, "gate_up");
   const int64_t n = gate_up.size(-1) / 2;
   auto gu = gate_up.contiguous();
-  std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
-  shape.back() = n;
-  auto out = torch::empty(shape, gu.options());
   const int64_t R = gu.numel() / (2 * n);
+  TORCH_CHECK(out.is_contiguous() && out.numel() == R * n && out.scalar_type() == at::kBFloat16, "the output must be a contiguous bf16 tensor of the result's size");
   const uint16_t* G = bf16_data(gu);
   uint16_t* Y = bf16_data_mut(out);
   speculant::Team::parallel_for(0, R, ROWS_PER_TASK, [&](int64_t r0, int64_t r1) {
@@ -147,5 +152,12 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
       }
     }
   });
+}
+
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  std::vector<int64_t> shape(gate_up.sizes().begin(), gate_up.sizes().end());
+  shape.back() /= 2;
+  auto out = torch::empty(shape, gate_up.options());
+  silu_mul_into(gate_up, out);
   return out;
 }

@@ -34,20 +34,32 @@ using speculant::prefetch_ahead;
 
 constexpr int kVnniRows = 8;  // above, AMX: 16 rows 6.4 ms on VNNI, 5.8 on AMX; 8 rows 3.6 and 3.9 (Q4_1)
 
-struct Activations {
-  std::vector<int8_t> p;      // [M, K]
-  std::vector<float> dx, sx;  // [M, G]: each group's scale, and dx·Σp
-  std::vector<int32_t> lift;  // [M, G]: 128·Σp, what weights stored as q + 128 add to a group's sum
+// The calling thread's buffers, kept from call to call (a pass makes 120 products: their 480 allocations
+// cost more than quantizing a decode row).
+template <class T>
+T* reused(std::vector<T>& buffer, int64_t n) {
+  if ((int64_t)buffer.size() < n) buffer.resize(n);
+  return buffer.data();
+}
 
-  Activations(const uint16_t* X, int64_t M, int64_t K)
-      : p(M * K), dx(M * K / 32), sx(M * K / 32), lift(M * K / 32) {
+struct Activations {
+  int8_t* p;        // [M, K]
+  float *dx, *sx;   // [M, G]: each group's scale, and dx·Σp
+  int32_t* lift;    // [M, G]: 128·Σp, what weights stored as q + 128 add to a group's sum
+
+  Activations(const uint16_t* X, int64_t M, int64_t K) {
+    static thread_local std::vector<int8_t> p_buffer;
+    static thread_local std::vector<float> dx_buffer, sx_buffer;
+    static thread_local std::vector<int32_t> lift_buffer;
+    p = reused(p_buffer, M * K), dx = reused(dx_buffer, M * K / 32), sx = reused(sx_buffer, M * K / 32);
+    lift = reused(lift_buffer, M * K / 32);
     for (int64_t i = 0; i < M * K / 32; i++) {
       const __m512 a = load_bf16(X + 32 * i), b = load_bf16(X + 32 * i + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
       const __m512 inv = _mm512_set1_ps(amax > 0 ? 127.f / amax : 0.f);
       const __m512i pa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), pb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
-      _mm_storeu_si128((__m128i*)(p.data() + 32 * i), _mm512_cvtsepi32_epi8(pa));
-      _mm_storeu_si128((__m128i*)(p.data() + 32 * i + 16), _mm512_cvtsepi32_epi8(pb));
+      _mm_storeu_si128((__m128i*)(p + 32 * i), _mm512_cvtsepi32_epi8(pa));
+      _mm_storeu_si128((__m128i*)(p + 32 * i + 16), _mm512_cvtsepi32_epi8(pb));
       const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(pa, pb));
       dx[i] = amax / 127.f;
       sx[i] = dx[i] * (float)sum;
@@ -121,7 +133,7 @@ inline void store_rows(const Operands& o, const __m512* acc, int64_t r0, int row
 template <class F, int R, int C>
 void vnni_blocks(const Operands& o, int64_t r0, int64_t b) {
   const int64_t G = o.G;
-  const int8_t* P = o.x.p.data() + r0 * o.K;
+  const int8_t* P = o.x.p + r0 * o.K;
   __m512 acc[C][R];
   for (int c = 0; c < C; c++)
     for (int i = 0; i < R; i++) acc[c][i] = _mm512_setzero_ps();
@@ -195,7 +207,7 @@ void amx_rows(const Operands& o, int64_t r0, int rows, int64_t b0, int64_t b1) {
   const int64_t G = o.G, K = o.K;
   alignas(64) uint8_t tiles[4][512];
   alignas(64) int32_t sums[2][16 * 16];
-  const int8_t* P = o.x.p.data() + r0 * K;
+  const int8_t* P = o.x.p + r0 * K;
   for (int64_t b = b0; b < b1; b++) {
     __m512 acc[16];
     for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
@@ -244,14 +256,15 @@ void amx_block(const Operands& o, int64_t r0, int rows, int64_t b0, int64_t b1) 
 }
 
 template <class F>
-torch::Tensor quantized_mm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d, const uint16_t* m) {
+void quantized_mm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d, const uint16_t* m,
+                  torch::Tensor& y) {
   TORCH_CHECK(speculant::amx_permitted(), "the kernel asked Linux for AMX tile state and was refused");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2, "x must be 2-D bf16");
   const int64_t M = x.size(0), K = x.size(1), N = d.size(0) * 16, G = K / 32;
   TORCH_CHECK(K % 64 == 0 && d.size(1) == G && q.numel() == N / 16 * G * F::kGroupBytes,
               "input size must be a multiple of 64 matching the weight");
+  TORCH_CHECK(y.is_contiguous() && y.numel() == M * N && y.scalar_type() == at::kBFloat16, "the output must be a contiguous bf16 tensor of the result's size");
   auto xc = x.contiguous();
-  auto y = torch::empty({M, N}, x.options());
   const Activations act((const uint16_t*)xc.data_ptr<at::BFloat16>(), M, K);
   const Operands o{act, (const uint8_t*)q.data_ptr(), (const uint16_t*)d.data_ptr<at::BFloat16>(), m,
                    (uint16_t*)y.data_ptr<at::BFloat16>(), K, N, G};
@@ -264,19 +277,27 @@ torch::Tensor quantized_mm(const torch::Tensor& x, const torch::Tensor& q, const
         vnni<F>(o, r0, rows, b0, b1);
     }
   });
-  return y;
 }
 
 }  // namespace
 
-// x [M, K] bf16; q uint8 [N/16, G, 4, 64] (native.int4_layout); d, m bf16 [N/16, G, 16] → [M, N] bf16.
+// x [M, K] bf16; q uint8 [N/16, G, 4, 64] (native.int4_layout); d, m bf16 [N/16, G, 16] → y [M, N] bf16.
 // G = K/32 must be even: the AMX path keeps two groups in flight.
+void int4_mm_into(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& m,
+                  torch::Tensor& y) {
+  quantized_mm<Q4_1>(x, q, d, (const uint16_t*)m.data_ptr<at::BFloat16>(), y);
+}
+
 torch::Tensor int4_mm(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m) {
-  return quantized_mm<Q4_1>(x, q, d, (const uint16_t*)m.data_ptr<at::BFloat16>());
+  auto y = torch::empty({x.size(0), d.size(0) * 16}, x.options());
+  int4_mm_into(x, q, d, m, y);
+  return y;
 }
 
 // x [M, K] bf16; q uint8 [N/16, G, 8, 64] (native.int8_layout: q + 128); d bf16 [N/16, G, 16] → [M, N] bf16.
 torch::Tensor int8_mm(torch::Tensor x, torch::Tensor q, torch::Tensor d) {
   TORCH_CHECK(q.scalar_type() == at::kByte, "int8 weights are stored as q + 128, uint8");
-  return quantized_mm<Q8_0>(x, q, d, nullptr);
+  auto y = torch::empty({x.size(0), d.size(0) * 16}, x.options());
+  quantized_mm<Q8_0>(x, q, d, nullptr, y);
+  return y;
 }
