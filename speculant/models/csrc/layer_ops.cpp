@@ -78,8 +78,9 @@ void add_rms_norm_into(const torch::Tensor& x, const torch::Tensor& y, const tor
   check_bf16(y, "y");
   check_bf16(weight, "weight");
   const int64_t D = x.size(-1);
-  TORCH_CHECK(weight.numel() == D && x.numel() == y.numel() && sum.numel() == x.numel() &&
-              normed.numel() == x.numel() && sum.is_contiguous() && normed.is_contiguous(), "shapes: x, y, sum and normed alike, weight [D]");
+  TORCH_CHECK(weight.numel() == D && x.sizes() == y.sizes() && sum.numel() == x.numel() &&
+                  normed.numel() == x.numel() && sum.is_contiguous() && normed.is_contiguous(),
+              "shapes: x and y alike, sum and normed contiguous of their size, weight [D]");
   auto xc = x.contiguous(), yc = y.contiguous(), wc = weight.contiguous();
   const uint16_t *X = bf16_data(xc), *Y = bf16_data(yc), *W = bf16_data(wc);
   uint16_t *S = bf16_data_mut(sum), *N = bf16_data_mut(normed);
@@ -137,7 +138,8 @@ void silu_mul_into(const torch::Tensor& gate_up, torch::Tensor& out) {
   const int64_t n = gate_up.size(-1) / 2;
   auto gu = gate_up.contiguous();
   const int64_t R = gu.numel() / (2 * n);
-  TORCH_CHECK(out.is_contiguous() && out.numel() == R * n && out.scalar_type() == at::kBFloat16, "the output must be a contiguous bf16 tensor of the result's size");
+  TORCH_CHECK(out.is_contiguous() && out.numel() == R * n && out.scalar_type() == at::kBFloat16,
+              "the output must be a contiguous bf16 tensor of the result's size");
   const uint16_t* G = bf16_data(gu);
   uint16_t* Y = bf16_data_mut(out);
   speculant::Team::parallel_for(0, R, ROWS_PER_TASK, [&](int64_t r0, int64_t r1) {
