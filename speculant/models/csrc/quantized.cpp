@@ -205,21 +205,21 @@ inline const uint8_t* weight_tile(const uint8_t* wg, uint8_t* tile) {
 template <class F>
 void amx_rows(const Operands& o, int64_t r0, int rows, int64_t b0, int64_t b1) {
   const int64_t G = o.G, K = o.K;
-  alignas(64) uint8_t tiles[4][512];
+  alignas(64) uint8_t tiles[2][2][512];  // [pair of groups' parity][group of the pair]
   alignas(64) int32_t sums[2][16 * 16];
   const int8_t* P = o.x.p + r0 * K;
   for (int64_t b = b0; b < b1; b++) {
     __m512 acc[16];
     for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
     const uint8_t* Qb = o.Q + b * G * F::kGroupBytes;
-    const uint8_t* cur[2] = {weight_tile<F>(Qb, tiles[0]), weight_tile<F>(Qb + F::kGroupBytes, tiles[1])};
+    const uint8_t* cur[2] = {weight_tile<F>(Qb, tiles[0][0]), weight_tile<F>(Qb + F::kGroupBytes, tiles[0][1])};
     for (int64_t g = 0; g < G; g += 2) {
       prefetch_ahead(Qb + g * F::kGroupBytes, 2 * F::kGroupBytes);
       const uint8_t* next[2] = {};
       if (g + 2 < G) {
-        uint8_t* spare = cur[0] == tiles[0] ? tiles[2] : tiles[0];
-        next[0] = weight_tile<F>(Qb + (g + 2) * F::kGroupBytes, spare);
-        next[1] = weight_tile<F>(Qb + (g + 3) * F::kGroupBytes, spare + 512);
+        uint8_t(*spare)[512] = tiles[(g / 2 + 1) % 2];
+        next[0] = weight_tile<F>(Qb + (g + 2) * F::kGroupBytes, spare[0]);
+        next[1] = weight_tile<F>(Qb + (g + 3) * F::kGroupBytes, spare[1]);
       }
       _tile_loadd(2, cur[0], 64);
       _tile_loadd(1, P + g * 32, K);
