@@ -13,6 +13,7 @@ from speculant.models.loader import load_model
 from speculant.proposers.history import CONTEXT, END, HISTORY_BUCKET, AnswerHistory
 from speculant.proposers.ngram import NgramProposer
 from speculant.sampling import SamplingBatch
+from speculant.sequence import SpecStats
 
 LEAD = list(range(70, 70 + CONTEXT))  # a prompt's last tokens
 
@@ -58,11 +59,14 @@ def test_repeated_requests_draft_their_earlier_answers(tiny_pair):
     assert engine.proposer.name == "ngram+history"
     assert engine.proposer.history.size == sum(len(p[-CONTEXT:]) + len(o) + 1 for p, o in zip(PROMPTS, outputs))
     # The same requests again: each continues its own earlier answer, from its first token on.
-    before = engine.stats.num_accepted_tokens
+    before = engine.stats + SpecStats()  # a snapshot
     seqs = [engine.add_request(p, GREEDY) for p in PROMPTS]
     engine.generate(seqs)
     assert first == outputs and [s.output_ids for s in seqs] == outputs
-    assert engine.stats.num_accepted_tokens - before > 1.4 * before
+    # Without the history the second run repeats the first's drafts (94 accepted in 66 passes; with it 124 in 36).
+    again = engine.stats - before
+    assert again.num_accepted_tokens > 1.2 * before.num_accepted_tokens
+    assert again.target_passes < 0.7 * before.target_passes
     for prompt, answer in zip(PROMPTS, outputs):
         if len(prompt) >= CONTEXT:
             assert engine.proposer._draft(prompt, 6) == (answer[:6], HISTORY_BUCKET)

