@@ -95,6 +95,7 @@ def test_a_row_at_the_end_of_its_context_shares_a_pass_with_a_long_row(tiny_pair
         assert (got[0, 0].float() - expected.float()).abs().max() <= (TOL if dtype == "float32" else 0.05)
         with pytest.raises(SpeculantError, match="needs 24 cache positions; the cache holds 16"):
             model(tokens, cache, torch.tensor([0, 1]), torch.tensor([1, 12]))
+        assert cache.lengths.tolist() == [16, 12]  # a refused pass writes nothing
 
 
 def test_bfloat16_runs_close_to_float32(tiny_pair):

@@ -200,11 +200,15 @@ class Rope:
 
     def __call__(self, inv_freq: torch.Tensor, positions: torch.Tensor,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        need = int(positions.max()) + 1
+        cos, sin = self.tables(inv_freq, int(positions.max()) + 1, dtype)
+        return cos[positions][:, :, None], sin[positions][:, :, None]
+
+    def tables(self, inv_freq: torch.Tensor, need: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables [n ≥ need, Dh]."""
         have = 0 if self.cos is None else len(self.cos)
-        if have < need or self.cos.dtype != dtype or self.cos.device != positions.device:
-            self.cos, self.sin = rope_tables(inv_freq.to(positions.device), max(need, 2 * have), dtype)
-        return self.cos[positions][:, :, None], self.sin[positions][:, :, None]
+        if have < need or self.cos.dtype != dtype or self.cos.device != inv_freq.device:
+            self.cos, self.sin = rope_tables(inv_freq, max(need, 2 * have), dtype)
+        return self.cos, self.sin
 
 
 def prepare_pass(cache: KVCache, slots: torch.Tensor, T: int, n_new: torch.Tensor | None, rope: Rope,
@@ -440,6 +444,14 @@ class Transformer(nn.Module):
         """
         if self.narrow_passes != "prepared" and tokens.shape[1] <= MAX_VERIFY_WIDTH:
             return self.graphs_for(cache)(tokens, slots, n_new, parents)
+        chain = parents is None and tokens.shape[1] <= MAX_VERIFY_WIDTH
+        if chain and self.native_decode and self.native_stack is not None:
+            cos, sin = self.rope.tables(self.inv_freq, cache.max_len + 1, self.dtype)
+            hidden = self.native_stack.decode(tokens, self.model.embed_tokens.weight, cos, sin, cache.k, cache.v,
+                                              cache.lengths, slots, cache.max_len, n_new)
+            if hidden is not None:
+                return hidden
+            # None: a row would run past the cache, which prepare_pass reports.
         fwd = prepare_pass(cache, slots, tokens.shape[1], n_new, self.rope, self.inv_freq, self.dtype,
                            self.cfg.sliding_window, parents)
         x = self.model.embed_tokens(tokens)
@@ -460,6 +472,13 @@ class Transformer(nn.Module):
         if cache not in self._graphs:
             self._graphs[cache] = PassGraphs(self, cache)
         return self._graphs[cache]
+
+    @functools.cached_property
+    def native_decode(self) -> bool:
+        """Whether a chain pass of decoding or verification with the native stack runs as one native call
+        from the cache's lengths (DecoderStack.decode): prepare_pass's native case."""
+        return (self.dtype == torch.bfloat16 and self.device.type == "cpu" and self.cfg.sliding_window is None
+                and native.attention_usable(2 * len(self.inv_freq)))
 
     @functools.cached_property
     def native_stack(self) -> object | None:

@@ -6,7 +6,9 @@
 // slower after each idle gap (120 int4 products back to back 3.0 ms, 4.5 ms between the model's
 // other operations).
 #include <torch/extension.h>
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "kernels.h"
 #include "team.h"
@@ -161,6 +163,52 @@ class DecoderStack {
     return normed.view(x.sizes());
   }
 
+  // A chain pass from the cache's own bookkeeping: tokens [B, T] int64 appended to the cache rows slots [B]
+  // after their lengths (lengths [rows] int64, the cache's), row b's first n_new[b] real (default T), the rest
+  // padding, whose positions past max_len go to the cache's sink; embed [V, D] the token embedding; cos, sin
+  // the rotary tables [P > max_len, Dh] → forward's output, the rows' lengths advanced. An undefined tensor,
+  // nothing written, where a row would run past max_len (the caller raises). What prepare_pass and the
+  // embedding computed in ~10 PyTorch calls, ~100 µs a decoding step between passes that evict the
+  // interpreter's working set from the caches.
+  torch::Tensor decode(torch::Tensor tokens, torch::Tensor embed, torch::Tensor cos_table, torch::Tensor sin_table,
+                       torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor lengths, torch::Tensor slots,
+                       int64_t max_len, c10::optional<torch::Tensor> n_new) const {
+    const int64_t B = tokens.size(0), T = tokens.size(1), V = embed.size(0), D = embed.size(1);
+    const int64_t Dh = cos_table.size(1);
+    TORCH_CHECK(tokens.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong && lengths.is_contiguous(),
+                "tokens and lengths must be int64");
+    TORCH_CHECK(embed.is_contiguous() && cos_table.is_contiguous() && sin_table.is_contiguous() &&
+                    cos_table.size(0) > max_len && sin_table.sizes() == cos_table.sizes(),
+                "the rotary tables must cover every cache position");
+    auto tok = tokens.contiguous();
+    auto rows = slots.to(torch::kLong).contiguous();
+    auto real = n_new ? n_new->to(torch::kLong).contiguous() : torch::full({B}, T, torch::kLong);
+    const int64_t *Tk = tok.data_ptr<int64_t>(), *R = rows.data_ptr<int64_t>(), *N = real.data_ptr<int64_t>();
+    int64_t* len = lengths.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; b++)
+      if (len[R[b]] + N[b] > max_len) return torch::Tensor();
+    auto n_keys = torch::empty({B, T}, torch::kLong);
+    auto cos = torch::empty({B, T, 1, Dh}, cos_table.options()), sin = torch::empty_like(cos);
+    auto x = torch::empty({B, T, D}, embed.options());
+    const size_t row_bytes = Dh * cos_table.element_size(), embed_bytes = D * embed.element_size();
+    auto* nk = n_keys.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; b++)
+      for (int64_t t = 0; t < T; t++) {
+        const int64_t at = b * T + t, pos = std::min(len[R[b]] + t, max_len), token = Tk[at];
+        TORCH_CHECK(token >= 0 && token < V, "token id ", token, " is out of the vocabulary [0, ", V, ")");
+        nk[at] = pos + 1;
+        std::memcpy((char*)cos.data_ptr() + at * row_bytes, (const char*)cos_table.data_ptr() + pos * row_bytes,
+                    row_bytes);
+        std::memcpy((char*)sin.data_ptr() + at * row_bytes, (const char*)sin_table.data_ptr() + pos * row_bytes,
+                    row_bytes);
+        std::memcpy((char*)x.data_ptr() + at * embed_bytes, (const char*)embed.data_ptr() + token * embed_bytes,
+                    embed_bytes);
+      }
+    auto hidden = forward(x, cos, sin, k_cache, v_cache, rows, n_keys, c10::nullopt);
+    for (int64_t b = 0; b < B; b++) len[R[b]] += N[b];
+    return hidden;
+  }
+
  private:
   std::vector<std::vector<std::vector<torch::Tensor>>> layers_;
   torch::Tensor final_norm_;
@@ -190,5 +238,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
                           int64_t>())
       .def("forward", &DecoderStack::forward, pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin"),
            pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("slots"), pybind11::arg("n_keys"),
-           pybind11::arg("tree") = pybind11::none());
+           pybind11::arg("tree") = pybind11::none())
+      .def("decode", &DecoderStack::decode, pybind11::arg("tokens"), pybind11::arg("embed"), pybind11::arg("cos_table"),
+           pybind11::arg("sin_table"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("lengths"),
+           pybind11::arg("slots"), pybind11::arg("max_len"), pybind11::arg("n_new") = pybind11::none());
 }
