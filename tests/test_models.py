@@ -288,7 +288,7 @@ def q8_activations(x: torch.Tensor) -> torch.Tensor:
     """x as the int4 kernel reads it: per group of 32, dx·round(x/dx) with dx = max|x|/127 (llama.cpp's)."""
     groups = x.float().view(x.shape[0], -1, 32)
     dx = groups.abs().amax(-1, keepdim=True) / 127
-    return (torch.round(groups / dx) * dx).view(x.shape)
+    return torch.where(dx > 0, torch.round(groups / dx) * dx, 0.0).view(x.shape)
 
 
 @pytest.mark.parametrize("N", [96, 80])
@@ -308,6 +308,7 @@ def test_amx_int4_kernel_gives_every_row_the_same_result_whatever_the_row_count(
     m = (-torch.rand(N, K // 32, generator=gen) * 0.05).bfloat16().float()
     w = (q.view(N, K // 32, 32) * d[..., None] + m[..., None]).view(N, K)
     x = torch.randn(40, K, generator=gen).bfloat16()
+    x[5, 32:64] = 0  # a group of zeros: scale 0 (in a batch of 16 groups quantized together, and alone below)
     weights = native.int4_layout(q, d, m)
     y = native.int4_mm(x, *weights)
     ref = q8_activations(x) @ w.T
@@ -316,6 +317,7 @@ def test_amx_int4_kernel_gives_every_row_the_same_result_whatever_the_row_count(
     for rows in range(1, 41):
         assert torch.equal(native.int4_mm(x[:rows], *weights), y[:rows]), rows
     assert torch.equal(native.int4_mm(x[7:8], *weights), y[7:8])  # and whatever rows come before it
+    assert torch.equal(native.int4_mm(x[5:6], *weights), y[5:6])
 
 
 def test_int4_models_lm_head_is_int8_in_groups_on_its_q8_0_grid_and_row_exact(tiny_pair):

@@ -42,29 +42,78 @@ T* reused(std::vector<T>& buffer, int64_t n) {
   return buffer.data();
 }
 
+// Lane l of the result reduces v[l], 16 vectors' horizontal reductions at once: four rounds of shuffles
+// that halve the lanes each vector spends on one input, ~3 instructions an input where a reduction of its
+// own takes ~8. The rounds leave input kSlot[l] in lane l: loaded in that order, input j lands in lane j.
+constexpr int kSlot[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+template <class Op>
+inline __m512 reduce16(__m512* v, Op op) {
+  for (int j = 0; j < 8; j++)
+    v[j] = op(_mm512_shuffle_f32x4(v[j], v[j + 8], 0x44), _mm512_shuffle_f32x4(v[j], v[j + 8], 0xEE));
+  for (int j = 0; j < 4; j++)
+    v[j] = op(_mm512_shuffle_f32x4(v[j], v[j + 4], 0x88), _mm512_shuffle_f32x4(v[j], v[j + 4], 0xDD));
+  for (int j = 0; j < 2; j++)
+    v[j] = op(_mm512_shuffle_ps(v[j], v[j + 2], 0x44), _mm512_shuffle_ps(v[j], v[j + 2], 0xEE));
+  return op(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
+}
+
+inline __m512 max_ps(__m512 a, __m512 b) { return _mm512_max_ps(a, b); }
+
+inline __m512 add_epi32(__m512 a, __m512 b) {
+  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+}
+
 struct Activations {
   int8_t* p;        // [M, K]
   float *dx, *sx;   // [M, G]: each group's scale, and dx·Σp
   int32_t* lift;    // [M, G]: 128·Σp, what weights stored as q + 128 add to a group's sum
 
+  // Groups 16 at a time, their maxima and sums reduced together (reduce16): the same values as one group
+  // at a time (max and integer sums are exact, the divisions IEEE's), a verify pass's 5 rows × 30 layers
+  // ~120 → ~70 µs (microbenchmark, one thread); the last groups one by one.
   Activations(const uint16_t* X, int64_t M, int64_t K) {
     static thread_local std::vector<int8_t> p_buffer;
     static thread_local std::vector<float> dx_buffer, sx_buffer;
     static thread_local std::vector<int32_t> lift_buffer;
-    p = reused(p_buffer, M * K), dx = reused(dx_buffer, M * K / 32), sx = reused(sx_buffer, M * K / 32);
-    lift = reused(lift_buffer, M * K / 32);
-    for (int64_t i = 0; i < M * K / 32; i++) {
+    const int64_t n = M * K / 32;
+    p = reused(p_buffer, M * K), dx = reused(dx_buffer, n), sx = reused(sx_buffer, n), lift = reused(lift_buffer, n);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      __m512 v[16];
+      for (int s = 0; s < 16; s++) {
+        const uint16_t* x = X + 32 * (i + kSlot[s]);
+        v[s] = _mm512_max_ps(_mm512_abs_ps(load_bf16(x)), _mm512_abs_ps(load_bf16(x + 16)));
+      }
+      const __m512 amax = reduce16(v, max_ps);
+      alignas(64) float inv[16];
+      _mm512_store_ps(inv, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                               _mm512_set1_ps(127.f), amax));
+      for (int s = 0; s < 16; s++) v[s] = _mm512_castsi512_ps(quantize(X, i + kSlot[s], inv[kSlot[s]]));
+      const __m512i sum = _mm512_castps_si512(reduce16(v, add_epi32));
+      const __m512 d = _mm512_div_ps(amax, _mm512_set1_ps(127.f));
+      _mm512_storeu_ps(dx + i, d);
+      _mm512_storeu_ps(sx + i, _mm512_mul_ps(d, _mm512_cvtepi32_ps(sum)));
+      _mm512_storeu_si512(lift + i, _mm512_mullo_epi32(sum, _mm512_set1_epi32(128)));
+    }
+    for (; i < n; i++) {
       const __m512 a = load_bf16(X + 32 * i), b = load_bf16(X + 32 * i + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-      const __m512 inv = _mm512_set1_ps(amax > 0 ? 127.f / amax : 0.f);
-      const __m512i pa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), pb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
-      _mm_storeu_si128((__m128i*)(p + 32 * i), _mm512_cvtsepi32_epi8(pa));
-      _mm_storeu_si128((__m128i*)(p + 32 * i + 16), _mm512_cvtsepi32_epi8(pb));
-      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(pa, pb));
+      const int32_t sum = _mm512_reduce_add_epi32(quantize(X, i, amax > 0 ? 127.f / amax : 0.f));
       dx[i] = amax / 127.f;
       sx[i] = dx[i] * (float)sum;
       lift[i] = 128 * sum;
     }
+  }
+
+  // Group g's inputs times `inv`, rounded to int8 into p → their pairwise sums (16 int32, still to be summed).
+  __m512i quantize(const uint16_t* X, int64_t g, float inv) const {
+    const __m512 f = _mm512_set1_ps(inv);
+    const __m512i pa = _mm512_cvtps_epi32(_mm512_mul_ps(load_bf16(X + 32 * g), f));
+    const __m512i pb = _mm512_cvtps_epi32(_mm512_mul_ps(load_bf16(X + 32 * g + 16), f));
+    _mm_storeu_si128((__m128i*)(p + 32 * g), _mm512_cvtsepi32_epi8(pa));
+    _mm_storeu_si128((__m128i*)(p + 32 * g + 16), _mm512_cvtsepi32_epi8(pb));
+    return _mm512_add_epi32(pa, pb);
   }
 };
 
