@@ -57,3 +57,20 @@ def patch_verifier(name: str, monkeypatch) -> None:
 
 
 VERIFIER_MUTANTS = ["residual_not_renormalized", "acceptance_ignores_q"]
+
+
+def patch_native_sampler(name: str, monkeypatch) -> None:
+    """Break the native sampler's seam (deterministic drafts under temperature alone, verify.verify_row)."""
+    from speculant.models import native
+
+    if name == "residual_keeps_rejected_draft":
+        sample_row = native.sample_row
+        monkeypatch.setattr(native, "sample_row", lambda row, t, u, exclude=-1: sample_row(row, t, u))
+    elif name == "acceptance_at_temperature_1":
+        token_probability = native.token_probability
+        monkeypatch.setattr(native, "token_probability", lambda row, t, token: token_probability(row, 1.0, token))
+    else:
+        raise ValueError(name)
+
+
+NATIVE_SAMPLER_MUTANTS = ["residual_keeps_rejected_draft", "acceptance_at_temperature_1"]

@@ -172,3 +172,27 @@ def test_sample_draws_each_token_with_its_probability_and_never_a_zero_one():
     assert counts[~support].sum() == 0
     expected = (weights[support] / weights.sum() * counts.sum()).numpy()
     assert chisquare(counts[support].numpy(), expected).pvalue > 0.001
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("exclude", [-1, 517])
+def test_native_sampler_splits_the_unit_interval_by_probability(dtype, exclude):
+    """sampling.cpp's inverse CDF: N draws at u = (i + ½)/N land on token j about p_j · N times (within
+    one draw each, and a few ulps), p the softmax under the temperature, renormalized without `exclude`;
+    a row of 700 tokens crosses the kernel's blocks of 256; token_probability is that softmax."""
+    if not native.sampling_usable(torch.zeros(1, dtype=dtype)):
+        pytest.skip("the native sampler does not run here (no AVX512-BF16, or no compiler)")
+    gen = torch.Generator().manual_seed(0)
+    row = (torch.randn(700, generator=gen) * 3).to(dtype)
+    p = torch.softmax(row.double() / 0.7, -1)
+    for token in (0, 517, 699, int(p.argmax())):
+        assert native.token_probability(row, 0.7, token) == pytest.approx(float(p[token]), rel=1e-5, abs=1e-12)
+    if exclude >= 0:
+        p[exclude] = 0
+        p /= p.sum()
+    N = 50_000
+    counts = torch.bincount(torch.tensor([native.sample_row(row, 0.7, (i + 0.5) / N, exclude) for i in range(N)]),
+                            minlength=700)
+    assert (counts.double() - p * N).abs().max() <= 1.05
+    if exclude >= 0:
+        assert counts[exclude] == 0

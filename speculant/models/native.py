@@ -20,6 +20,8 @@ otherwise.
 - layer_ops.cpp: RMSNorm (alone, or with the residual sum before it), rotary embedding and SwiGLU's
   product for bf16 rows, one call each where PyTorch dispatches several operations (its RMSNorm ~10).
 - argmax.cpp: each row's first maximum in one pass over bf16 or fp32 logits (greedy decoding's token).
+- sampling.cpp: under temperature alone, a token's probability and an inverse-CDF draw over one row of
+  logits, two passes where PyTorch made ~10 (sampled decoding and the acceptance rule's draws).
 - decoder.cpp: a whole decoder layer of AMX weights (int4 or bf16) in one call, the same kernels in the
   same order; every layer of a pass in one call, its parallel loops handed to one team of threads
   (team.h: a parallel region per kernel cost ~1.7 µs, 150 a pass; passes 2–5% faster, in one process).
@@ -40,7 +42,7 @@ log = logging.getLogger("speculant")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ["quantized.cpp", "bf16_amx.cpp", "attention.cpp", "attention_amx.cpp", "layer_ops.cpp",
-           "argmax.cpp", "decoder.cpp"]
+           "argmax.cpp", "sampling.cpp", "decoder.cpp"]
 HEADERS = ["amx.h", "attention.h", "bf16.h", "kernels.h", "team.h"]
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi", "-mavx512vnni", "-mamx-tile",
           "-mamx-bf16", "-mamx-int8", "-fopenmp"]
@@ -169,6 +171,22 @@ def argmax_usable(x: torch.Tensor) -> bool:
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x [..., V] → each row's first maximum [...] (int64), as torch.argmax gives it."""
     return kernels().argmax_rows(x)
+
+
+def sampling_usable(x: torch.Tensor) -> bool:
+    """Whether sampling.cpp takes rows of these logits."""
+    return argmax_usable(x)
+
+
+def token_probability(row: torch.Tensor, temperature: float, token: int) -> float:
+    """softmax(row / temperature)[token], row [V] contiguous."""
+    return kernels().token_probability(row, 1.0 / temperature, token)
+
+
+def sample_row(row: torch.Tensor, temperature: float, u: float, exclude: int = -1) -> int:
+    """The token an inverse-CDF draw u in [0, 1) lands on under softmax(row / temperature), `exclude` (a
+    token, or −1) taken out and the rest renormalized."""
+    return kernels().sample_row(row, 1.0 / temperature, u, exclude)
 
 
 def layer_ops_usable(x: torch.Tensor) -> bool:
