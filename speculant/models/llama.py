@@ -200,7 +200,7 @@ class Rope:
 
     def __call__(self, inv_freq: torch.Tensor, positions: torch.Tensor,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.tables(inv_freq, int(positions.max()) + 1, dtype)
+        cos, sin = self.tables(inv_freq.to(positions.device), int(positions.max()) + 1, dtype)
         return cos[positions][:, :, None], sin[positions][:, :, None]
 
     def tables(self, inv_freq: torch.Tensor, need: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
