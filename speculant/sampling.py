@@ -26,9 +26,9 @@ class SamplingBatch:
     greedy: torch.Tensor  # [B] bool
     generators: list[torch.Generator | None]
     all_greedy: bool
-    # Row b's temperature where temperature is its only transform (0: greedy), None where top-k, top-p or
-    # min-p apply: such rows are verified on the native sampler (verify.py).
-    plain_temperature: list[float | None]
+    # Row b's (temperature, top_k, top_p, min_p), temperature 0 for a greedy row: the native sampler's
+    # arguments (verify.verify_row).
+    transforms: list[tuple[float, int, float, float]]
 
     @classmethod
     def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
@@ -44,8 +44,7 @@ class SamplingBatch:
             greedy=t([p.greedy for p in params], torch.bool),
             generators=generators,
             all_greedy=all(p.greedy for p in params),
-            plain_temperature=[0.0 if p.greedy else p.temperature if p.top_k <= 0 and p.top_p >= 1 and p.min_p <= 0
-                               else None for p in params],
+            transforms=[(0.0 if p.greedy else p.temperature, max(p.top_k, 0), p.top_p, p.min_p) for p in params],
         )
 
     def select(self, rows: list[int]) -> SamplingBatch:
@@ -56,7 +55,7 @@ class SamplingBatch:
         at = torch.tensor(rows, device=self.temperature.device)
         return SamplingBatch(self.temperature[at], self.top_k[at], self.top_p[at], self.min_p[at], self.greedy[at],
                              [self.generators[b] for b in rows], self.all_greedy,
-                             [self.plain_temperature[b] for b in rows])
+                             [self.transforms[b] for b in rows])
 
 
 def probabilities(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:

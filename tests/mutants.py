@@ -60,17 +60,20 @@ VERIFIER_MUTANTS = ["residual_not_renormalized", "acceptance_ignores_q"]
 
 
 def patch_native_sampler(name: str, monkeypatch) -> None:
-    """Break the native sampler's seam (deterministic drafts under temperature alone, verify.verify_row)."""
+    """Break the native sampler's seam (deterministic drafts, verify.verify_row)."""
     from speculant.models import native
 
+    sample_row, token_probability = native.sample_row, native.token_probability
     if name == "residual_keeps_rejected_draft":
-        sample_row = native.sample_row
         monkeypatch.setattr(native, "sample_row", lambda row, t, u, exclude=-1: sample_row(row, t, u))
     elif name == "acceptance_at_temperature_1":
-        token_probability = native.token_probability
-        monkeypatch.setattr(native, "token_probability", lambda row, t, token: token_probability(row, 1.0, token))
+        monkeypatch.setattr(native, "token_probability",
+                            lambda row, t, token: token_probability(row, (1.0, *t[1:]), token))
+    elif name == "acceptance_without_top_p":
+        monkeypatch.setattr(native, "token_probability",
+                            lambda row, t, token: token_probability(row, (t[0], t[1], 1.0, t[3]), token))
     else:
         raise ValueError(name)
 
 
-NATIVE_SAMPLER_MUTANTS = ["residual_keeps_rejected_draft", "acceptance_at_temperature_1"]
+NATIVE_SAMPLER_MUTANTS = ["residual_keeps_rejected_draft", "acceptance_at_temperature_1", "acceptance_without_top_p"]

@@ -13,7 +13,6 @@ from dataclasses import replace
 import pytest
 import torch
 from mutants import (
-    NATIVE_SAMPLER_MUTANTS,
     PROPOSER_MUTANTS,
     VERIFIER_MUTANTS,
     inverse_cdf_sample,
@@ -105,11 +104,14 @@ def test_draft_model_sampling_matches_target(models, setting):
     assert p > ALPHA
 
 
+NGRAM_SETTINGS = {"t0.7": SamplingParams(temperature=0.7), **SETTINGS}
+
+
 @pytest.mark.parametrize("native_sampler", [True, False])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_ngram_sampling_matches_target(models, native_sampler, temperature, monkeypatch):
-    """Deterministic drafts (q one-hot): accept with p(d), else draw from p without d; under temperature
-    alone on the native sampler (verify.verify_row), or on PyTorch's path as with other transforms."""
+@pytest.mark.parametrize("setting", list(NGRAM_SETTINGS))
+def test_ngram_sampling_matches_target(models, native_sampler, setting, monkeypatch):
+    """Deterministic drafts (q one-hot): accept with p(d), else draw from p without d; on the native
+    sampler (verify.verify_row) and on PyTorch's path (`verify`, as for a draft model's drafts)."""
     from speculant.models import native
 
     if native_sampler and not native.sampling_usable(torch.zeros(1)):
@@ -117,21 +119,24 @@ def test_ngram_sampling_matches_target(models, native_sampler, temperature, monk
     if not native_sampler:
         monkeypatch.setattr(native, "sampling_usable", lambda x: False)
     engine = Engine(models[0], NgramProposer(1, 3), 3, max_batch_size=BATCH, max_model_len=32)
-    params = SamplingParams(temperature=temperature)
+    params = NGRAM_SETTINGS[setting]
     p = g_test(sampled_joint(engine, params, N_SAMPLES), exact_joint(models[0].model, params, N_TOKENS))
+    print(f"{setting}, native {native_sampler}: G-test p = {p:.4f}")
     assert engine.stats.num_accepted_tokens > 0
     assert p > ALPHA
 
 
-@pytest.mark.parametrize("mutant", NATIVE_SAMPLER_MUTANTS)
-def test_native_sampler_mutant_is_caught(models, mutant, monkeypatch):
+@pytest.mark.parametrize("mutant, setting", [("residual_keeps_rejected_draft", "t0.7"),
+                                             ("acceptance_at_temperature_1", "t0.7"),
+                                             ("acceptance_without_top_p", "topp")])
+def test_native_sampler_mutant_is_caught(models, mutant, setting, monkeypatch):
     from speculant.models import native
 
     if not native.sampling_usable(torch.zeros(1)):
         pytest.skip("the native sampler does not run here (no AVX512-BF16, or no compiler)")
     patch_native_sampler(mutant, monkeypatch)
     engine = Engine(models[0], NgramProposer(1, 3), 3, max_batch_size=BATCH, max_model_len=32)
-    assert_caught(engine, models, SamplingParams(temperature=0.7), mutant)
+    assert_caught(engine, models, NGRAM_SETTINGS[setting], mutant)
 
 
 def test_corpus_drafts_sampling_matches_target(models):

@@ -174,25 +174,36 @@ def test_sample_draws_each_token_with_its_probability_and_never_a_zero_one():
     assert chisquare(counts[support].numpy(), expected).pvalue > 0.001
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("exclude", [-1, 517])
-def test_native_sampler_splits_the_unit_interval_by_probability(dtype, exclude):
+NATIVE_TRANSFORMS = [(0.7, 0, 1.0, 0.0), (1.0, 0, 0.8, 0.0), (0.7, 5, 1.0, 0.0), (1.0, 0, 1.0, 0.15),
+                     (0.7, 20, 0.9, 0.05), (1.0, 0, 0.999, 0.0)]
+
+
+# bf16 rows hold ties (8 bits of mantissa), and which of two equal tokens top-k or top-p keeps is not
+# defined: bf16 under temperature alone, where order does not matter.
+@pytest.mark.parametrize("transforms, dtype", [(t, torch.float32) for t in NATIVE_TRANSFORMS]
+                         + [(NATIVE_TRANSFORMS[0], torch.bfloat16)])
+@pytest.mark.parametrize("exclude", [-1, "likeliest"])
+def test_native_sampler_splits_the_unit_interval_by_probability(transforms, dtype, exclude):
     """sampling.cpp's inverse CDF: N draws at u = (i + ½)/N land on token j about p_j · N times (within
-    one draw each, and a few ulps), p the softmax under the temperature, renormalized without `exclude`;
-    a row of 700 tokens crosses the kernel's blocks of 256; token_probability is that softmax."""
+    one draw each, and a few ulps), p what sampling.probabilities gives under the transforms, renormalized
+    without `exclude`; a row of 700 tokens crosses the kernel's blocks of 256; token_probability is p."""
     if not native.sampling_usable(torch.zeros(1, dtype=dtype)):
         pytest.skip("the native sampler does not run here (no AVX512-BF16, or no compiler)")
+    temperature, top_k, top_p, min_p = transforms
     gen = torch.Generator().manual_seed(0)
     row = (torch.randn(700, generator=gen) * 3).to(dtype)
-    p = torch.softmax(row.double() / 0.7, -1)
-    for token in (0, 517, 699, int(p.argmax())):
-        assert native.token_probability(row, 0.7, token) == pytest.approx(float(p[token]), rel=1e-5, abs=1e-12)
-    if exclude >= 0:
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    p = probabilities(row[None, None], SamplingBatch.build([params], [None], torch.device("cpu")))[0, 0].double()
+    assert 1 < int((p > 0).sum()) < 700 or not (top_k or top_p < 1 or min_p)  # the transforms cut
+    for token in (0, 517, 699, int(p.argmax()), int(p.argsort()[-3])):
+        assert native.token_probability(row, transforms, token) == pytest.approx(float(p[token]), rel=1e-5, abs=1e-12)
+    if exclude == "likeliest":
+        exclude = int(p.argmax())
         p[exclude] = 0
         p /= p.sum()
     N = 50_000
-    counts = torch.bincount(torch.tensor([native.sample_row(row, 0.7, (i + 0.5) / N, exclude) for i in range(N)]),
-                            minlength=700)
+    counts = torch.bincount(torch.tensor([native.sample_row(row, transforms, (i + 0.5) / N, exclude)
+                                          for i in range(N)]), minlength=700)
     assert (counts.double() - p * N).abs().max() <= 1.05
     if exclude >= 0:
         assert counts[exclude] == 0
