@@ -211,6 +211,12 @@ class Rope:
         return self.cos, self.sin
 
 
+def native_attention_usable(dtype: torch.dtype, window: int | None, device: torch.device, head_dim: int) -> bool:
+    """Whether a verify-width pass attends on the native kernel (each row over exactly its keys): bf16 on CPU,
+    no sliding window, a head size the kernel takes."""
+    return dtype == torch.bfloat16 and window is None and device.type == "cpu" and native.attention_usable(head_dim)
+
+
 def prepare_pass(cache: KVCache, slots: torch.Tensor, T: int, n_new: torch.Tensor | None, rope: Rope,
                  inv_freq: torch.Tensor, dtype: torch.dtype, window: int | None = None,
                  parents: list[list[int]] | None = None) -> Pass:
@@ -244,8 +250,7 @@ def prepare_pass(cache: KVCache, slots: torch.Tensor, T: int, n_new: torch.Tenso
     # (linear kernels are row-invariant already, models/kernels.py). Wider passes are prompts, the same
     # in every configuration: PyTorch's blocked kernel (int4 SmolLM2, 300-token prompt: 169 ms, 437 row by row).
     verify = T <= MAX_VERIFY_WIDTH
-    if (verify and dtype == torch.bfloat16 and window is None and slots.device.type == "cpu"
-            and native.attention_usable(2 * len(inv_freq))):
+    if verify and native_attention_usable(dtype, window, slots.device, 2 * len(inv_freq)):
         n_keys = positions + 1
     elif verify and len(slots) == 1 and T > 1 and dtype != torch.float32 and window is None:
         first = int(positions[0, 0])
@@ -477,8 +482,7 @@ class Transformer(nn.Module):
     def native_decode(self) -> bool:
         """Whether a chain pass of decoding or verification with the native stack runs as one native call
         from the cache's lengths (DecoderStack.decode): prepare_pass's native case."""
-        return (self.dtype == torch.bfloat16 and self.device.type == "cpu" and self.cfg.sliding_window is None
-                and native.attention_usable(2 * len(self.inv_freq)))
+        return native_attention_usable(self.dtype, self.cfg.sliding_window, self.device, 2 * len(self.inv_freq))
 
     @functools.cached_property
     def native_stack(self) -> object | None:

@@ -93,8 +93,7 @@ void attention_into(const torch::Tensor& q, const torch::Tensor& keys, const tor
               "layout");
   auto nk = n_keys.to(torch::kLong).contiguous();
   auto rows = slots ? slots->to(torch::kLong).contiguous() : torch::arange(B, torch::kLong);
-  TORCH_CHECK(out.is_contiguous() && out.numel() == B * T * Hq * D && out.scalar_type() == at::kBFloat16,
-              "the output must be a contiguous bf16 tensor of the result's size");
+  check_output(out, B * T * Hq * D);
   const uint16_t* Q = (const uint16_t*)q.data_ptr<at::BFloat16>();
   const uint16_t* K = (const uint16_t*)keys.data_ptr<at::BFloat16>();
   const uint16_t* V = (const uint16_t*)values.data_ptr<at::BFloat16>();

@@ -19,8 +19,7 @@ void bf16_mm_into(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor&
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && w.scalar_type() == at::kBFloat16, "bf16, 2-D x");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * 16, G = K / 32;
   TORCH_CHECK(K % 32 == 0 && w.size(1) == G, "input size must be a multiple of 32 matching the weight");
-  TORCH_CHECK(y.is_contiguous() && y.numel() == M * N && y.scalar_type() == at::kBFloat16,
-              "the output must be a contiguous bf16 tensor of the result's size");
+  check_output(y, M * N);
   auto xc = x.contiguous();
   const uint16_t* X = (const uint16_t*)xc.data_ptr<at::BFloat16>();
   const uint16_t* W = (const uint16_t*)w.data_ptr<at::BFloat16>();

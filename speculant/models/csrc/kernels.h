@@ -2,6 +2,12 @@
 #pragma once
 #include <torch/extension.h>
 
+// What every `_into` form checks of the tensor it writes: numel values of bf16, contiguous.
+inline void check_output(const torch::Tensor& out, int64_t numel) {
+  TORCH_CHECK(out.is_contiguous() && out.numel() == numel && out.scalar_type() == at::kBFloat16,
+              "the output must be a contiguous bf16 tensor of the result's size");
+}
+
 // quantized.cpp: x [M, K] bf16 × Q4_1 weights in the kernel's layout (native.int4_layout) → [M, N] bf16.
 torch::Tensor int4_mm(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m);
 void int4_mm_into(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& m,

@@ -138,8 +138,7 @@ void silu_mul_into(const torch::Tensor& gate_up, torch::Tensor& out) {
   const int64_t n = gate_up.size(-1) / 2;
   auto gu = gate_up.contiguous();
   const int64_t R = gu.numel() / (2 * n);
-  TORCH_CHECK(out.is_contiguous() && out.numel() == R * n && out.scalar_type() == at::kBFloat16,
-              "the output must be a contiguous bf16 tensor of the result's size");
+  check_output(out, R * n);
   const uint16_t* G = bf16_data(gu);
   uint16_t* Y = bf16_data_mut(out);
   speculant::Team::parallel_for(0, R, ROWS_PER_TASK, [&](int64_t r0, int64_t r1) {

@@ -312,8 +312,7 @@ void quantized_mm(const torch::Tensor& x, const torch::Tensor& q, const torch::T
   const int64_t M = x.size(0), K = x.size(1), N = d.size(0) * 16, G = K / 32;
   TORCH_CHECK(K % 64 == 0 && d.size(1) == G && q.numel() == N / 16 * G * F::kGroupBytes,
               "input size must be a multiple of 64 matching the weight");
-  TORCH_CHECK(y.is_contiguous() && y.numel() == M * N && y.scalar_type() == at::kBFloat16,
-              "the output must be a contiguous bf16 tensor of the result's size");
+  check_output(y, M * N);
   auto xc = x.contiguous();
   const Activations act((const uint16_t*)xc.data_ptr<at::BFloat16>(), M, K);
   const Operands o{act, (const uint8_t*)q.data_ptr(), (const uint16_t*)d.data_ptr<at::BFloat16>(), m,
