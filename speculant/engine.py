@@ -332,27 +332,34 @@ class Engine:
         # as a view; any other order makes every layer gather (copy) the batch's keys and values.
         self.running.sort(key=lambda s: s.slot)
         # One prompt per pass: PyTorch's attention over a padded batch of prompts sums in an order that
-        # depends on the other prompts, so a prompt's keys would depend on which requests arrived with
-        # it, and a plain and a speculative run (which admit at different steps) could part ways.
+        # depends on the other prompts, and fp32 products on the row count, so a prompt's keys would
+        # depend on which requests arrived with it, and a plain and a speculative run (which admit at
+        # different steps) could part ways. Requests with the same prompt (the API's n) share its pass.
+        same_prompt: dict[tuple[int, ...], list[Sequence]] = {}
         for seq in admitted:
-            self.prefill([seq])
+            same_prompt.setdefault(tuple(seq.tokens[:-1]), []).append(seq)
+        for seqs in same_prompt.values():
+            self.prefill(seqs)
         if admitted and len(self.running) == 1 and self.adaptive:
             self.adaptive.new_request()
 
     def prefill(self, seqs: list[Sequence]) -> None:
-        """Feed new sequences' prompts but the last token, apart from the running batch: a step then
-        carries one unseen token per row plus drafts, and a long prompt joining does not widen the
-        pass of every running sequence."""
+        """Feed new sequences' prompt, one they share, but its last token, apart from the running batch:
+        a step then carries one unseen token per row plus drafts, and a long prompt joining does not
+        widen the pass of every running sequence. The first sequence's pass fills the others' cache
+        rows by copy: the same bits as passes of their own."""
         t0 = time.perf_counter()
-        tokens, n_new = pad_rows([s.tokens[:-1] for s in seqs], self.device)
-        hidden = torch.zeros(len(seqs), 0, self.model.cfg.dim, device=self.device, dtype=self.model.dtype)
-        if tokens.shape[1] > 0:
-            slots = torch.tensor([s.slot for s in seqs], device=self.device)
-            hidden = self.model(tokens, self.cache, slots, n_new)
+        first, prompt = seqs[0], seqs[0].tokens[:-1]
+        tokens, n_new = pad_rows([prompt], self.device)
+        hidden = torch.zeros(1, 0, self.model.cfg.dim, device=self.device, dtype=self.model.dtype)
+        if prompt:
+            hidden = self.model(tokens, self.cache, torch.tensor([first.slot], device=self.device), n_new)
+            self.cache.share_prefix(first.slot, [s.slot for s in seqs[1:]], len(prompt))
         for s in seqs:
-            s.num_cached = len(s.tokens) - 1
+            s.num_cached = len(prompt)
         if self.proposer is not None:
-            self.proposer.prefill(seqs, TargetHidden(hidden, [0] * len(seqs), n_new.tolist()))
+            n = len(seqs)
+            self.proposer.prefill(seqs, TargetHidden(hidden.expand(n, -1, -1), [0] * n, [len(prompt)] * n))
         self.timing.target_s += time.perf_counter() - t0
 
     def _append(self, seq: Sequence, new_ids: list[int], logprobs: list[TokenLogprob] | None) -> StepOutput:

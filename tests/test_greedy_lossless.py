@@ -94,6 +94,28 @@ def test_batch_larger_than_slots_queues(target, plain):
     assert outputs == plain
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_requests_with_one_prompt_share_its_prefill(target, tiny_pair, plain, monkeypatch, method):
+    """Requests with the same prompt (the API's n) admitted together run its prompt pass once; the
+    others' cache rows are copies, and each writes what it writes alone. (The G-tests of
+    test_distribution.py sample thousands of requests of one prompt this way.)"""
+    prompt = PROMPTS[2]
+    prompt_passes = []
+    forward = type(target.model).forward
+
+    def counting(self, tokens, *args, **kwargs):
+        if self is target.model and tokens.shape[1] == len(prompt) - 1:
+            prompt_passes.append(tokens.shape[0])
+        return forward(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(type(target.model), "forward", counting)
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        spec["model"] = str(tiny_pair[1])
+    assert run(target, spec, [prompt] * 3 + [PROMPTS[0]])[0] == [plain[2]] * 3 + [plain[0]]
+    assert prompt_passes == [1]
+
+
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_quantized_target_speculation_equals_its_own_plain_output(tiny_pair, quantization):
     target = load_model(tiny_pair[0], quantization=quantization)

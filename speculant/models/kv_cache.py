@@ -70,6 +70,14 @@ class KVCache:
     def rollback(self, slot: int, length: int) -> None:
         self.lengths[slot] = length
 
+    def share_prefix(self, src: int, dst: list[int], length: int) -> None:
+        """Give rows `dst` row src's first `length` positions, keys, values and length: requests with
+        the same prompt share one prefill."""
+        rows = torch.tensor(dst, dtype=torch.long, device=self.k.device)
+        for cache in (self.k, self.v):
+            cache[:, rows, :, :length] = cache[:, src:src + 1, :, :length].clone()  # index_put refuses views of itself
+        self.lengths[rows] = length
+
     def move(self, slot: int, src: list[int], dst: list[int]) -> None:
         """Copy the keys and values at positions `src` of a row to positions `dst`, every layer: the
         branch a draft tree's verification kept goes where the sequence continues."""
