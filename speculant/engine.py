@@ -25,7 +25,7 @@ from speculant.models.tokenizer import Detokenizer
 from speculant.proposers import Proposal, Proposer, TargetHidden
 from speculant.proposers.base import chain_padded, pad_rows
 from speculant.proposers.lookup_first import LookupFirstProposer
-from speculant.sampling import SamplingBatch, make_generator
+from speculant.sampling import SamplingBatch, request_key
 from speculant.sequence import Sequence, SpecStats, TokenLogprob
 from speculant.verify import verify_logits, verify_tree_logits
 
@@ -124,7 +124,7 @@ class Engine:
             prompt_ids=list(prompt_ids),
             params=params,
             max_tokens=max_tokens,
-            generator=None if params.greedy else make_generator(params.seed, self.device),
+            key=None if params.greedy else request_key(params.seed),
             detokenizer=Detokenizer(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None,
         )
         self.waiting.append(seq)
@@ -228,8 +228,9 @@ class Engine:
         """The batch's sampling transforms and cache slots [B], built again only when its rows change."""
         if len(batch) != len(self._batch) or any(a is not b for a, b in zip(batch, self._batch)):
             self._batch = list(batch)
-            self._sb = SamplingBatch.build([s.params for s in batch], [s.generator for s in batch], self.device)
+            self._sb = SamplingBatch.build([s.params for s in batch], [s.key for s in batch], self.device)
             self._slots = torch.tensor([s.slot for s in batch], device=self.device)
+        self._sb.positions = [s.num_generated for s in batch]
         return self._sb, self._slots
 
     def score(self, batch: list[Sequence], slots: torch.Tensor,

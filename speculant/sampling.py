@@ -2,37 +2,70 @@
 
 The same function turns target and draft logits into the distributions p and q the verifier
 compares: applying the transforms to one side only would break losslessness.
+
+A sampled request's randomness is a set of uniform draws, each a function of the request's key, the
+output position whose token it decides and its purpose, never of the batch the request runs in or of how
+many drafts a step verifies. Plain decoding draws output token n from uniform(key, n, TOKEN); verification
+of deterministic drafts draws the target's token at each draft position from the same uniform and keeps
+a draft where it is that token (verify.py), so a seeded request writes the same tokens with speculation
+as without, alone or in any batch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, replace
 
 import torch
 
 from speculant.config import SamplingParams
 from speculant.models import native
 
+# The purposes of a request's draws at one position: the token there (plain decoding's draw, and the
+# target's under speculation), the acceptance test of a draft model's draft, the draft model's own draw.
+TOKEN, ACCEPT, DRAFT = range(3)
+_MASK = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _mix64(z: int) -> int:
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def request_key(seed: int | None) -> int:
+    """A sampled request's 64-bit key: from its seed, else fresh randomness."""
+    return random.getrandbits(64) if seed is None else _mix64((seed + _GOLDEN) & _MASK)
+
+
+def uniform(key: int, position: int, purpose: int) -> float:
+    """A uniform draw in [0, 1) with 53 random bits, a function of its arguments alone: SplitMix64's
+    output function on the key's Weyl sequence (Steele, Lea & Flood 2014), at index 3·position + purpose."""
+    index = 3 * position + purpose + 1
+    return (_mix64((key + index * _GOLDEN) & _MASK) >> 11) * 2.0 ** -53
+
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling transforms of a batch, as tensors, and each row's random generator
-    (None for a greedy row: it draws no randomness)."""
+    """Per-row sampling transforms of a batch, as tensors, each row's key (None for a greedy row: it
+    draws no randomness) and the output position of each row's next token."""
 
     temperature: torch.Tensor  # [B]
     top_k: torch.Tensor  # [B], 0 = off
     top_p: torch.Tensor  # [B]
     min_p: torch.Tensor  # [B]
     greedy: torch.Tensor  # [B] bool
-    generators: list[torch.Generator | None]
+    keys: list[int | None]
     all_greedy: bool
     # Row b's (temperature, top_k, top_p, min_p), temperature 0 for a greedy row: the native sampler's
-    # arguments (verify.verify_row).
+    # arguments (verify.TargetTokens).
     transforms: list[tuple[float, int, float, float]]
+    positions: list[int]
 
     @classmethod
-    def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
-              device: torch.device) -> SamplingBatch:
+    def build(cls, params: list[SamplingParams], keys: list[int | None], device: torch.device,
+              positions: list[int] | None = None) -> SamplingBatch:
         def t(values, dtype=torch.float32):
             return torch.tensor(values, dtype=dtype, device=device)
 
@@ -42,20 +75,30 @@ class SamplingBatch:
             top_p=t([p.top_p for p in params]),
             min_p=t([p.min_p for p in params]),
             greedy=t([p.greedy for p in params], torch.bool),
-            generators=generators,
+            keys=keys,
             all_greedy=all(p.greedy for p in params),
             transforms=[(0.0 if p.greedy else p.temperature, max(p.top_k, 0), p.top_p, p.min_p) for p in params],
+            positions=positions or [0] * len(params),
         )
 
     def select(self, rows: list[int]) -> SamplingBatch:
         """The batch restricted to `rows` (those a proposer drafts for); all_greedy stays the whole
         batch's, so drafts report q exactly when the verifier reads it."""
-        if rows == list(range(len(self.generators))):
+        if rows == list(range(len(self.keys))):
             return self
         at = torch.tensor(rows, device=self.temperature.device)
         return SamplingBatch(self.temperature[at], self.top_k[at], self.top_p[at], self.min_p[at], self.greedy[at],
-                             [self.generators[b] for b in rows], self.all_greedy,
-                             [self.transforms[b] for b in rows])
+                             [self.keys[b] for b in rows], self.all_greedy, [self.transforms[b] for b in rows],
+                             [self.positions[b] for b in rows])
+
+    def ahead(self, offset: int) -> SamplingBatch:
+        """The batch `offset` positions further on: a draft model's draws for its later drafts."""
+        return replace(self, positions=[p + offset for p in self.positions])
+
+    def draws(self, purpose: int, offset: int = 0) -> list[float | None]:
+        """Each row's uniform for `purpose` at the position `offset` past its next token (None: greedy)."""
+        return [None if key is None else uniform(key, position + offset, purpose)
+                for key, position in zip(self.keys, self.positions)]
 
 
 def probabilities(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
@@ -143,40 +186,19 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     return torch.where(((top_k == 0) & (top_p >= 1))[:, None, None], logits, kept)
 
 
-def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row of probs [B, V] (each row's sum need not be 1) → [B]; a row without
-    generator takes the argmax.
+def sample(probs: torch.Tensor, draws: list[float | None]) -> torch.Tensor:
+    """One token per row of probs [B, V] (each row's sum need not be 1) → [B]; a row whose draw is None
+    takes the argmax.
 
-    Inverse CDF: one uniform u per row from the row's own generator (a seeded request reproduces
-    whatever its batch), the token where u · Σp falls in the running sum, kept in fp64 so that its
-    rounding stays far below any probability that matters; a zero-probability token spans an empty
-    interval and is never drawn. argmax(p / E) with E ~ Exp(1) is exact too, but drawing the
+    Inverse CDF: the token where the row's uniform draw u · Σp falls in the running sum, kept in fp64 so
+    that its rounding stays far below any probability that matters; a zero-probability token spans an
+    empty interval and is never drawn. argmax(p / E) with E ~ Exp(1) is exact too, but drawing the
     49152 exponentials cost 1.1 ms a token on this CPU (~7% of a sampled step), the running sum 0.1."""
     tokens = argmax(probs)
-    for row, gen in enumerate(generators):
-        if gen is not None:
+    for row, u in enumerate(draws):
+        if u is not None:
             cdf = probs[row].double().cumsum(0)
-            u = torch.rand(1, generator=gen, dtype=torch.float64, device=probs.device)
             i = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
             # u · Σp rounds up to Σp once in ~2^53 draws: the last token of positive probability.
             tokens[row] = i if i < len(cdf) else int(cdf.argmax())
     return tokens
-
-
-def uniforms(n: int, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
-    """[B, n] uniform draws in [0, 1); zeros for rows without a generator (greedy rows, whose
-    acceptance then reduces to p(d) > 0, i.e. d is the argmax)."""
-    out = torch.zeros(len(generators), n, device=device)
-    for row, gen in enumerate(generators):
-        if gen is not None and n:
-            out[row] = torch.rand(n, generator=gen, device=device)
-    return out
-
-
-def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
-    gen = torch.Generator(device=device)
-    if seed is None:
-        gen.seed()
-    else:
-        gen.manual_seed(seed)
-    return gen

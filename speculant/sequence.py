@@ -5,8 +5,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from speculant.config import SamplingParams
 from speculant.models.tokenizer import Detokenizer
 
@@ -97,7 +95,7 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     max_tokens: int  # params.max_tokens, capped by the context length
-    generator: torch.Generator | None  # None: greedy
+    key: int | None  # its random draws' key (sampling.request_key); None: greedy
     detokenizer: Detokenizer | None
     tokens: list[int] = field(default_factory=list)  # prompt + output
     slot: int = -1  # row in the target's KV cache

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 
+import speculant.engine as engine_module
 import speculant.verify as verify_module
 from speculant.proposers.draft_model import DraftModelProposer
-from speculant.sampling import probabilities, sample
+from speculant.sampling import DRAFT, probabilities, sample
 
 
 class GreedyDraftSoftmaxQ(DraftModelProposer):
@@ -22,23 +23,21 @@ class TransformsOnTargetOnly(DraftModelProposer):
     """Samples under the request's transforms but reports q from the raw logits."""
 
     def draw(self, logits, sb):
-        token = sample(probabilities(logits, sb)[:, 0], sb.generators)
+        token = sample(probabilities(logits, sb)[:, 0], sb.draws(DRAFT))
         return token, torch.softmax(logits[:, 0].float(), dim=-1)
 
 
-def _unnormalized_residual(p, q, rejected_token):
-    if q is None:
-        return p.scatter(-1, rejected_token[:, None], 0.0)
+def _unnormalized_residual(p, q):
     return (p - q).clamp_min(0.0)
 
 
-def inverse_cdf_sample(probs, generators):
+def inverse_cdf_sample(probs, draws):
     """Exact for a normalized distribution; trusts its input to sum to 1 (as many samplers do)."""
     out = probs.argmax(dim=-1)
-    for row, gen in enumerate(generators):
-        if gen is not None:
-            u = torch.rand(1, generator=gen, device=probs.device)
-            out[row] = torch.searchsorted(probs[row].cumsum(0), u).clamp(max=probs.shape[-1] - 1)[0]
+    for row, u in enumerate(draws):
+        if u is not None:
+            at = torch.searchsorted(probs[row].cumsum(0), torch.tensor([u], dtype=probs.dtype))
+            out[row] = at.clamp(max=probs.shape[-1] - 1)[0]
     return out
 
 
@@ -59,21 +58,38 @@ def patch_verifier(name: str, monkeypatch) -> None:
 VERIFIER_MUTANTS = ["residual_not_renormalized", "acceptance_ignores_q"]
 
 
-def patch_native_sampler(name: str, monkeypatch) -> None:
-    """Break the native sampler's seam (deterministic drafts, verify.verify_row)."""
-    from speculant.models import native
+def patch_coupling(name: str, monkeypatch) -> None:
+    """Break verification by coupling (deterministic drafts: verify.TargetTokens, verify_chain, and the
+    engine's verify_tree_logits)."""
+    at = verify_module.TargetTokens.at
+    if name == "one_draw_for_every_position":  # a step's positions share the first one's uniform
+        monkeypatch.setattr(verify_module.TargetTokens, "at", lambda self, b, column, offset: at(self, b, column, 0))
+    elif name == "rejected_position_drawn_again":  # a mismatch draws the token anew: the draft may come back
+        def chain(drafts, target, b):
+            for j, d in enumerate(drafts):
+                if at(target, b, j, j) != d:
+                    return j, at(target, b, j, j + 1000)
+            return len(drafts), at(target, b, len(drafts), len(drafts))
 
-    sample_row, token_probability = native.sample_row, native.token_probability
-    if name == "residual_keeps_rejected_draft":
-        monkeypatch.setattr(native, "sample_row", lambda row, t, u, exclude=-1: sample_row(row, t, u))
-    elif name == "acceptance_at_temperature_1":
-        monkeypatch.setattr(native, "token_probability",
-                            lambda row, t, token: token_probability(row, (1.0, *t[1:]), token))
-    elif name == "acceptance_without_top_p":
-        monkeypatch.setattr(native, "token_probability",
-                            lambda row, t, token: token_probability(row, (t[0], t[1], 1.0, t[3]), token))
+        monkeypatch.setattr(verify_module, "verify_chain", chain)
+    elif name == "each_candidate_its_own_draw":  # a tree node's candidates tested against separate draws
+        def tree(draft, n_draft, parents, logits, sb):
+            target = verify_module.TargetTokens(logits, sb)
+            paths, next_tokens = [], []
+            for b, (tokens, parent, n) in enumerate(zip(draft.tolist(), parents, n_draft.tolist())):
+                path, node = [], -1
+                while True:
+                    children = [j for j in range(n) if parent[j] == node]
+                    kept = next((j for i, j in enumerate(children)
+                                 if at(target, b, node + 1, len(path) + 1000 * i) == tokens[j]), None)
+                    if kept is None:
+                        break
+                    path.append(kept)
+                    node = kept
+                paths.append(path)
+                next_tokens.append(at(target, b, node + 1, len(path)))
+            return paths, torch.tensor(next_tokens)
+
+        monkeypatch.setattr(engine_module, "verify_tree_logits", tree)
     else:
         raise ValueError(name)
-
-
-NATIVE_SAMPLER_MUTANTS = ["residual_keeps_rejected_draft", "acceptance_at_temperature_1", "acceptance_without_top_p"]

@@ -16,7 +16,7 @@ from mutants import (
     PROPOSER_MUTANTS,
     VERIFIER_MUTANTS,
     inverse_cdf_sample,
-    patch_native_sampler,
+    patch_coupling,
     patch_verifier,
 )
 from scipy.stats import power_divergence
@@ -110,8 +110,9 @@ NGRAM_SETTINGS = {"t0.7": SamplingParams(temperature=0.7), **SETTINGS}
 @pytest.mark.parametrize("native_sampler", [True, False])
 @pytest.mark.parametrize("setting", list(NGRAM_SETTINGS))
 def test_ngram_sampling_matches_target(models, native_sampler, setting, monkeypatch):
-    """Deterministic drafts (q one-hot): accept with p(d), else draw from p without d; on the native
-    sampler (verify.verify_row) and on PyTorch's path (`verify`, as for a draft model's drafts)."""
+    """Deterministic drafts (q one-hot), verified by coupling: kept while each is the target's token drawn
+    at its position as plain decoding draws it; on the native sampler (sampling.cpp) and on PyTorch's
+    (`sampling.sample`)."""
     from speculant.models import native
 
     if native_sampler and not native.sampling_usable(torch.zeros(1)):
@@ -126,17 +127,32 @@ def test_ngram_sampling_matches_target(models, native_sampler, setting, monkeypa
     assert p > ALPHA
 
 
-@pytest.mark.parametrize("mutant, setting", [("residual_keeps_rejected_draft", "t0.7"),
-                                             ("acceptance_at_temperature_1", "t0.7"),
-                                             ("acceptance_without_top_p", "topp")])
-def test_native_sampler_mutant_is_caught(models, mutant, setting, monkeypatch):
+@pytest.mark.parametrize("native_sampler", [True, False])
+@pytest.mark.parametrize("setting", ["t0.7_topk", "topp"])
+def test_seeded_lookup_sampling_writes_the_plain_tokens(models, native_sampler, setting, monkeypatch):
+    """Coupling keeps a draft where it is the token plain decoding draws there: 400 seeded requests
+    write with lookup drafts exactly what they write without, in a batch of 400 as alone."""
     from speculant.models import native
 
-    if not native.sampling_usable(torch.zeros(1)):
+    if native_sampler and not native.sampling_usable(torch.zeros(1)):
         pytest.skip("the native sampler does not run here (no AVX512-BF16, or no compiler)")
-    patch_native_sampler(mutant, monkeypatch)
+    if not native_sampler:
+        monkeypatch.setattr(native, "sampling_usable", lambda x: False)
+    requests = [replace(NGRAM_SETTINGS[setting], seed=i, max_tokens=12, ignore_eos=True) for i in range(BATCH)]
+    plain = Engine(models[0], max_batch_size=1, max_model_len=32)
+    expected = [plain.generate([plain.add_request(PROMPT, r)])[0].output_ids for r in requests[:20]]
+    plain = Engine(models[0], max_batch_size=BATCH, max_model_len=32)
+    expected += [s.output_ids for s in plain.generate([plain.add_request(PROMPT, r) for r in requests[20:]])]
     engine = Engine(models[0], NgramProposer(1, 3), 3, max_batch_size=BATCH, max_model_len=32)
-    assert_caught(engine, models, NGRAM_SETTINGS[setting], mutant)
+    assert [s.output_ids for s in engine.generate([engine.add_request(PROMPT, r) for r in requests])] == expected
+    assert engine.stats.num_accepted_tokens > 500
+
+
+@pytest.mark.parametrize("mutant", ["one_draw_for_every_position", "rejected_position_drawn_again"])
+def test_coupling_mutant_is_caught(models, mutant, monkeypatch):
+    patch_coupling(mutant, monkeypatch)
+    engine = Engine(models[0], NgramProposer(1, 3), 3, max_batch_size=BATCH, max_model_len=32)
+    assert_caught(engine, models, NGRAM_SETTINGS["t0.7"], mutant)
 
 
 def test_corpus_drafts_sampling_matches_target(models):

@@ -82,3 +82,36 @@ def test_eos_finishes_with_stop(llm):
     out = llm.chat([{"role": "user", "content": "Say OK."}], SamplingParams(temperature=0, max_tokens=200))[0]
     assert out.finish_reason == "stop"
     assert out.token_ids[-1] in llm.engine.eos_ids
+
+
+def test_seeded_sampling_writes_the_same_tokens_with_speculation(smollm_path):
+    """The default speculation's drafts (lookup, the corpus table) are verified by coupling: a seeded
+    request's answer with speculation is its answer without, token for token, alone or in a batch. The
+    fast path: int4, bf16 logits, the native sampler; top_p makes it sort."""
+    from speculant.config import SpeculativeConfig
+    from speculant.llm import engine_for
+    from speculant.models.loader import load_model
+    from speculant.training.shipped import default_speculative_config
+
+    target = load_model(str(smollm_path), dtype="auto", quantization="auto")
+    prompts = [target.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    params = [SamplingParams(temperature=0.7, top_p=0.9, seed=seed, max_tokens=N_TOKENS, ignore_eos=True)
+              for seed in range(len(PROMPTS))]
+
+    def answers(spec: dict | None, batch: int) -> tuple[list[list[int]], object]:
+        engine = engine_for(target, SpeculativeConfig.parse(spec), batch, 512)
+        seqs = []
+        for at in range(0, len(prompts), batch):
+            group = [engine.add_request(p, sp) for p, sp in zip(prompts[at:at + batch], params[at:at + batch])]
+            seqs += engine.generate(group)
+        return [s.output_ids for s in seqs], engine.stats
+
+    plain, _ = answers(None, 1)
+    default = default_speculative_config(smollm_path)
+    assert default is not None
+    # In a batch of 3 adaptive k drafts little at this temperature: a fixed k there.
+    fixed = {**default, "adaptive": False, "num_speculative_tokens": 4}
+    for spec, batch in ((default, 1), (fixed, len(PROMPTS))):
+        outputs, stats = answers(spec, batch)
+        assert outputs == plain
+        assert stats.num_accepted_tokens > 20

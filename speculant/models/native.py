@@ -20,9 +20,9 @@ otherwise.
 - layer_ops.cpp: RMSNorm (alone, or with the residual sum before it), rotary embedding and SwiGLU's
   product for bf16 rows, one call each where PyTorch dispatches several operations (its RMSNorm ~10).
 - argmax.cpp: each row's first maximum in one pass over bf16 or fp32 logits (greedy decoding's token).
-- sampling.cpp: under a request's temperature, top-k, top-p and min-p, a token's probability and an
-  inverse-CDF draw over one row of logits, two passes and a sort of the likeliest tokens where PyTorch
-  made ~10 operations over the vocabulary (sampled decoding and the acceptance rule's draws).
+- sampling.cpp: under a request's temperature, top-k, top-p and min-p, an inverse-CDF draw over one row
+  of logits, two passes and a sort of the likeliest tokens where PyTorch made ~10 operations over the
+  vocabulary (sampled decoding, and the target's tokens that deterministic drafts are verified against).
 - decoder.cpp: a whole decoder layer of AMX weights (int4 or bf16) in one call, the same kernels in the
   same order; every layer of a pass in one call, its parallel loops handed to one team of threads
   (team.h: a parallel region per kernel cost ~1.7 µs, 150 a pass; passes 2–5% faster, in one process).
@@ -180,17 +180,11 @@ def sampling_usable(x: torch.Tensor) -> bool:
     return argmax_usable(x)
 
 
-def token_probability(row: torch.Tensor, transforms: Transforms, token: int) -> float:
-    """p(token) under the transforms (temperature > 0, top_k, top_p, min_p), row [V] contiguous."""
+def sample_row(row: torch.Tensor, transforms: Transforms, u: float) -> int:
+    """The token an inverse-CDF draw u in [0, 1) lands on under the transforms (temperature > 0, top_k,
+    top_p, min_p), row [V] contiguous."""
     temperature, top_k, top_p, min_p = transforms
-    return kernels().token_probability(row, 1.0 / temperature, top_k, top_p, min_p, token)
-
-
-def sample_row(row: torch.Tensor, transforms: Transforms, u: float, exclude: int = -1) -> int:
-    """The token an inverse-CDF draw u in [0, 1) lands on under the transforms, `exclude` (a token, or −1)
-    taken out and the rest renormalized."""
-    temperature, top_k, top_p, min_p = transforms
-    return kernels().sample_row(row, 1.0 / temperature, top_k, top_p, min_p, u, exclude)
+    return kernels().sample_row(row, 1.0 / temperature, top_k, top_p, min_p, u)
 
 
 def layer_ops_usable(x: torch.Tensor) -> bool:

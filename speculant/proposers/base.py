@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from speculant.models.llama import tree_layout
-from speculant.sampling import SamplingBatch, argmax, probabilities, sample
+from speculant.sampling import DRAFT, SamplingBatch, argmax, probabilities, sample
 
 if TYPE_CHECKING:
     from speculant.sequence import Sequence
@@ -135,7 +135,7 @@ class Proposer:
         if sb.all_greedy:
             return argmax(logits[:, 0]), None
         q = probabilities(logits, sb)[:, 0]
-        return sample(q, sb.generators), q
+        return sample(q, sb.draws(DRAFT)), q
 
     def commit(self, seqs: list[Sequence], target: TargetHidden) -> None:
         """The sequences' tokens were extended by the verifier: drop state past the agreed prefix."""

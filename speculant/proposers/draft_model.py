@@ -88,7 +88,7 @@ class DraftModelProposer(Proposer):
         k = max(ks)
         drafts, qs = [], []
         for i in range(k):
-            token, q = self.draw(self._logits(hidden), sb)
+            token, q = self.draw(self._logits(hidden), sb.ahead(i))
             drafts.append(token)
             qs.append(q)
             if i < k - 1:

@@ -223,7 +223,7 @@ class EagleProposer(Proposer):
         drafts, qs = [], []
         for i in range(k):
             logits = self.lm_head(feature).float()  # [B, 1, N]
-            token, q_i = self.draw_from_vocab(logits, sub)
+            token, q_i = self.draw_from_vocab(logits, sub.ahead(i))
             qs.append(q_i)
             drafts.append(token)
             if i < k - 1:

@@ -228,7 +228,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("rope_", &rope_);
   mod.def("silu_mul", &silu_mul);
   mod.def("argmax_rows", &argmax_rows);
-  mod.def("token_probability", &token_probability);
   mod.def("sample_row", &sample_row);
   mod.def("decoder_layer", &decoder_layer, pybind11::arg("x"), pybind11::arg("input_norm"),
           pybind11::arg("post_attention_norm"), pybind11::arg("eps"), pybind11::arg("qkv_proj"), pybind11::arg("o_proj"),

@@ -41,9 +41,6 @@ void silu_mul_into(const torch::Tensor& gate_up, torch::Tensor& out);
 // argmax.cpp: x [..., V] bf16 or fp32 → each row's first maximum (a NaN the largest), int64 [...].
 torch::Tensor argmax_rows(torch::Tensor x);
 
-// sampling.cpp: a row of logits [V] (bf16 or fp32) under temperature, top-k, top-p and min-p: the probability
-// of `token`, and the token an inverse-CDF draw u in [0, 1) lands on with `exclude` (or −1) taken out.
-double token_probability(torch::Tensor row, double inv_temperature, int64_t top_k, double top_p, double min_p,
-                         int64_t token);
-int64_t sample_row(torch::Tensor row, double inv_temperature, int64_t top_k, double top_p, double min_p, double u,
-                   int64_t exclude);
+// sampling.cpp: a row of logits [V] (bf16 or fp32) under temperature, top-k, top-p and min-p: the token an
+// inverse-CDF draw u in [0, 1) lands on.
+int64_t sample_row(torch::Tensor row, double inv_temperature, int64_t top_k, double top_p, double min_p, double u);

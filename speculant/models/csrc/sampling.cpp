@@ -1,7 +1,7 @@
 // Sampling over one row of logits (bf16 straight from the lm_head, or fp32) under a request's transforms
-// (temperature, top-k, top-p, min-p, as sampling.probabilities applies them), and the probability of one
-// token: what verify.py's acceptance rule reads for drafts that come without a distribution (lookup, the
-// corpus table).
+// (temperature, top-k, top-p, min-p, as sampling.probabilities applies them): the token a uniform draw
+// lands on, which sampled decoding writes and which verify.py checks deterministic drafts (lookup, the
+// corpus table, draft trees) against.
 //
 // In PyTorch a sampled step took ~10 operations over the vocabulary (the fp32 copy, the division by the
 // temperature, softmax, the fp64 running sum, ...): ~0.39 ms of a 2.8 ms plain int4 step (SmolLM2, 49152
@@ -13,10 +13,9 @@
 // top_k; of those (or of all), each whose mass before it is below top_p of their total (the first always);
 // of those, each with e ≥ min_p (e of the likeliest is 1) — and p is e renormalized over the kept tokens.
 // A draw with u in [0, 1) is the first token whose running sum of e, in fp64, exceeds u · Σ e (over the
-// vocabulary in order, or over the kept tokens in their order); the excluded token (a rejected draft: the
-// rule's residual) counts as e = 0. Over the vocabulary, blocks of 256 exponentials are summed first and
-// the draw looks inside its block only (block sums in fp32, the running sum in fp64; where the two
-// disagree by a rounding at a block's edge the scan goes on into the next block).
+// vocabulary in order, or over the kept tokens in their order). Over the vocabulary, blocks of 256
+// exponentials are summed first and the draw looks inside its block only (block sums in fp32, the running
+// sum in fp64; where the two disagree by a rounding at a block's edge the scan goes on into the next block).
 #include <torch/extension.h>
 #include <immintrin.h>
 #include <algorithm>
@@ -49,14 +48,14 @@ inline __m512 load(const uint16_t* p, __mmask16 m) {
 }
 
 struct Exponentials {
-  std::vector<float>& e;      // [V]: e_i, 0 for the excluded token
+  std::vector<float>& e;      // [V]: e_i
   std::vector<float>& block;  // [V / kBlock rounded up]: each block's sum
   double total = 0;
 };
 
-// The row's e_i (exclude: a token whose e_i is taken as 0, or −1) and their block sums.
+// The row's e_i and their block sums.
 template <typename T>
-Exponentials exponentials(const T* x, int64_t V, float inv_temperature, int64_t exclude) {
+Exponentials exponentials(const T* x, int64_t V, float inv_temperature) {
   static thread_local std::vector<float> e, block;
   e.resize((V + 15) / 16 * 16);
   block.resize((V + kBlock - 1) / kBlock);
@@ -70,8 +69,7 @@ Exponentials exponentials(const T* x, int64_t V, float inv_temperature, int64_t 
   for (int64_t b0 = 0; b0 < V; b0 += kBlock) {
     __m512 sum = _mm512_setzero_ps();
     for (int64_t i = b0; i < std::min(b0 + kBlock, V); i += 16) {
-      __mmask16 m = lanes(V - i);
-      if (exclude >= i && exclude < i + 16) m &= ~(__mmask16)(1u << (exclude - i));
+      const __mmask16 m = lanes(V - i);
       const __m512 v = _mm512_maskz_mov_ps(m, exp_ps(_mm512_mul_ps(_mm512_sub_ps(load(x + i, m), peak), scale)));
       _mm512_storeu_ps(e.data() + i, v);
       sum = _mm512_add_ps(sum, v);
@@ -134,27 +132,12 @@ std::vector<int32_t> kept_tokens(const Exponentials& ex, int64_t V, const Transf
 }
 
 template <typename T>
-double probability(const T* x, int64_t V, const Transforms& t, int64_t token) {
-  const Exponentials ex = exponentials(x, V, t.inv_temperature, -1);
-  if (!t.any()) return ex.e[token] / ex.total;
-  double kept = 0, mine = 0;
-  for (int32_t i : kept_tokens(ex, V, t)) {
-    kept += ex.e[i];
-    if (i == token) mine = ex.e[i];
-  }
-  return mine / kept;
-}
-
-template <typename T>
-int64_t sample(const T* x, int64_t V, const Transforms& t, double u, int64_t exclude) {
+int64_t sample(const T* x, int64_t V, const Transforms& t, double u) {
+  const Exponentials ex = exponentials(x, V, t.inv_temperature);
   if (t.any()) {
-    // The kept set is the transforms' over the whole row, the rejected draft among it; then it is left out.
-    const Exponentials ex = exponentials(x, V, t.inv_temperature, -1);
-    std::vector<int32_t> kept = kept_tokens(ex, V, t);
-    kept.erase(std::remove(kept.begin(), kept.end(), (int32_t)exclude), kept.end());
+    const std::vector<int32_t> kept = kept_tokens(ex, V, t);
     double total = 0;
     for (int32_t i : kept) total += ex.e[i];
-    TORCH_CHECK(total > 0, "no token left to draw");
     double run = 0;
     for (int32_t i : kept) {
       run += ex.e[i];
@@ -162,8 +145,6 @@ int64_t sample(const T* x, int64_t V, const Transforms& t, double u, int64_t exc
     }
     return kept.back();  // u · Σe rounded up to Σe
   }
-  const Exponentials ex = exponentials(x, V, t.inv_temperature, exclude);
-  TORCH_CHECK(ex.total > 0, "no token left to draw");
   const double target = u * ex.total;
   double run = 0;
   int64_t b = 0, last = -1;
@@ -180,12 +161,11 @@ int64_t sample(const T* x, int64_t V, const Transforms& t, double u, int64_t exc
   return last;
 }
 
-Transforms transforms(const torch::Tensor& row, int64_t token, double inv_temperature, int64_t top_k, double top_p,
+Transforms transforms(const torch::Tensor& row, double inv_temperature, int64_t top_k, double top_p,
                       double min_p) {
   TORCH_CHECK(row.device().is_cpu() && row.dim() == 1 && row.is_contiguous() &&
                   (row.scalar_type() == at::kBFloat16 || row.scalar_type() == at::kFloat),
               "a row of logits: a contiguous 1-D bf16 or fp32 CPU tensor");
-  TORCH_CHECK(token >= -1 && token < row.size(0), "token ", token, " is outside the row");
   TORCH_CHECK(inv_temperature > 0 && top_k >= 0 && top_p > 0 && top_p <= 1 && min_p >= 0 && min_p <= 1,
               "temperature > 0, top_k >= 0, 0 < top_p <= 1, 0 <= min_p <= 1");
   return {(float)inv_temperature, top_k, top_p, min_p};
@@ -193,18 +173,9 @@ Transforms transforms(const torch::Tensor& row, int64_t token, double inv_temper
 
 }  // namespace
 
-double token_probability(torch::Tensor row, double inv_temperature, int64_t top_k, double top_p, double min_p,
-                         int64_t token) {
-  const Transforms t = transforms(row, token, inv_temperature, top_k, top_p, min_p);
-  TORCH_CHECK(token >= 0, "a token of the row");
-  if (row.scalar_type() == at::kBFloat16) return probability((const uint16_t*)row.data_ptr(), row.size(0), t, token);
-  return probability(row.data_ptr<float>(), row.size(0), t, token);
-}
-
-int64_t sample_row(torch::Tensor row, double inv_temperature, int64_t top_k, double top_p, double min_p, double u,
-                   int64_t exclude) {
-  const Transforms t = transforms(row, exclude, inv_temperature, top_k, top_p, min_p);
+int64_t sample_row(torch::Tensor row, double inv_temperature, int64_t top_k, double top_p, double min_p, double u) {
+  const Transforms t = transforms(row, inv_temperature, top_k, top_p, min_p);
   TORCH_CHECK(u >= 0 && u < 1, "u must lie in [0, 1)");
-  if (row.scalar_type() == at::kBFloat16) return sample((const uint16_t*)row.data_ptr(), row.size(0), t, u, exclude);
-  return sample(row.data_ptr<float>(), row.size(0), t, u, exclude);
+  if (row.scalar_type() == at::kBFloat16) return sample((const uint16_t*)row.data_ptr(), row.size(0), t, u);
+  return sample(row.data_ptr<float>(), row.size(0), t, u);
 }
