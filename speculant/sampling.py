@@ -13,7 +13,7 @@ as without, alone or in any batch.
 
 from __future__ import annotations
 
-import random
+import secrets
 from dataclasses import dataclass, replace
 
 import torch
@@ -35,8 +35,8 @@ def _mix64(z: int) -> int:
 
 
 def request_key(seed: int | None) -> int:
-    """A sampled request's 64-bit key: from its seed, else fresh randomness."""
-    return random.getrandbits(64) if seed is None else _mix64((seed + _GOLDEN) & _MASK)
+    """A sampled request's 64-bit key: from its seed, else from the operating system's randomness."""
+    return secrets.randbits(64) if seed is None else _mix64((seed + _GOLDEN) & _MASK)
 
 
 def uniform(key: int, position: int, purpose: int) -> float:
