@@ -10,11 +10,13 @@ coupling instead: the target's token t_j at each position is drawn as plain deco
 is then kept with probability p_j(d_j), and on a mismatch t_j is a draw from p_j without d_j: the
 one-hot case of the rule, and at a tree's node, of recursive rejection over its candidates. And the
 tokens are the ones plain decoding writes: a seeded request's output does not change with speculation.
-Greedy rows draw no randomness (t_j is the argmax), which makes this plain greedy verification;
-`verify_greedy` is that case for an all-greedy batch.
+Greedy rows draw no randomness (t_j is the argmax), which makes this plain greedy verification.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import torch
 
@@ -26,15 +28,25 @@ def verify_logits(draft: torch.Tensor, n_draft: torch.Tensor, logits: torch.Tens
                   sb: SamplingBatch) -> tuple[list[int], list[int]]:
     """Each row's accepted drafts and next token from the target's logits [B, k+1, V] under the batch's
     sampling transforms: a draft model's drafts (they carry q) by the rule (`verify`), deterministic ones
-    (q None) by coupling (`verify_chain`)."""
-    if sb.all_greedy:
-        return verify_greedy(draft.tolist(), n_draft.tolist(), argmax(logits).tolist())
-    if q is not None:
+    (q None) by coupling (`follow_chain`)."""
+    if q is not None and not sb.all_greedy:
         n_accepted, next_tokens = verify(draft, n_draft, probabilities(logits, sb), q, sb)
         return n_accepted.tolist(), next_tokens.tolist()
     target = TargetTokens(logits, sb)
-    rows = [verify_chain(tokens[:n], target, b) for b, (tokens, n) in enumerate(zip(draft.tolist(), n_draft.tolist()))]
+    rows = [follow_chain(tokens[:n], functools.partial(target.at, b))
+            for b, (tokens, n) in enumerate(zip(draft.tolist(), n_draft.tolist()))]
     return [n for n, _ in rows], [token for _, token in rows]
+
+
+def verify_tree_logits(draft: torch.Tensor, n_draft: torch.Tensor, parents: list[list[int]], logits: torch.Tensor,
+                       sb: SamplingBatch) -> tuple[list[list[int]], torch.Tensor]:
+    """Draft trees of deterministic candidates (see Proposal.parents) by coupling (`follow_tree`). logits
+    [B, k+1, V]: after the last token (0) and after each draft j (j + 1) → (each row's accepted drafts,
+    root to leaf, as draft indices; the next token [B])."""
+    target = TargetTokens(logits, sb)
+    rows = [follow_tree(tokens, tree, n, functools.partial(target.at, b))
+            for b, (tokens, tree, n) in enumerate(zip(draft.tolist(), parents, n_draft.tolist()))]
+    return [path for path, _ in rows], torch.tensor([token for _, token in rows], device=draft.device)
 
 
 class TargetTokens:
@@ -56,7 +68,7 @@ class TargetTokens:
         key = self.sb.keys[b]
         if key is None:
             if self._argmax is None:
-                self._argmax = argmax(self.logits).tolist()
+                self._argmax = argmax(self.logits).tolist()  # [B][k+1]: one call for the batch
             return self._argmax[b][column]
         u = uniform(key, self.sb.positions[b] + offset, TOKEN)
         if self.native:
@@ -66,70 +78,33 @@ class TargetTokens:
         return int(sample(self._probs[b, column][None], [u])[0])
 
 
-def verify_chain(drafts: list[int], target: TargetTokens, b: int) -> tuple[int, int]:
-    """Row b's deterministic drafts, kept while each is the target's token there → (drafts kept, the
-    target's token after them)."""
+# target(column, offset): the target's token from its logits at `column` for the position `offset` past the
+# row's next token (TargetTokens.at for one row).
+Target = Callable[[int, int], int]
+
+
+def follow_chain(drafts: list[int], target: Target) -> tuple[int, int]:
+    """A row's drafts, kept while each is the target's token there → (drafts kept, the target's token
+    after them)."""
     for j, d in enumerate(drafts):
-        token = target.at(b, j, j)
+        token = target(j, j)
         if token != d:
             return j, token
-    return len(drafts), target.at(b, len(drafts), len(drafts))
+    return len(drafts), target(len(drafts), len(drafts))
 
 
-def verify_tree_logits(draft: torch.Tensor, n_draft: torch.Tensor, parents: list[list[int]], logits: torch.Tensor,
-                       sb: SamplingBatch) -> tuple[list[list[int]], torch.Tensor]:
-    """Draft trees of deterministic candidates (see Proposal.parents) by coupling: from the sequence's last
-    token, follow the child whose token is the target's there (drawn as plain decoding draws that
-    position), while one is. logits [B, k+1, V]: after the last token (0) and after each draft j (j + 1) →
-    (each row's accepted drafts, root to leaf, as draft indices; the next token [B])."""
-    if sb.all_greedy:
-        return verify_tree_greedy(draft, n_draft, parents, argmax(logits))
-    target = TargetTokens(logits, sb)
-    paths, next_tokens = [], []
-    for b, (tokens, tree, n) in enumerate(zip(draft.tolist(), parents, n_draft.tolist())):
-        path, node = [], -1
-        while True:
-            token = target.at(b, node + 1, len(path))
-            child = next((j for j in range(n) if tree[j] == node and tokens[j] == token), None)
-            if child is None:
-                break
-            path.append(child)
-            node = child
-        paths.append(path)
-        next_tokens.append(token)
-    return paths, torch.tensor(next_tokens, device=draft.device)
-
-
-def verify_tree_greedy(draft: torch.Tensor, n_draft: torch.Tensor, parents: list[list[int]],
-                       target: torch.Tensor) -> tuple[list[list[int]], torch.Tensor]:
-    """Greedy verification of draft trees (see Proposal.parents): from the sequence's last token, follow
-    the child whose token is the target's there, while one is. target [B, k+1]: the target's token
-    after the last token (column 0) and after each draft j (column j + 1) → (each row's accepted
-    drafts, root to leaf, as draft indices; the next token [B], the target's after the last accepted)."""
-    drafts, targets, n_real = draft.tolist(), target.tolist(), n_draft.tolist()
-    paths, next_tokens = [], []
-    for tokens, wanted, tree, n in zip(drafts, targets, parents, n_real):
-        path, node = [], -1
-        while (child := next((j for j in range(n) if tree[j] == node and tokens[j] == wanted[node + 1]),
-                             None)) is not None:
-            path.append(child)
-            node = child
-        paths.append(path)
-        next_tokens.append(wanted[node + 1])
-    return paths, torch.tensor(next_tokens, device=draft.device)
-
-
-def verify_greedy(draft: list[list[int]], n_draft: list[int], target: list[list[int]]) -> tuple[list[int], list[int]]:
-    """`verify` with one-hot p at target [B][k+1] (the argmax tokens): a draft is accepted while it
-    equals the target's token, and the next token is the target's at the first mismatch. On lists: a
-    step's few tokens cost less in Python than in PyTorch's dispatch."""
-    n_accepted = []
-    for tokens, wanted, n in zip(draft, target, n_draft):
-        run = 0
-        while run < n and tokens[run] == wanted[run]:
-            run += 1
-        n_accepted.append(run)
-    return n_accepted, [wanted[run] for wanted, run in zip(target, n_accepted)]
+def follow_tree(tokens: list[int], parents: list[int], n: int, target: Target) -> tuple[list[int], int]:
+    """A row's draft tree (its first n nodes real): from the sequence's last token, follow the child whose
+    token is the target's there, while one is → (the kept nodes, root to leaf; the target's token after
+    them)."""
+    path, node = [], -1
+    while True:
+        token = target(node + 1, len(path))
+        child = next((j for j in range(n) if parents[j] == node and tokens[j] == token), None)
+        if child is None:
+            return path, token
+        path.append(child)
+        node = child
 
 
 def verify(draft: torch.Tensor, n_draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-import speculant.engine as engine_module
 import speculant.verify as verify_module
 from speculant.proposers.draft_model import DraftModelProposer
 from speculant.sampling import DRAFT, probabilities, sample
@@ -59,37 +58,30 @@ VERIFIER_MUTANTS = ["residual_not_renormalized", "acceptance_ignores_q"]
 
 
 def patch_coupling(name: str, monkeypatch) -> None:
-    """Break verification by coupling (deterministic drafts: verify.TargetTokens, verify_chain, and the
-    engine's verify_tree_logits)."""
-    at = verify_module.TargetTokens.at
+    """Break verification by coupling (deterministic drafts: verify.TargetTokens, follow_chain, follow_tree)."""
     if name == "one_draw_for_every_position":  # a step's positions share the first one's uniform
+        at = verify_module.TargetTokens.at
         monkeypatch.setattr(verify_module.TargetTokens, "at", lambda self, b, column, offset: at(self, b, column, 0))
     elif name == "rejected_position_drawn_again":  # a mismatch draws the token anew: the draft may come back
-        def chain(drafts, target, b):
+        def chain(drafts, target):
             for j, d in enumerate(drafts):
-                if at(target, b, j, j) != d:
-                    return j, at(target, b, j, j + 1000)
-            return len(drafts), at(target, b, len(drafts), len(drafts))
+                if target(j, j) != d:
+                    return j, target(j, j + 1000)
+            return len(drafts), target(len(drafts), len(drafts))
 
-        monkeypatch.setattr(verify_module, "verify_chain", chain)
+        monkeypatch.setattr(verify_module, "follow_chain", chain)
     elif name == "each_candidate_its_own_draw":  # a tree node's candidates tested against separate draws
-        def tree(draft, n_draft, parents, logits, sb):
-            target = verify_module.TargetTokens(logits, sb)
-            paths, next_tokens = [], []
-            for b, (tokens, parent, n) in enumerate(zip(draft.tolist(), parents, n_draft.tolist())):
-                path, node = [], -1
-                while True:
-                    children = [j for j in range(n) if parent[j] == node]
-                    kept = next((j for i, j in enumerate(children)
-                                 if at(target, b, node + 1, len(path) + 1000 * i) == tokens[j]), None)
-                    if kept is None:
-                        break
-                    path.append(kept)
-                    node = kept
-                paths.append(path)
-                next_tokens.append(at(target, b, node + 1, len(path)))
-            return paths, torch.tensor(next_tokens)
+        def tree(tokens, parents, n, target):
+            path, node = [], -1
+            while True:
+                children = [j for j in range(n) if parents[j] == node]
+                kept = next((j for i, j in enumerate(children) if target(node + 1, len(path) + 1000 * i) == tokens[j]),
+                            None)
+                if kept is None:
+                    return path, target(node + 1, len(path))
+                path.append(kept)
+                node = kept
 
-        monkeypatch.setattr(engine_module, "verify_tree_logits", tree)
+        monkeypatch.setattr(verify_module, "follow_tree", tree)
     else:
         raise ValueError(name)

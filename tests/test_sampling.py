@@ -11,7 +11,7 @@ from speculant.engine import Engine
 from speculant.models import native
 from speculant.models.loader import load_model
 from speculant.sampling import SamplingBatch, argmax, probabilities
-from speculant.verify import verify, verify_greedy
+from speculant.verify import follow_chain, verify
 
 LOGITS = torch.tensor([[[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]]])  # softmax ≈ .63 .23 .09 .03 .01 .00
 
@@ -98,8 +98,9 @@ def test_argmax_is_the_first_maximum_like_torch(vocab, dtype, kernel, monkeypatc
 
 
 def test_greedy_verification_is_the_rule_with_one_hot_distributions():
-    """verify_greedy must equal the acceptance rule fed one-hot p: on random drafts (often agreeing
-    with the target, so every accepted length from 0 to n_draft occurs) both give the same result."""
+    """follow_chain against the target's argmax tokens (greedy verification) must equal the acceptance
+    rule fed one-hot p and q: on random drafts (often agreeing with the target, so every accepted length
+    from 0 to n_draft occurs) both give the same result."""
     gen = torch.Generator().manual_seed(1)
     B, k, V = 64, 5, 7
     target = torch.randint(0, V, (B, k + 1), generator=gen)
@@ -107,7 +108,9 @@ def test_greedy_verification_is_the_rule_with_one_hot_distributions():
     draft = torch.where(torch.rand(B, k, generator=gen) < 0.8, target[:, :k], other)
     n_draft = torch.randint(0, k + 1, (B,), generator=gen)
     one_hot = torch.nn.functional.one_hot(target, V).float()
-    n_acc, nxt = verify_greedy(draft.tolist(), n_draft.tolist(), target.tolist())
+    rows = [follow_chain(d[:n], lambda column, offset, t=t: t[column])
+            for d, n, t in zip(draft.tolist(), n_draft.tolist(), target.tolist())]
+    n_acc, nxt = [n for n, _ in rows], [token for _, token in rows]
     greedy = SamplingBatch.build([SamplingParams(temperature=0)] * B, [None] * B, torch.device("cpu"))
     drafts_q = torch.nn.functional.one_hot(draft, V).float()  # deterministic drafts: q one-hot
     ref_acc, ref_next = verify(draft, n_draft, one_hot, drafts_q, greedy)

@@ -20,7 +20,7 @@ from speculant.models.llama import tree_layout
 from speculant.models.loader import load_model
 from speculant.proposers.draft_tree import DraftTree
 from speculant.proposers.eagle import EagleProposer, load_eagle
-from speculant.verify import verify_tree_greedy
+from speculant.verify import follow_tree
 
 # Below the cached prompt: a → b → c, a → d → e, f (three branches, parents before children).
 TREE_TOKENS = [11, 22, 33, 44, 55, 66]
@@ -93,15 +93,12 @@ def test_tree_pass_in_a_ragged_batch(tiny_pair):
 ])
 def test_greedy_tree_verification_follows_the_targets_branch(target_tokens, path, next_token):
     # target_tokens[0]: the target's token after the sequence; [j + 1]: after draft j.
-    paths, next_tokens = verify_tree_greedy(torch.tensor([TREE_TOKENS]), torch.tensor([6]), [TREE_PARENTS],
-                                            torch.tensor([target_tokens]))
-    assert paths == [path] and next_tokens.tolist() == [next_token]
+    assert follow_tree(TREE_TOKENS, TREE_PARENTS, 6, lambda column, offset: target_tokens[column]) == (path, next_token)
 
 
 def test_padding_drafts_are_never_accepted():
-    paths, _ = verify_tree_greedy(torch.tensor([TREE_TOKENS]), torch.tensor([5]), [TREE_PARENTS],
-                                  torch.tensor([[66, 0, 0, 0, 0, 0, 0]]))
-    assert paths == [[]]
+    path, _ = follow_tree(TREE_TOKENS, TREE_PARENTS, 5, lambda column, offset: [66, 0, 0, 0, 0, 0, 0][column])
+    assert path == []
 
 
 def count_sibling_paths(engine: Engine) -> list[int]:
