@@ -171,6 +171,10 @@ def test_bench_quick_end_to_end(tiny_pair, tmp_path, monkeypatch, capsys, one_th
             "transformers assistant k=4"} <= names
     # Greedy speculation is lossless: every configuration wrote the plain output, token for token.
     assert all(r["identical"] == 1.0 for r in k_rows if r["family"] == "speculant" and r["method"])
+    # Seeded sampling with lookup's drafts writes plain decoding's tokens too.
+    lookup = [r for r in report["experiments"]["temperature"]["summary"]
+              if r["temperature"] > 0 and r["runner"].startswith("speculant ngram")]
+    assert lookup and all(r["identical"] == 1.0 for r in lookup)
     spec = [r for r in k_rows if r["method"] and r["family"] == "speculant" and r["prompt_class"] == "all"]
     assert all(r["speedup"] and r["predicted_speedup"] and r["acceptance_rate"] is not None for r in spec)
     batch_sizes = {r["batch_size"] for r in report["experiments"]["batch"]["summary"] if r["method"]}

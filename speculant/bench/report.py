@@ -209,8 +209,10 @@ def temperature_section(result: BenchResult) -> list[str]:
     rows = exp.rows
     body = [[_num(r.temperature, 1)] + line for r, line in zip(rows, _config_rows(rows))]
     return ["## Sampling (batch 1)\n",
-            "Sampled outputs differ between configurations (the random draws are consumed differently) "
-            "while following the same distribution; token counts may differ, rates stay comparable.\n",
+            "Each request has its own seed, the same in every configuration. With lookup's or the corpus "
+            "table's drafts a seeded request writes plain decoding's tokens (\"identical\"); a draft model "
+            "draws its drafts with draws of its own, and its outputs follow the same distribution without "
+            "being plain's: token counts may differ, rates stay comparable.\n",
             _table(["temperature"] + CONFIG_HEADER, body)]
 
 
@@ -252,7 +254,8 @@ def method_section(result: BenchResult) -> list[str]:
             "- **tok/s**: output tokens after the first step over the time after it (the first step, prefill "
             "and a first verify, is the TTFT), summed over the prompts of the row.\n"
             "- **speed-up**: tok/s over the plain run of the same prompts in the same sweep; **identical**: "
-            "share of prompts whose output equals the plain output token for token (greedy only).\n"
+            "share of prompts whose output equals the plain output token for token (sampled: with each request's "
+            "seed).\n"
             "- **acceptance**: accepted / drafted tokens; **mean acc. length**: 1 + accepted per drafting "
             "step; **drafting steps**: share of sequence-steps that carried a draft (prompt lookup drafts "
             "only when it finds a match).\n"

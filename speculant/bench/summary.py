@@ -29,7 +29,7 @@ class Row:
     speedup: float | None  # vs the runner's reference (its family's plain decoding), same jobs
     speedup_iqr: tuple[float, float] | None  # spread of the per-job paired ratios
     vs_speculant: float | None  # rate / Speculant's plain rate (peers)
-    identical: float | None  # share of jobs whose output equals the reference's (greedy only)
+    identical: float | None  # share of jobs whose output equals the reference's
     ttft_s: float | None
     acceptance_rate: float | None = None
     mean_acceptance_length: float | None = None
@@ -98,7 +98,7 @@ def _row(runner: Runner, b: int, temp: float, cls: str, ms: list[Measurement], r
     identical = None
     if runner.name == runner.reference:
         iqr = None
-    elif temp == 0 and paired:
+    elif paired:
         identical = sum(m.output_ids == r.output_ids for m, r in pairs) / len(pairs)
     row = Row(runner.name, runner.family, runner.method, runner.k, b, temp, cls, len(ms),
               sum(m.output_tokens for m in ms), rate,
