@@ -114,6 +114,8 @@ def test_requests_with_one_prompt_share_its_prefill(target, tiny_pair, plain, mo
         spec["model"] = str(tiny_pair[1])
     assert run(target, spec, [prompt] * 3 + [PROMPTS[0]])[0] == [plain[2]] * 3 + [plain[0]]
     assert prompt_passes == [1]
+    # A one-token prompt has no prompt pass (its token is the first step's input): nothing to share.
+    assert run(target, spec, [PROMPTS[3]] * 2 + [PROMPTS[1]])[0] == [plain[3]] * 2 + [plain[1]]
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
