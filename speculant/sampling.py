@@ -190,15 +190,19 @@ def sample(probs: torch.Tensor, draws: list[float | None]) -> torch.Tensor:
     """One token per row of probs [B, V] (each row's sum need not be 1) → [B]; a row whose draw is None
     takes the argmax.
 
-    Inverse CDF: the token where the row's uniform draw u · Σp falls in the running sum, kept in fp64 so
-    that its rounding stays far below any probability that matters; a zero-probability token spans an
-    empty interval and is never drawn. argmax(p / E) with E ~ Exp(1) is exact too, but drawing the
-    49152 exponentials cost 1.1 ms a token on this CPU (~7% of a sampled step), the running sum 0.1."""
+    Inverse CDF (`inverse_cdf`) over the row's running sum in fp64, so that its rounding stays far below
+    any probability that matters; a zero-probability token spans an empty interval and is never drawn.
+    argmax(p / E) with E ~ Exp(1) is exact too, but drawing the 49152 exponentials cost 1.1 ms a token on
+    this CPU (~7% of a sampled step), the running sum 0.1."""
     tokens = argmax(probs)
     for row, u in enumerate(draws):
         if u is not None:
-            cdf = probs[row].double().cumsum(0)
-            i = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
-            # u · Σp rounds up to Σp once in ~2^53 draws: the last token of positive probability.
-            tokens[row] = i if i < len(cdf) else int(cdf.argmax())
+            tokens[row] = inverse_cdf(probs[row].double().cumsum(0), u)
     return tokens
+
+
+def inverse_cdf(cdf: torch.Tensor, u: float) -> int:
+    """The token where u · Σp falls in a row's running sum of probabilities cdf [V]."""
+    i = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
+    # u · Σp rounds up to Σp once in ~2^53 draws: the last token of positive probability.
+    return i if i < len(cdf) else int(cdf.argmax())
