@@ -112,7 +112,7 @@ NGRAM_SETTINGS = {"t0.7": SamplingParams(temperature=0.7), **SETTINGS}
 def test_ngram_sampling_matches_target(models, native_sampler, setting, monkeypatch):
     """Deterministic drafts (q one-hot), verified by coupling: kept while each is the target's token drawn
     at its position as plain decoding draws it; on the native sampler (sampling.cpp) and on PyTorch's
-    (`sampling.sample`)."""
+    (`sampling.inverse_cdf`)."""
     from speculant.models import native
 
     if native_sampler and not native.sampling_usable(torch.zeros(1)):
