@@ -73,6 +73,8 @@ class KVCache:
     def share_prefix(self, src: int, dst: list[int], length: int) -> None:
         """Give rows `dst` row src's first `length` positions, keys, values and length: requests with
         the same prompt share one prefill."""
+        if not dst:  # a request alone: nothing to copy (the copy's source clone is a whole prompt's keys)
+            return
         rows = torch.tensor(dst, dtype=torch.long, device=self.k.device)
         for cache in (self.k, self.v):
             cache[:, rows, :, :length] = cache[:, src:src + 1, :, :length].clone()  # index_put refuses views of itself
