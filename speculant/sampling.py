@@ -95,10 +95,12 @@ class SamplingBatch:
         """The batch `offset` positions further on: a draft model's draws for its later drafts."""
         return replace(self, positions=[p + offset for p in self.positions])
 
-    def draws(self, purpose: int, offset: int = 0) -> list[float | None]:
-        """Each row's uniform for `purpose` at the position `offset` past its next token (None: greedy)."""
-        return [None if key is None else uniform(key, position + offset, purpose)
-                for key, position in zip(self.keys, self.positions)]
+    def draws(self, purpose: int, offset: int | list[int] = 0) -> list[float | None]:
+        """Each row's uniform for `purpose` at the position `offset` (one for all rows, or row b's
+        offset[b]) past its next token (None: greedy)."""
+        offsets = offset if isinstance(offset, list) else [offset] * len(self.keys)
+        return [None if key is None else uniform(key, position + at, purpose)
+                for key, position, at in zip(self.keys, self.positions, offsets)]
 
 
 def probabilities(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:

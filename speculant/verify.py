@@ -122,9 +122,8 @@ def verify(draft: torch.Tensor, n_draft: torch.Tensor, p: torch.Tensor, q: torch
     rows = torch.arange(B, device=draft.device)
     p_d = p[:, :k].gather(-1, draft[..., None]).squeeze(-1)  # [B, k]
     q_d = q.gather(-1, draft[..., None]).squeeze(-1)
-    u = torch.tensor([[0.0 if key is None or j >= n else uniform(key, position + j, ACCEPT) for j in range(k)]
-                      for key, position, n in zip(sb.keys, sb.positions, n_draft.tolist())],
-                     device=draft.device).reshape(B, k)
+    u = torch.tensor([[0.0 if d is None else d for d in sb.draws(ACCEPT, j)] for j in range(k)],
+                     device=draft.device).reshape(k, B).T  # [B, k]
     n_accepted = accepted_run(u < acceptance_probability(p_d, q_d), n_draft)
 
     p_next = p[rows, n_accepted]  # [B, V]
@@ -133,9 +132,7 @@ def verify(draft: torch.Tensor, n_draft: torch.Tensor, p: torch.Tensor, q: torch
         at = n_accepted.clamp(max=k - 1)
         fix = residual(p_next, q[rows, at])
         p_next = torch.where(rejected[:, None], fix, p_next)
-    draws = [None if key is None else uniform(key, position + n, TOKEN)
-             for key, position, n in zip(sb.keys, sb.positions, n_accepted.tolist())]
-    return n_accepted, sample(p_next, draws)
+    return n_accepted, sample(p_next, sb.draws(TOKEN, n_accepted.tolist()))
 
 
 def accepted_run(accepted: torch.Tensor, n_draft: torch.Tensor) -> torch.Tensor:
