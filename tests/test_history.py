@@ -11,7 +11,7 @@ from test_greedy_lossless import GREEDY, PROMPTS, run
 from speculant.config import SpeculativeConfig
 from speculant.models.loader import load_model
 from speculant.proposers.history import CONTEXT, END, HISTORY_BUCKET, AnswerHistory
-from speculant.proposers.ngram import NgramProposer
+from speculant.proposers.ngram import NgramProposer, SuffixIndex
 from speculant.sampling import SamplingBatch
 from speculant.sequence import SpecStats
 
@@ -69,7 +69,7 @@ def test_repeated_requests_draft_their_earlier_answers(tiny_pair):
     assert again.target_passes < 0.7 * before.target_passes
     for prompt, answer in zip(PROMPTS, outputs):
         if len(prompt) >= CONTEXT:
-            assert engine.proposer._draft(prompt, 6) == (answer[:6], HISTORY_BUCKET)
+            assert engine.proposer._draft(SuffixIndex(prompt, 6), 6) == (answer[:6], HISTORY_BUCKET)
     # A sampled row drafts as without the history: an earlier sample is a poor draft (see ngram.py).
     for params, same in ((replace(GREEDY, temperature=0.8, seed=3), True), (GREEDY, False)):
         seqs = [engine.add_request(p, params) for p in PROMPTS]
