@@ -173,7 +173,7 @@ class Engine:
         n_valid = [len(s.tokens) - s.num_cached + n for s, n in zip(batch, n_accepted)]
         if proposal.parents is not None:
             hidden = self.keep_branches(batch, accepted, hidden)
-        outputs = self.commit(batch, slots, proposal, accepted, drafted, next_tokens, logits)
+        outputs = self.commit(batch, proposal, accepted, drafted, next_tokens, logits)
         if self.proposer is not None:
             self.proposer.commit(batch, TargetHidden(hidden, start, n_valid))
         self._release_finished()
@@ -196,9 +196,9 @@ class Engine:
         # With no request waiting for a slot the batch is done when its last row is (adaptive.batch_progress).
         remaining = None if self.waiting else [s.max_tokens - s.num_generated for s in batch]
         if proposer.free_drafts:
-            return self._planned_lookup(proposer, batch, sb, remaining)
+            return self._planned_lookup(proposer, batch, remaining)
         if isinstance(proposer, LookupFirstProposer):
-            found = self._planned_lookup(proposer.lookup, batch, sb, remaining, self.adaptive.keep_lookup)
+            found = self._planned_lookup(proposer.lookup, batch, remaining, self.adaptive.keep_lookup)
             empty = [n == 0 for n in found.n_draft.tolist()]
             k = self.adaptive.choose(len(batch), remaining) if any(empty) else 0
             return proposer.complete(batch, found, [self._k_for(s, k) if e else 0 for s, e in zip(batch, empty)], sb)
@@ -211,18 +211,18 @@ class Engine:
             return Proposal.empty(len(batch), self.device)
         return proposer.propose(batch, ks, sb)
 
-    def _planned_lookup(self, proposer: Proposer, batch: list[Sequence], sb: SamplingBatch,
-                        remaining: list[int] | None,
+    def _planned_lookup(self, proposer: Proposer, batch: list[Sequence], remaining: list[int] | None,
                         keep: Callable[[list[int], list[int]], list[int]] | None = None) -> Proposal:
         """Free drafts: all the lookup finds, then only as many as adaptive k plans to verify; `keep`
         (buckets, available) → available first leaves out the rows a model drafts better."""
         if not self.adaptive.worth_proposing(len(batch)):
             return Proposal.empty(len(batch), self.device)
-        found = self._drafts(proposer, batch, self.k, sb)
-        available = found.n_draft.tolist()
+        drafts, buckets = proposer.find(batch, [self._k_for(s, self.k) for s in batch])
+        available = [len(d) for d in drafts]
         if keep is not None:
-            available = keep(found.bucket_list(), available)
-        return found.trimmed(self.adaptive.plan(found.bucket_list(), available, remaining=remaining))
+            available = keep(buckets, available)
+        plan = self.adaptive.plan(buckets, available, remaining=remaining)
+        return Proposal.from_lists([d[:n] for d, n in zip(drafts, plan)], self.device, buckets)
 
     def _batch_tensors(self, batch: list[Sequence]) -> tuple[SamplingBatch, torch.Tensor]:
         """The batch's sampling transforms and cache slots [B], built again only when its rows change."""
@@ -293,8 +293,8 @@ class Engine:
         index = torch.tensor(order, device=hidden.device)[..., None].expand(-1, -1, hidden.shape[-1])
         return hidden.gather(1, index)
 
-    def commit(self, batch: list[Sequence], slots: torch.Tensor, proposal: Proposal, accepted: list[list[int]],
-               drafted: list[int], next_tokens: list[int], logits: torch.Tensor) -> list[StepOutput]:
+    def commit(self, batch: list[Sequence], proposal: Proposal, accepted: list[list[int]], drafted: list[int],
+               next_tokens: list[int], logits: torch.Tensor) -> list[StepOutput]:
         """Append each row's accepted drafts and next token; `drafted`: the drafts it could have accepted."""
         outputs = []
         drafts = proposal.tokens.tolist()
@@ -309,7 +309,7 @@ class Engine:
             outputs.append(self._append(seq, new, lps))
             # The target has seen every token but the newest (it is the next pass's input).
             seq.num_cached = len(seq.tokens) - 1
-        self.cache.lengths[slots] = torch.tensor([s.num_cached for s in batch], device=self.device)
+        self.cache.set_lengths([s.slot for s in batch], [s.num_cached for s in batch])
         return outputs
 
     # -- helpers ----------------------------------------------------------------------------

@@ -82,14 +82,6 @@ class Proposal:
                 parents[row] = p
         return Proposal(tokens, n_draft, q, parents=parents)
 
-    def trimmed(self, keep: list[int]) -> Proposal:
-        """The same drafts, row b's first keep[b] only."""
-        width = max(keep, default=0)
-        q = None if self.q is None else self.q[:, :width]
-        parents = None if self.parents is None else [p[:width] for p in self.parents]
-        return Proposal(self.tokens[:, :width], torch.tensor(keep, device=self.n_draft.device), q, self.buckets,
-                        parents)
-
 
 @dataclass
 class TargetHidden:
@@ -126,6 +118,12 @@ class Proposer:
 
     def propose(self, seqs: list[Sequence], ks: list[int], sb: SamplingBatch) -> Proposal:
         """Up to ks[b] draft tokens continuing seqs[b].tokens."""
+        drafts, buckets = self.find(seqs, ks)
+        return Proposal.from_lists(drafts, sb.temperature.device, buckets)
+
+    def find(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[list[int]], list[int]]:
+        """A free proposer's drafts as lists (up to ks[b] continuing seqs[b].tokens) and their buckets: the
+        engine trims them to adaptive k's plan before it makes the step's tensors."""
         raise NotImplementedError
 
     def draw(self, logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:

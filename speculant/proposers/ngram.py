@@ -3,10 +3,9 @@ what followed it. No model, deterministic (q is one-hot)."""
 
 from __future__ import annotations
 
-from speculant.proposers.base import Proposal, Proposer
+from speculant.proposers.base import Proposer
 from speculant.proposers.corpus import CORPUS_BUCKET, CorpusTable
 from speculant.proposers.history import HISTORY_BUCKET, AnswerHistory
-from speculant.sampling import SamplingBatch
 from speculant.sequence import Sequence
 
 CORPUS_UNDER = 2
@@ -71,9 +70,9 @@ class NgramProposer(Proposer):
         if self.history is not None:
             self.history = AnswerHistory(self.history.max_tokens)
 
-    def propose(self, seqs: list[Sequence], ks: list[int], sb: SamplingBatch) -> Proposal:
+    def find(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[list[int]], list[int]]:
         found = [self._draft(self._index(s), k, s.params.greedy) if k else ([], 0) for s, k in zip(seqs, ks)]
-        return Proposal.from_lists([d for d, _ in found], sb.temperature.device, [n for _, n in found])
+        return [d for d, _ in found], [n for _, n in found]
 
     def _index(self, seq: Sequence) -> SuffixIndex:
         index = self.indexes.get(seq.request_id)
