@@ -75,7 +75,8 @@ class KVCache:
 
     def set_lengths(self, slots: list[int], lengths: list[int]) -> None:
         if self._host_lengths is not None:
-            self._host_lengths[slots] = lengths
+            for slot, length in zip(slots, lengths):  # scalar writes: numpy's indexing by a list costs more
+                self._host_lengths[slot] = length
         else:
             self.lengths[torch.tensor(slots, device=self.lengths.device)] = torch.tensor(lengths,
                                                                                         device=self.lengths.device)
