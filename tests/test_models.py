@@ -427,3 +427,14 @@ def test_weights_moved_to_huge_pages_compute_the_same_and_stay_tied(tmp_path, mo
     if quantization == "none":  # tied: the embedding and the lm_head are one tensor, moved once
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert torch.equal(logits(), before)
+
+
+def test_cache_lengths_set_alike_through_numpy_and_torch():
+    """On CPU a row's length is set through a numpy view of the cache's tensor, elsewhere by indexing it:
+    the native pass reads the tensor either way."""
+    host, indexed = (KVCache(1, 4, 1, 8, 32, torch.float32, "cpu") for _ in range(2))
+    indexed._host_lengths = None  # the path a CUDA cache takes
+    for cache in (host, indexed):
+        cache.set_lengths([2, 0], [5, 3])
+        cache.rollback(2, 1)
+    assert host.lengths.tolist() == indexed.lengths.tolist() == [3, 0, 1, 0]
