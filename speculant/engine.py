@@ -103,6 +103,9 @@ class Engine:
         self._logged = SpecStats()
         self.device = self.model.device
         self._batch: list[Sequence] = []  # the rows _batch_tensors last built for
+        # A step without drafts (plain decoding, speculation switched off) only reads its proposal: one per
+        # batch size, where making its two tensors cost ~30 µs of a 2.7 ms plain step in the loop.
+        self._empty_proposals: dict[int, Proposal] = {}
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -190,7 +193,7 @@ class Engine:
         """Each row's drafts for this step: as many as adaptive k plans (all of them without it)."""
         proposer = self.proposer
         if proposer is None:
-            return Proposal.empty(len(batch), self.device)
+            return self._no_drafts(len(batch))
         if not self.adaptive:
             return self._drafts(proposer, batch, self.k, sb)
         # With no request waiting for a slot the batch is done when its last row is (adaptive.batch_progress).
@@ -204,11 +207,16 @@ class Engine:
             return proposer.complete(batch, found, [self._k_for(s, k) if e else 0 for s, e in zip(batch, empty)], sb)
         return self._drafts(proposer, batch, self.adaptive.choose(len(batch), remaining), sb)
 
+    def _no_drafts(self, batch_size: int) -> Proposal:
+        if batch_size not in self._empty_proposals:
+            self._empty_proposals[batch_size] = Proposal.empty(batch_size, self.device)
+        return self._empty_proposals[batch_size]
+
     def _drafts(self, proposer: Proposer, batch: list[Sequence], k: int, sb: SamplingBatch) -> Proposal:
         """Up to k drafts per row from the proposer."""
         ks = [self._k_for(s, k) for s in batch]
         if not any(ks):
-            return Proposal.empty(len(batch), self.device)
+            return self._no_drafts(len(batch))
         return proposer.propose(batch, ks, sb)
 
     def _planned_lookup(self, proposer: Proposer, batch: list[Sequence], remaining: list[int] | None,
@@ -216,7 +224,7 @@ class Engine:
         """Free drafts: all the lookup finds, then only as many as adaptive k plans to verify; `keep`
         (buckets, available) → available first leaves out the rows a model drafts better."""
         if not self.adaptive.worth_proposing(len(batch)):
-            return Proposal.empty(len(batch), self.device)
+            return self._no_drafts(len(batch))
         drafts, buckets = proposer.find(batch, [self._k_for(s, self.k) for s in batch])
         available = [len(d) for d in drafts]
         if keep is not None:

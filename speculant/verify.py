@@ -58,10 +58,9 @@ class TargetTokens:
     else by `sampling.inverse_cdf` over `probabilities`; plain decoding takes the same path."""
 
     def __init__(self, logits: torch.Tensor, sb: SamplingBatch):
-        self.native = native.sampling_usable(logits)
-        self.logits = logits.contiguous() if self.native else logits
-        self.sb = sb
+        self.logits, self.sb = logits, sb
         self._argmax: list[list[int]] | None = None
+        self._native: bool | None = None  # asked at a sampled row's first draw: greedy rows need only the argmax
         self._cdf: torch.Tensor | None = None
 
     def at(self, b: int, column: int, offset: int) -> int:
@@ -71,7 +70,11 @@ class TargetTokens:
                 self._argmax = argmax(self.logits).tolist()  # [B][k+1]: one call for the batch
             return self._argmax[b][column]
         u = uniform(key, self.sb.positions[b] + offset, TOKEN)
-        if self.native:
+        if self._native is None:
+            self._native = native.sampling_usable(self.logits)
+            if self._native:
+                self.logits = self.logits.contiguous()
+        if self._native:
             return native.sample_row(self.logits[b, column], self.sb.transforms[b], u)
         if self._cdf is None:
             # [B, k+1, V]: one running sum for the step, where a sum per drawn position cost k + 1 times more.
