@@ -75,7 +75,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "the requests before it")
     s.add_argument("--no-speculation", action="store_true",
                    help="plain decoding (k = 0); without any speculation flag the bundled model uses "
-                        "its best measured proposer (n-gram lookup, k up to 6), adaptively")
+                        "its best measured proposer (n-gram lookup, k up to 4), adaptively")
 
 
 def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
