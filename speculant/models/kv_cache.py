@@ -89,7 +89,7 @@ class KVCache:
         rows = torch.tensor(dst, dtype=torch.long, device=self.k.device)
         for cache in (self.k, self.v):
             cache[:, rows, :, :length] = cache[:, src:src + 1, :, :length].clone()  # index_put refuses views of itself
-        self.lengths[rows] = length
+        self.set_lengths(dst, [length] * len(dst))
 
     def move(self, slot: int, src: list[int], dst: list[int]) -> None:
         """Copy the keys and values at positions `src` of a row to positions `dst`, every layer: the
