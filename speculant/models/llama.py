@@ -394,7 +394,7 @@ class Block(nn.Module):
 def amx_weights(linear: nn.Module) -> list[torch.Tensor] | None:
     """A projection's weights as the native layer takes them: (q, scale, minimum) for the AMX int4
     kernel, (w) for the AMX bf16 one; None for any other kernel, or a bias."""
-    if isinstance(linear, Int4Linear) and linear.amx and linear.bias is None:
+    if isinstance(linear, Int4Linear) and linear.native and linear.bias is None:
         return [linear.weight, linear.scale, linear.minimum]
     if isinstance(linear, PackedLinear) and linear.kind == "amx" and linear.bias is None:
         return [linear.weight]

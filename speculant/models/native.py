@@ -39,6 +39,8 @@ from types import ModuleType
 
 import torch
 
+from speculant.errors import SpeculantError
+
 log = logging.getLogger("speculant")
 
 CSRC = Path(__file__).parent / "csrc"
@@ -51,8 +53,11 @@ CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx
 # AMX instructions appear in the *_amx.cpp kernels alone, called only where the CPU has AMX.
 NEEDED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi", "avx512_vnni")
 AMX_FLAGS = ("amx_tile", "amx_bf16", "amx_int8")
-# SPECULANT_NATIVE=off keeps PyTorch's kernels everywhere (to compare, or where a build misbehaves).
+# SPECULANT_NATIVE caps the kernel level: `on` (the best this CPU runs), `avx512` (no AMX tiles, as on AMD
+# Zen 4/5 or Ice Lake), or `off` (PyTorch's kernels everywhere): every level is testable on one machine.
 SWITCH_ENV = "SPECULANT_NATIVE"
+LEVELS = ("off", "avx512", "amx")  # lowest first
+BUILD_ERRORS: list[str] = []  # why kernels() fell back, for the test that each supported level builds
 Transforms = tuple[float, int, float, float]  # a request's temperature, top_k, top_p, min_p
 
 
@@ -71,10 +76,37 @@ def source_digest() -> str:
     return hashlib.sha256(b"".join((CSRC / f).read_bytes() for f in SOURCES + HEADERS)).hexdigest()[:12]
 
 
+def requested_level() -> str:
+    """The highest level SPECULANT_NATIVE allows (`on`: any)."""
+    asked = os.environ.get(SWITCH_ENV, "on")
+    if asked == "on":
+        return LEVELS[-1]
+    if asked not in LEVELS:
+        raise SpeculantError(f"{SWITCH_ENV}={asked!r}: choose one of on, {', '.join(reversed(LEVELS))}")
+    return asked
+
+
+def cpu_level() -> str:
+    """The highest level this CPU's flags run."""
+    if any(f not in cpu_flags() for f in NEEDED_FLAGS):
+        return "off"
+    return "amx" if all(f in cpu_flags() for f in AMX_FLAGS) else "avx512"
+
+
+@functools.cache
+def level() -> str:
+    """The kernel level in use: the CPU's, capped by SPECULANT_NATIVE, `off` where the module did not build."""
+    return "off" if kernels() is None else _allowed_level()
+
+
+def _allowed_level() -> str:
+    return min(cpu_level(), requested_level(), key=LEVELS.index)
+
+
 @functools.cache
 def kernels() -> ModuleType | None:
     """The compiled module, or None where it cannot run or be built (then every caller uses PyTorch)."""
-    if os.environ.get(SWITCH_ENV, "on") == "off":
+    if requested_level() == "off":
         return None
     missing = [f for f in NEEDED_FLAGS if f not in cpu_flags()]
     if missing:
@@ -85,22 +117,35 @@ def kernels() -> ModuleType | None:
 
         log.info("native kernels: compiled on first use (~1 min), then cached by PyTorch")
         # PyTorch rebuilds when a source or a flag changes, not a header: the sources' hash is a flag.
-        return load("speculant_native", [str(CSRC / s) for s in SOURCES],
-                    extra_cflags=[*CFLAGS, f"-DSPECULANT_SOURCES={source_digest()}"], extra_ldflags=["-fopenmp"])
+        module = load("speculant_native", [str(CSRC / s) for s in SOURCES],
+                      extra_cflags=[*CFLAGS, f"-DSPECULANT_SOURCES={source_digest()}"], extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler, no ninja, a compiler without AMX: all mean the fallback
+        BUILD_ERRORS.append(str(e))
         log.warning("native kernels: PyTorch's instead (they did not build: %s)", str(e).splitlines()[0][:200])
         return None
+    module.set_amx(_allowed_level() == "amx")  # the C++ side asks CPUID; a lower level forced must reach it
+    return module
 
 
-@functools.cache
+def off_reason() -> str:
+    """Why the native kernels do not run here, for a skipped test's message."""
+    if requested_level() == "off":
+        return f"{SWITCH_ENV}=off"
+    missing = [f for f in NEEDED_FLAGS if f not in cpu_flags()]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    return "the native kernels did not build: " + (BUILD_ERRORS[-1].splitlines()[0][:200] if BUILD_ERRORS else "?")
+
+
 def amx() -> bool:
-    """Whether the AMX kernels (int4 and bf16 weights) run here."""
-    return kernels() is not None and all(f in cpu_flags() for f in AMX_FLAGS)
+    """Whether the AMX kernels (bf16 weights; int4 and int8 ones above 8 rows) run here."""
+    return level() == "amx"
 
 
 def quantized_usable(out_features: int, in_features: int) -> bool:
-    """Whether the AMX kernels for int4 (Q4_1) and int8 (Q8_0) weights take this shape here."""
-    return out_features % 16 == 0 and in_features % 64 == 0 and amx()
+    """Whether the kernels for int4 (Q4_1) and int8 (Q8_0) weights take this shape here: VNNI on AVX512,
+    with AMX tiles above 8 rows where the CPU has them."""
+    return out_features % 16 == 0 and in_features % 64 == 0 and level() != "off"
 
 
 def int4_layout(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -83,8 +83,8 @@ class Int4Linear(QuantizedLinear):
         low, high = groups.amin(-1), groups.amax(-1)  # [out, in/32]
         step = ((high - low) / 15).clamp_min(1e-12)
         q = torch.round((groups - low[..., None]) / step[..., None]).clamp(0, 15).to(torch.int32).view(out, n_in)
-        self.amx = linear.weight.device.type == "cpu" and native.quantized_usable(out, n_in)
-        if self.amx:
+        self.native = linear.weight.device.type == "cpu" and native.quantized_usable(out, n_in)
+        if self.native:
             packed, scale, minimum = native.int4_layout(q, step, low)
             self.register_buffer("weight", packed)
             self.register_buffer("scale", scale)
@@ -96,7 +96,7 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("scales_and_zeros", table.to(torch.bfloat16))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.amx:
+        if self.native:
             return native.int4_mm(x, self.weight, self.scale, self.minimum)
         return torch._weight_int4pack_mm_for_cpu(x, self.weight, GROUP, self.scales_and_zeros)
 

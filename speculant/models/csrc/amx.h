@@ -43,13 +43,19 @@ inline bool amx_permitted() {
   return ok;
 }
 
-// Whether this CPU has AMX's bf16 tiles (CPUID leaf 7: AMX-BF16, AMX-TILE) and Linux grants them.
+// Whether the caller allows AMX (native.py's level: SPECULANT_NATIVE=avx512 runs the vector kernels on an AMX CPU).
+inline bool& amx_allowed() {
+  static bool allowed = true;
+  return allowed;
+}
+
+// Whether this CPU has AMX's bf16 tiles (CPUID leaf 7: AMX-BF16, AMX-TILE), Linux grants them, and they are allowed.
 inline bool amx_usable() {
   static const bool ok = [] {
     unsigned a, b, c, d;
     return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1) && (d >> 24 & 1) && amx_permitted();
   }();
-  return ok;
+  return ok && amx_allowed();
 }
 
 }  // namespace speculant

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "amx.h"
 #include "kernels.h"
 #include "team.h"
 
@@ -217,6 +218,7 @@ class DecoderStack {
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("set_amx", [](bool allowed) { speculant::amx_allowed() = allowed; });
   mod.def("int4_mm", &int4_mm);
   mod.def("int8_mm", &int8_mm);
   mod.def("bf16_mm", &bf16_mm);
