@@ -44,7 +44,7 @@ from speculant.errors import SpeculantError
 log = logging.getLogger("speculant")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ["quantized.cpp", "bf16_amx.cpp", "attention.cpp", "attention_amx.cpp", "layer_ops.cpp",
+SOURCES = ["quantized.cpp", "ggml_mm.cpp", "bf16_amx.cpp", "attention.cpp", "attention_amx.cpp", "layer_ops.cpp",
            "argmax.cpp", "sampling.cpp", "decoder.cpp"]
 HEADERS = ["amx.h", "attention.h", "bf16.h", "kernels.h", "team.h"]
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi", "-mavx512vnni", "-mamx-tile",
@@ -165,6 +165,11 @@ def int4_layout(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> 
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
     """x [M, K] bf16 → [M, N] bf16."""
     return kernels().int4_mm(x, packed, scale, minimum)
+
+
+def ggml_mm(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    """x [M, K] bf16 → [M, N] bf16, the weights repacked from GGUF blocks (models/ggml.py), 7 tensors a part."""
+    return kernels().ggml_mm(x, weights)
 
 
 def int8_layout(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,12 +40,20 @@ void write_kv(const torch::Tensor& qkv, torch::Tensor& k_cache, torch::Tensor& v
     }
 }
 
-// A projection's weights: (q, d, m) in int4_mm's layout, or (w) in bf16_mm's.
+// A projection's weights: (q, d, m) in int4_mm's layout, (w) in bf16_mm's, or ggml_mm's 7 tensors a part.
 void project(const torch::Tensor& x, const std::vector<torch::Tensor>& p, torch::Tensor& y) {
-  if (p.size() == 3)
+  if (p.size() % 7 == 0)
+    ggml_mm_into(x, p, y);
+  else if (p.size() == 3)
     int4_mm_into(x, p[0], p[1], p[2], y);
   else
     bf16_mm_into(x, p[0], y);
+}
+
+// The width of a projection's output: the down projection's tells the MLP's inner size.
+int64_t input_width(const std::vector<torch::Tensor>& p) {
+  if (p.size() % 7 == 0) return p[0].size(1) * 32;
+  return p.size() == 3 ? p[1].size(1) * 32 : p[0].size(1) * 32;
 }
 
 // A pass's intermediate rows, allocated once for all its layers (each of the ~10 allocations and views a
@@ -77,10 +85,12 @@ void layer_rows(const torch::Tensor& rows, const torch::Tensor& normed, const to
                 const std::vector<torch::Tensor>& gate_up_proj, const std::vector<torch::Tensor>& down_proj,
                 const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor k_cache, torch::Tensor v_cache,
                 const torch::Tensor& slots, const torch::Tensor& n_keys, int64_t n_heads, int64_t n_kv_heads,
-                const c10::optional<torch::Tensor>& tree, const c10::optional<torch::Tensor>& next_norm, Workspace& w,
-                torch::Tensor& out, torch::Tensor& out_normed) {
+                const c10::optional<torch::Tensor>& tree, const c10::optional<torch::Tensor>& next_norm,
+                const c10::optional<torch::Tensor>& qkv_bias, Workspace& w, torch::Tensor& out,
+                torch::Tensor& out_normed) {
   const int64_t Dh = k_cache.size(3);
   project(normed, qkv_proj, w.qkv);
+  if (qkv_bias) w.qkv.view({normed.size(0), -1}).add_(*qkv_bias);  // as llama.Attention's qkv_proj adds it
   rope_(w.qkv, cos, sin, n_heads + n_kv_heads);
   write_kv(w.qkv, k_cache, v_cache, slots, n_keys, n_heads, n_kv_heads);
   attention_into(w.q, k_cache, v_cache, n_keys, std::pow((double)Dh, -0.5), slots, tree, true, w.attended);
@@ -97,7 +107,7 @@ void layer_rows(const torch::Tensor& rows, const torch::Tensor& normed, const to
 
 Workspace workspace_for(const torch::Tensor& rows, const torch::Tensor& n_keys, int64_t head_dim,
                         const std::vector<torch::Tensor>& down_proj, int64_t n_heads, int64_t n_kv_heads) {
-  const int64_t inner = down_proj.size() == 3 ? down_proj[1].size(1) * 32 : down_proj[0].size(1) * 32;
+  const int64_t inner = input_width(down_proj);
   return Workspace(n_keys.size(0), n_keys.size(1), rows.size(1), n_heads, n_kv_heads, head_dim, inner,
                    rows.options());
 }
@@ -113,14 +123,14 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor input_norm, torch::Te
                             std::vector<torch::Tensor> gate_up_proj, std::vector<torch::Tensor> down_proj,
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor slots, torch::Tensor n_keys, int64_t n_heads, int64_t n_kv_heads,
-                            c10::optional<torch::Tensor> tree) {
+                            c10::optional<torch::Tensor> tree, c10::optional<torch::Tensor> qkv_bias) {
   auto rows = x.reshape({-1, x.size(2)});
   Workspace w = workspace_for(rows, n_keys, k_cache.size(3), down_proj, n_heads, n_kv_heads);
   auto out = torch::empty_like(rows);
   torch::Tensor unused;
   layer_rows(rows, rms_norm(rows, input_norm, eps), post_attention_norm, eps, qkv_proj, o_proj, gate_up_proj,
-             down_proj, cos, sin, k_cache, v_cache, slots, n_keys, n_heads, n_kv_heads, tree, c10::nullopt, w, out,
-             unused);
+             down_proj, cos, sin, k_cache, v_cache, slots, n_keys, n_heads, n_kv_heads, tree, c10::nullopt, qkv_bias, w,
+             out, unused);
   return out.view(x.sizes());
 }
 
@@ -134,8 +144,9 @@ class DecoderStack {
   DecoderStack(std::vector<std::vector<std::vector<torch::Tensor>>> layers, torch::Tensor final_norm, double eps,
                int64_t n_heads, int64_t n_kv_heads)
       : layers_(std::move(layers)), final_norm_(final_norm), eps_(eps), n_heads_(n_heads), n_kv_heads_(n_kv_heads) {
-    for (const auto& layer : layers_) TORCH_CHECK(layer.size() == 6 && layer[0].size() == 1 && layer[1].size() == 1,
-                                                  "a layer: two norms and four projections");
+    for (const auto& layer : layers_)
+      TORCH_CHECK((layer.size() == 6 || layer.size() == 7) && layer[0].size() == 1 && layer[1].size() == 1,
+                  "a layer: two norms, four projections and optionally the qkv projection's bias");
   }
 
   // x [B, T, D]; k_cache, v_cache the whole KV cache [layers, rows, Hkv, L, Dh]; the rest as decoder_layer
@@ -155,8 +166,9 @@ class DecoderStack {
       for (size_t i = 0; i < layers_.size(); i++) {
         const auto& l = layers_[i];
         const auto& next_norm = i + 1 < layers_.size() ? layers_[i + 1][0][0] : final_norm_;
+        const auto bias = l.size() == 7 && !l[6].empty() ? c10::optional<torch::Tensor>(l[6][0]) : c10::nullopt;
         layer_rows(rows, normed, l[1][0], eps_, l[2], l[3], l[4], l[5], cos, sin, k_cache.select(0, i),
-                   v_cache.select(0, i), slots, n_keys, n_heads_, n_kv_heads_, tree, next_norm, w, sums[i % 2],
+                   v_cache.select(0, i), slots, n_keys, n_heads_, n_kv_heads_, tree, next_norm, bias, w, sums[i % 2],
                    norms[i % 2]);
         rows = sums[i % 2], normed = norms[i % 2];
       }
@@ -221,6 +233,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("set_amx", [](bool allowed) { speculant::amx_allowed() = allowed; });
   mod.def("int4_mm", &int4_mm);
   mod.def("int8_mm", &int8_mm);
+  mod.def("ggml_mm", &ggml_mm);
   mod.def("bf16_mm", &bf16_mm);
   mod.def("attention", &attention, pybind11::arg("q"), pybind11::arg("keys"), pybind11::arg("values"),
           pybind11::arg("n_keys"), pybind11::arg("scale"), pybind11::arg("slots") = pybind11::none(),
@@ -235,7 +248,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           pybind11::arg("post_attention_norm"), pybind11::arg("eps"), pybind11::arg("qkv_proj"), pybind11::arg("o_proj"),
           pybind11::arg("gate_up_proj"), pybind11::arg("down_proj"), pybind11::arg("cos"), pybind11::arg("sin"),
           pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("slots"), pybind11::arg("n_keys"),
-          pybind11::arg("n_heads"), pybind11::arg("n_kv_heads"), pybind11::arg("tree") = pybind11::none());
+          pybind11::arg("n_heads"), pybind11::arg("n_kv_heads"), pybind11::arg("tree") = pybind11::none(),
+          pybind11::arg("qkv_bias") = pybind11::none());
   pybind11::class_<DecoderStack>(mod, "DecoderStack")
       .def(pybind11::init<std::vector<std::vector<std::vector<torch::Tensor>>>, torch::Tensor, double, int64_t,
                           int64_t>())

@@ -16,6 +16,10 @@ void int4_mm_into(const torch::Tensor& x, const torch::Tensor& q, const torch::T
 // quantized.cpp: x [M, K] bf16 × Q8_0 weights in the kernel's layout (native.int8_layout) → [M, N] bf16.
 torch::Tensor int8_mm(torch::Tensor x, torch::Tensor q, torch::Tensor d);
 
+// ggml_mm.cpp: x [M, K] bf16 × weights repacked from GGUF blocks (models/ggml.py's layout, 7 tensors) → [M, N] bf16.
+torch::Tensor ggml_mm(torch::Tensor x, std::vector<torch::Tensor> p);
+void ggml_mm_into(const torch::Tensor& x, const std::vector<torch::Tensor>& p, torch::Tensor& y);
+
 // bf16_amx.cpp: x [M, K] bf16 × bf16 weights in the kernel's layout (native.bf16_layout) → [M, N] bf16.
 torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor w);
 void bf16_mm_into(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& y);

@@ -1,0 +1,254 @@
+// y = x Wᵀ for weights repacked exactly from GGUF's block formats (models/ggml.py): Q4_0, Q4_1, Q5_0, Q8_0,
+// Q4_K, Q5_K, Q6_K. One form holds them all: per block of 16 outputs and group of 32 inputs,
+//   w = (D·sc_h)·(u − offset) + M·mn
+// with u the stored unsigned value (BITS bits: a nibble plane, plus 1 or 2 high bits, or whole bytes), sc_h an
+// int8 scale per half group of 16 inputs (H = 2, Q6_K) or per group (H = 1), D and M fp16 per superblock of S
+// groups (8 for K-quants, 1 for the others), mn a uint8 per group (types with a minimum). Every product and sum
+// of that formula is exact in fp32 for these types, so the stored weights are the file's, value for value.
+//
+// The activations are int8 per group of 32 (x ≈ dx·p, as llama.cpp's Q8 activations), a half group's sum
+// Σ u·p is VNNI's integer product, and per row and group
+//   y += dx·((D·sc_h)·(Σ u·p − offset·Σp)) + (dx·Σp)·(M·mn),
+// the same float steps in the same order for every row: a row gets the same bits alone or in a verify pass.
+#include <torch/extension.h>
+#include <immintrin.h>
+
+#include "amx.h"
+#include "bf16.h"
+#include "kernels.h"
+#include "team.h"
+
+namespace {
+
+using speculant::load_bf16;
+
+constexpr int kRows = 8;  // rows a call takes at once (registers: 8 weight vectors, 8 sums, 8 accumulators)
+
+template <class T>
+T* reused(std::vector<T>& buffer, int64_t n) {
+  if ((int64_t)buffer.size() < n) buffer.resize(n);
+  return buffer.data();
+}
+
+// The rows' int8 activations, each group's scale dx, dx·Σp, and each half group's Σp.
+struct Activations {
+  int8_t* p;     // [M, K]
+  float *dx, *sx;  // [M, G]
+  int32_t* half;   // [M, G, 2]
+
+  Activations(const uint16_t* X, int64_t M, int64_t K) {
+    static thread_local std::vector<int8_t> p_buffer;
+    static thread_local std::vector<float> dx_buffer, sx_buffer;
+    static thread_local std::vector<int32_t> half_buffer;
+    const int64_t n = M * K / 32;
+    p = reused(p_buffer, M * K), dx = reused(dx_buffer, n), sx = reused(sx_buffer, n);
+    half = reused(half_buffer, 2 * n);
+    for (int64_t i = 0; i < n; i++) {
+      const __m512 a = load_bf16(X + 32 * i), b = load_bf16(X + 32 * i + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      const __m512 inv = _mm512_set1_ps(amax > 0 ? 127.f / amax : 0.f);
+      const __m512i pa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), pb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+      _mm_storeu_si128((__m128i*)(p + 32 * i), _mm512_cvtsepi32_epi8(pa));
+      _mm_storeu_si128((__m128i*)(p + 32 * i + 16), _mm512_cvtsepi32_epi8(pb));
+      half[2 * i] = _mm512_reduce_add_epi32(pa);
+      half[2 * i + 1] = _mm512_reduce_add_epi32(pb);
+      dx[i] = amax / 127.f;
+      sx[i] = dx[i] * (float)(half[2 * i] + half[2 * i + 1]);
+    }
+  }
+};
+
+struct Weights {
+  const uint8_t* low;   // [N/16, G, low bytes]: nibbles (BITS < 8) or bytes
+  const uint8_t* high;  // [N/16, G, high bytes]: the bits above the nibble (BITS 5, 6)
+  const int8_t* sc;     // [N/16, G, H, 16]
+  const uint16_t* d;    // [N/16, G/S, 16] fp16
+  const uint8_t* mn;    // [N/16, G, 16] (types with a minimum)
+  const uint16_t* m;    // [N/16, G/S, 16] fp16
+  int64_t K, G, S, offset;
+  int64_t ld;  // the output's row stride: parts of one projection write side by side
+};
+
+template <int BITS>
+struct Plane {
+  static constexpr int64_t kLow = BITS == 8 ? 512 : 256;
+  static constexpr int64_t kHigh = BITS == 8 ? 0 : (BITS - 4) * 64;
+
+  // Group g of block b → 8 vectors of bytes, vector v holding for each output j its inputs 4v .. 4v+3.
+  static void unpack(const Weights& w, int64_t bg, __m512i* out) {
+    const uint8_t* lo = w.low + bg * kLow;
+    if constexpr (BITS == 8) {
+      for (int v = 0; v < 8; v++) out[v] = _mm512_loadu_si512(lo + 64 * v);
+    } else {
+      const __m512i low4 = _mm512_set1_epi8(0x0F);
+      for (int v = 0; v < 4; v++) {
+        const __m512i packed = _mm512_loadu_si512(lo + 64 * v);
+        out[v] = _mm512_and_si512(packed, low4);
+        out[v + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+      }
+      if constexpr (BITS == 5) {  // bit v of each byte: vector v's fifth bit
+        const __m512i hi = _mm512_loadu_si512(w.high + bg * kHigh), one = _mm512_set1_epi8(1);
+        for (int v = 0; v < 8; v++)
+          out[v] = _mm512_or_si512(out[v], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hi, v), one), 4));
+      } else if constexpr (BITS == 6) {  // bits 2(v mod 4), +1 of vector v / 4: the two top bits
+        const __m512i three = _mm512_set1_epi8(3);
+        for (int h = 0; h < 2; h++) {
+          const __m512i hi = _mm512_loadu_si512(w.high + bg * kHigh + 64 * h);
+          for (int s = 0; s < 4; s++) {
+            __m512i& o = out[4 * h + s];
+            o = _mm512_or_si512(o, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hi, 2 * s), three), 4));
+          }
+        }
+      }
+    }
+  }
+
+  static void prefetch(const Weights& w, int64_t bg) {
+    for (int64_t line = 0; line < kLow; line += 64) _mm_prefetch((const char*)(w.low + bg * kLow + line), _MM_HINT_T0);
+    for (int64_t line = 0; line < kHigh; line += 64)
+      _mm_prefetch((const char*)(w.high + bg * kHigh + line), _MM_HINT_T0);
+  }
+};
+
+inline __m512 fp16x16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+
+inline __m512 int8x16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+
+inline __m512 uint8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+
+// Blocks b .. b + C of 16 outputs for rows r0 .. r0 + R: R·C independent chains of dpbusd per half group.
+template <int BITS, int H, bool MINS, int R, int C>
+void blocks(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int64_t b) {
+  using P = Plane<BITS>;
+  const int64_t G = w.G, S = w.S, off = w.offset;
+  const int8_t* X = x.p + r0 * w.K;
+  __m512 acc[C][R];
+  for (int c = 0; c < C; c++)
+    for (int i = 0; i < R; i++) acc[c][i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; g++) {
+    __m512i u[C][8];
+    for (int c = 0; c < C; c++) {
+      const int64_t bg = (b + c) * G + g;
+      // 16 groups ahead in this block's stream, past its end in the next call's block c
+      P::prefetch(w, g + 16 < G ? bg + 16 : (b + c + C) * G + g + 16 - G);
+      P::unpack(w, bg, u[c]);
+    }
+    for (int h = 0; h < H; h++) {
+      __m512i s[C][R];
+      for (int c = 0; c < C; c++)
+        for (int i = 0; i < R; i++) s[c][i] = _mm512_setzero_si512();
+      for (int v = h * 8 / H; v < (h + 1) * 8 / H; v++)
+        for (int i = 0; i < R; i++) {
+          const __m512i p = _mm512_set1_epi32(((const int32_t*)(X + (i * G + g) * 32))[v]);  // inputs 4v .. 4v+3
+          for (int c = 0; c < C; c++) s[c][i] = _mm512_dpbusd_epi32(s[c][i], u[c][v], p);
+        }
+      for (int c = 0; c < C; c++) {
+        const int64_t bg = (b + c) * G + g, sb = ((b + c) * (G / S) + g / S) * 16;
+        const __m512 scale = _mm512_mul_ps(fp16x16(w.d + sb), int8x16(w.sc + (bg * H + h) * 16));  // exact
+        for (int i = 0; i < R; i++) {
+          const int32_t* half = x.half + ((r0 + i) * G + g) * 2;
+          const int32_t sum = H == 2 ? half[h] : half[0] + half[1];
+          const __m512i exact = _mm512_sub_epi32(s[c][i], _mm512_set1_epi32((int32_t)off * sum));
+          const __m512 dx = _mm512_set1_ps(x.dx[(r0 + i) * G + g]);
+          acc[c][i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(exact), scale), dx, acc[c][i]);
+        }
+      }
+    }
+    if constexpr (MINS) {
+      for (int c = 0; c < C; c++) {
+        const int64_t bg = (b + c) * G + g, sb = ((b + c) * (G / S) + g / S) * 16;
+        const __m512 minimum = _mm512_mul_ps(fp16x16(w.m + sb), uint8x16(w.mn + bg * 16));  // exact
+        for (int i = 0; i < R; i++)
+          acc[c][i] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(x.sx[(r0 + i) * G + g]), acc[c][i]);
+      }
+    }
+  }
+  for (int c = 0; c < C; c++)
+    for (int i = 0; i < R; i++)
+      _mm256_storeu_si256((__m256i*)(Y + (r0 + i) * w.ld + (b + c) * 16), (__m256i)_mm512_cvtneps_pbh(acc[c][i]));
+}
+
+template <int BITS, int H, bool MINS, int R>
+void rows(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int64_t b0, int64_t b1) {
+  constexpr int C = R <= 4 ? 2 : 1;  // two blocks share each broadcast input while registers allow
+  int64_t b = b0;
+  for (; b + C <= b1; b += C) blocks<BITS, H, MINS, R, C>(w, x, Y, r0, b);
+  if (b < b1) blocks<BITS, H, MINS, R, 1>(w, x, Y, r0, b);
+}
+
+template <int BITS, int H, bool MINS>
+void any_rows(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int n, int64_t b0, int64_t b1) {
+  switch (n) {
+    case 1: return rows<BITS, H, MINS, 1>(w, x, Y, r0, b0, b1);
+    case 2: return rows<BITS, H, MINS, 2>(w, x, Y, r0, b0, b1);
+    case 3: return rows<BITS, H, MINS, 3>(w, x, Y, r0, b0, b1);
+    case 4: return rows<BITS, H, MINS, 4>(w, x, Y, r0, b0, b1);
+    case 5: return rows<BITS, H, MINS, 5>(w, x, Y, r0, b0, b1);
+    case 6: return rows<BITS, H, MINS, 6>(w, x, Y, r0, b0, b1);
+    case 7: return rows<BITS, H, MINS, 7>(w, x, Y, r0, b0, b1);
+    default: return rows<BITS, H, MINS, 8>(w, x, Y, r0, b0, b1);
+  }
+}
+
+using Kernel = void (*)(const Weights&, const Activations&, uint16_t*, int64_t, int, int64_t, int64_t);
+
+// The formats GGUF files of the Llama family use (models/ggml.py's FORMATS): bits, halves, minimum.
+Kernel kernel_for(int64_t bits, int64_t halves, bool mins) {
+  if (bits == 4 && halves == 1) return mins ? any_rows<4, 1, true> : any_rows<4, 1, false>;
+  if (bits == 5 && halves == 1) return mins ? any_rows<5, 1, true> : any_rows<5, 1, false>;
+  if (bits == 6 && halves == 2 && !mins) return any_rows<6, 2, false>;
+  if (bits == 8 && halves == 1 && !mins) return any_rows<8, 1, false>;
+  TORCH_CHECK(false, "no kernel for ", bits, "-bit weights with ", halves, " scales a group", mins ? " and minimums" : "");
+}
+
+}  // namespace
+
+// x [M, K] bf16; a projection as models/ggml.py lays it out: 7 tensors a part (low, high, sc, d, mn, m,
+// format = bits, halves, offset, groups per superblock), parts of any formats side by side in the output
+// columns (a fused qkv whose v is stored in other bits) → y [M, ΣN] bf16. The activations are quantized once.
+void ggml_mm_into(const torch::Tensor& x, const std::vector<torch::Tensor>& p, torch::Tensor& y) {
+  TORCH_CHECK(!p.empty() && p.size() % 7 == 0, "a GGML weight: 7 tensors a part (low, high, sc, d, mn, m, format)");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2, "x must be 2-D bf16");
+  const int64_t M = x.size(0), K = x.size(1), G = K / 32;
+  int64_t total = 0;
+  for (size_t i = 0; i < p.size(); i += 7) total += p[i].size(0) * 16;
+  check_output(y, M * total);
+  auto xc = x.contiguous();
+  const Activations act((const uint16_t*)xc.data_ptr<at::BFloat16>(), M, K);
+  int64_t col = 0;
+  for (size_t i = 0; i < p.size(); i += 7) {
+    const auto& low = p[i];
+    const int64_t* format = p[i + 6].data_ptr<int64_t>();
+    const int64_t bits = format[0], halves = format[1], offset = format[2], S = format[3];
+    const bool mins = p[i + 4].numel() > 0;
+    const int64_t N = low.size(0) * 16;
+    TORCH_CHECK(low.dim() == 3 && low.size(1) == G && K % 32 == 0 && G % S == 0, "input size ", K,
+                " does not match the weight's ", low.size(1) * 32);
+    const Kernel kernel = kernel_for(bits, halves, mins);
+    const Weights w{low.data_ptr<uint8_t>(),
+                    p[i + 1].numel() ? p[i + 1].data_ptr<uint8_t>() : nullptr,
+                    p[i + 2].data_ptr<int8_t>(),
+                    (const uint16_t*)p[i + 3].data_ptr(),
+                    mins ? p[i + 4].data_ptr<uint8_t>() : nullptr,
+                    mins ? (const uint16_t*)p[i + 5].data_ptr() : nullptr,
+                    K, G, S, offset, total};
+    auto* Y = (uint16_t*)y.data_ptr<at::BFloat16>() + col;
+    speculant::Team::parallel_for(0, N / 16, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t r0 = 0; r0 < M; r0 += kRows)
+        kernel(w, act, Y, r0, (int)std::min<int64_t>(kRows, M - r0), b0, b1);
+    });
+    col += N;
+  }
+}
+
+torch::Tensor ggml_mm(torch::Tensor x, std::vector<torch::Tensor> p) {
+  int64_t total = 0;
+  for (size_t i = 0; i < p.size(); i += 7) total += p[i].size(0) * 16;
+  auto y = torch::empty({x.size(0), total}, x.options());
+  ggml_mm_into(x, p, y);
+  return y;
+}
