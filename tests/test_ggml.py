@@ -96,3 +96,74 @@ def test_parts_of_other_formats_write_side_by_side():
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
     fused = native.ggml_mm(x, [t for p in parts for t in p])
     assert torch.equal(fused, torch.cat([native.ggml_mm(x, p) for p in parts], 1))
+
+
+NATIVE_TYPES = {"attn_k": T.Q4_1, "attn_v": T.Q8_0, "attn_output": T.Q5_0, "ffn_up": T.Q4_1, "output": T.Q8_0}
+
+
+def native_gguf(tmp_path, arch: str):
+    """A tiny GGUF file whose every matrix has a native kernel (test_gguf.write_gguf's, with its float ones
+    stored quantized)."""
+    from test_gguf import LAYERS, write_gguf
+
+    override = {f"blk.{i}.{kind}.weight": t for i in range(LAYERS) for kind, t in NATIVE_TYPES.items()}
+    override["output.weight"] = T.Q8_0
+    path = tmp_path / f"{arch}.gguf"
+    write_gguf(path, arch, override_type=override)
+    return path
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_gguf_file_loads_into_the_kernels_and_scores_as_its_dequantized_model(tmp_path, monkeypatch, arch):
+    """Independent reference: a plain PyTorch model of the same dequantized weights (models/gguf.py's fp32
+    folder). The native model differs by its int8 activations and bf16 rounding only. The packed cache is
+    used on the second load and gives the same bits."""
+    from speculant.models.loader import load_model
+
+    if native.level() == "off":
+        pytest.skip(native.off_reason())
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
+    path = native_gguf(tmp_path, arch)
+    first = load_model(path, dtype="bfloat16", quantization="auto")
+    assert first.load_info.get("weights") == "gguf blocks" and not first.load_info["gguf_cached"]
+    assert first.model.native_stack is not None
+    reference = load_model(path, dtype="float32", quantization="none").model
+    bf16_reference = load_model(path, dtype="bfloat16", quantization="none").model
+    tokens = torch.tensor([[5, 17, 33, 2, 40, 41, 7, 9]])
+
+    def logits(model):
+        cache = model.new_cache(1, 64)
+        with torch.no_grad():
+            return model.logits(model(tokens, cache, torch.tensor([0]))).double()
+
+    def error(model) -> float:
+        return ((logits(model) - want).norm() / want.norm()).item()
+
+    want, got = logits(reference), logits(first.model)
+    # This random model amplifies rounding: PyTorch in bf16 is itself ~2% off; a wrong permutation, bias or
+    # norm would be ~100%. The int8 activations may add as much again as bf16 does.
+    assert error(first.model) < 2.5 * error(bf16_reference) < 0.1
+    again = load_model(path, dtype="bfloat16", quantization="auto")
+    assert again.load_info["gguf_cached"]
+    assert torch.equal(logits(again.model), got)
+
+
+def test_speculative_greedy_output_equals_plain_on_a_native_gguf_model(tmp_path, monkeypatch):
+    """One by one and in a ragged batch, with prompt lookup and with a draft model (the file itself)."""
+    from test_greedy_lossless import run
+
+    from speculant.models.loader import load_model
+
+    if native.level() == "off":
+        pytest.skip(native.off_reason())
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
+    path = native_gguf(tmp_path, "qwen2")
+    target = load_model(path, dtype="bfloat16", quantization="auto")
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [40, 41, 42, 43], [9]]
+    plain = run(target, None, prompts)[0]
+    for spec in ({"method": "ngram", "num_speculative_tokens": 3},
+                 {"method": "draft_model", "model": str(path), "num_speculative_tokens": 4}):
+        batched, engine = run(target, spec, prompts)
+        assert batched == plain
+        assert [run(target, spec, [p], max_batch_size=1)[0][0] for p in prompts] == plain
+        assert engine.stats.num_draft_tokens > 0

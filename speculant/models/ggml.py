@@ -51,6 +51,15 @@ class Blocks:
     mn: np.ndarray | None = None  # [N, G] uint8
     m: np.ndarray | None = None  # [N, G / superblock] fp16
 
+    def padded(self, multiple: int = 16) -> Blocks:
+        """Zero outputs appended up to a multiple of the kernel's block of 16 (a vocabulary of any size)."""
+        extra = -len(self.u) % multiple
+
+        def pad(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else np.concatenate((a, np.zeros((extra, *a.shape[1:]), a.dtype)))
+
+        return Blocks(self.fmt, pad(self.u), pad(self.sc), pad(self.d), pad(self.mn), pad(self.m)) if extra else self
+
     def dequantize(self) -> np.ndarray:
         """[N, K] float32, in the order of operations the kernel's form states (the exactness reference)."""
         f = self.fmt
@@ -157,8 +166,8 @@ def layout(blocks: Blocks) -> list[torch.Tensor]:
 
 
 def usable(qtype: T, n_out: int, n_in: int) -> bool:
-    """Whether the native kernel takes this tensor as stored."""
-    if qtype not in FORMATS or n_out % 16 or n_in % 32 or native.level() == "off":
+    """Whether the native kernel takes this tensor as stored (outputs past a multiple of 16 padded: the head)."""
+    if qtype not in FORMATS or n_in % 32 or native.level() == "off":
         return False
     return n_in % (32 * FORMATS[qtype].superblock) == 0
 
@@ -167,10 +176,12 @@ class GGMLLinear(nn.Module):
     """y = x Wᵀ + b, W one or more GGUF tensors stacked by output (a fused qkv whose v has other bits), each in
     its own stored format."""
 
-    def __init__(self, parts: list[list[torch.Tensor]], in_features: int, bias: torch.Tensor | None = None):
+    def __init__(self, parts: list[list[torch.Tensor]], in_features: int, bias: torch.Tensor | None = None,
+                 out_features: int | None = None):
         super().__init__()
         self.in_features = in_features
-        self.out_features = sum(p[0].shape[0] * 16 for p in parts)
+        self.stored_features = sum(p[0].shape[0] * 16 for p in parts)
+        self.out_features = out_features or self.stored_features  # fewer: the last part's padding is dropped
         self.weights = [t for p in parts for t in p]  # what the kernel takes, 7 tensors a part
         for i, t in enumerate(self.weights):
             self.register_buffer(f"w{i}", t, persistent=False)
@@ -179,6 +190,8 @@ class GGMLLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.flatten(0, -2)
         y = native.ggml_mm(rows if rows.dtype == torch.bfloat16 else rows.to(torch.bfloat16), self.weights)
+        if self.out_features < self.stored_features:
+            y = y[:, :self.out_features]
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         if self.bias is not None:

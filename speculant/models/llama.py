@@ -19,6 +19,7 @@ from torch import nn
 from speculant.config import MAX_VERIFY_WIDTH
 from speculant.errors import SpeculantError
 from speculant.models import native
+from speculant.models.ggml import GGMLLinear
 from speculant.models.kernels import PackedLinear
 from speculant.models.kv_cache import CacheIndex, KVCache
 from speculant.models.quantize import Int4Linear
@@ -377,10 +378,12 @@ class Block(nn.Module):
         asks: a model's weights are final by then (quantized and packed at load)."""
         attn, mlp = self.self_attn, self.mlp
         norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
-        projections = [amx_weights(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        qkv_bias = attn.qkv_proj.bias if isinstance(attn.qkv_proj, GGMLLinear) else None
+        projections = [amx_weights(p, bias_ok=p is attn.qkv_proj) for p in
+                       (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         if attn.cfg.qk_norm or any(n.dtype != torch.bfloat16 for n in norms) or None in projections:
             return None
-        return [*norms, attn.cfg.norm_eps, *projections]
+        return [*norms, attn.cfg.norm_eps, *projections, [] if qkv_bias is None else [qkv_bias]]
 
     def forward_native(self, x: torch.Tensor, cache: KVCache, fwd: Pass) -> torch.Tensor:
         """forward in one native call (csrc/decoder.cpp: the same kernels in the same order), for a
@@ -391,14 +394,24 @@ class Block(nn.Module):
                                     fwd.n_keys, cfg.n_heads, cfg.n_kv_heads, fwd.tree)
 
 
-def amx_weights(linear: nn.Module) -> list[torch.Tensor] | None:
+def amx_weights(linear: nn.Module, bias_ok: bool = False) -> list[torch.Tensor] | None:
     """A projection's weights as the native layer takes them: (q, scale, minimum) for the AMX int4
     kernel, (w) for the AMX bf16 one; None for any other kernel, or a bias."""
+    if isinstance(linear, GGMLLinear) and (linear.bias is None or bias_ok):
+        return linear.weights
     if isinstance(linear, Int4Linear) and linear.native and linear.bias is None:
         return [linear.weight, linear.scale, linear.minimum]
     if isinstance(linear, PackedLinear) and linear.kind == "amx" and linear.bias is None:
         return [linear.weight]
     return None
+
+
+def embedding_table(embed: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a table, ids into it) for the native decode pass: the embedding's own weight, or, for one that
+    stores its rows quantized (gguf_native.GGMLEmbedding), the pass's rows alone."""
+    if isinstance(embed, nn.Embedding):
+        return embed.weight, tokens
+    return embed(tokens).reshape(-1, embed.embedding_dim), torch.arange(tokens.numel()).view(tokens.shape)
 
 
 class Backbone(nn.Module):
@@ -429,12 +442,12 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        # The embedding is never quantized: it holds the activations' dtype.
-        return self.model.embed_tokens.weight.dtype
+        # Norms are never quantized: they hold the activations' dtype.
+        return self.model.norm.weight.dtype
 
     def new_cache(self, max_batch: int, max_len: int) -> KVCache:
         c = self.cfg
@@ -452,8 +465,9 @@ class Transformer(nn.Module):
         chain = parents is None and tokens.shape[1] <= MAX_VERIFY_WIDTH
         if chain and self.native_decode and self.native_stack is not None:
             cos, sin = self.rope.tables(self.inv_freq, cache.max_len + 1, self.dtype)
-            hidden = self.native_stack.decode(tokens, self.model.embed_tokens.weight, cos, sin, cache.k, cache.v,
-                                              cache.lengths, slots, cache.max_len, n_new)
+            table, ids = embedding_table(self.model.embed_tokens, tokens)
+            hidden = self.native_stack.decode(ids, table, cos, sin, cache.k, cache.v, cache.lengths, slots,
+                                              cache.max_len, n_new)
             if hidden is not None:
                 return hidden
             # None: a row would run past the cache, which prepare_pass reports.

@@ -92,6 +92,8 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise SpeculantError(f"{path}: expected a Hugging Face model folder or a .gguf file")
+        if quantization == "auto" and _native_gguf(path, torch_dtype, torch_device):
+            return _load_gguf_native(path, torch_dtype, t0)
         from speculant.models.gguf import convert_gguf
 
         folder, cached = convert_gguf(path)
@@ -119,6 +121,26 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float
         eos_ids.append(tokenizer.eos_id)
     info["load_s"] = time.perf_counter() - t0
     return LoadedModel(model, tokenizer, eos_ids, str(path), info, quantization)
+
+
+def _native_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> bool:
+    """`auto` on a CPU with the native kernels: the file's blocks as they are (gguf_native), where every
+    matrix has a kernel; other files go through the converted folder."""
+    from speculant.models.gguf_native import native_loadable
+
+    return device.type == "cpu" and dtype == torch.bfloat16 and native_loadable(path)
+
+
+def _load_gguf_native(path: Path, dtype: torch.dtype, t0: float) -> LoadedModel:
+    from speculant.models.gguf_native import load_gguf_native
+
+    model, folder, cached = load_gguf_native(path, dtype)
+    eos_ids = _eos_ids(folder, _read_json(folder / "config.json"))
+    tokenizer = Tokenizer.from_folder(folder)
+    if tokenizer is not None and tokenizer.eos_id is not None and tokenizer.eos_id not in eos_ids:
+        eos_ids.append(tokenizer.eos_id)
+    info = {"gguf_cached": cached, "weights": "gguf blocks", "load_s": time.perf_counter() - t0}
+    return LoadedModel(model, tokenizer, eos_ids, str(path), info, "auto")
 
 
 def _read_json(path: Path) -> dict:

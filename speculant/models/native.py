@@ -116,9 +116,9 @@ def kernels() -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         log.info("native kernels: compiled on first use (~1 min), then cached by PyTorch")
-        # PyTorch rebuilds when a source or a flag changes, not a header: the sources' hash is a flag.
-        module = load("speculant_native", [str(CSRC / s) for s in SOURCES],
-                      extra_cflags=[*CFLAGS, f"-DSPECULANT_SOURCES={source_digest()}"], extra_ldflags=["-fopenmp"])
+        # The name carries the sources' hash: checkouts of other sources never share (or race on) one build.
+        module = load(f"speculant_native_{source_digest()}", [str(CSRC / s) for s in SOURCES],
+                      extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler, no ninja, a compiler without AMX: all mean the fallback
         BUILD_ERRORS.append(str(e))
         log.warning("native kernels: PyTorch's instead (they did not build: %s)", str(e).splitlines()[0][:200])
@@ -266,9 +266,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def decoder_stack(layers: list[list], final_norm: torch.Tensor, n_heads: int, n_kv_heads: int):
     """Every decoder layer and the final norm in one native object (decoder.cpp's DecoderStack): `layers`
-    each layer's Block.native_weights. Its forward(x, cos, sin, k_cache, v_cache, slots, n_keys, tree) is
-    a pass over all of them, the whole KV cache [layers, rows, Hkv, L, Dh] given at once, and returns the
-    final norm's output."""
+    each layer's Block.native_weights (norms, eps, four projections, [the qkv bias] or []). Its
+    forward(x, cos, sin, k_cache, v_cache, slots, n_keys, tree) is a pass over all of them, the whole KV
+    cache [layers, rows, Hkv, L, Dh] given at once, and returns the final norm's output."""
     eps = layers[0][2]
     return kernels().DecoderStack([[[w[0]], [w[1]], *w[3:]] for w in layers], final_norm, eps, n_heads,
                                   n_kv_heads)
@@ -280,5 +280,6 @@ def decoder_layer(x: torch.Tensor, weights: list, cos: torch.Tensor, sin: torch.
     """One decoder layer (llama.Block) over x [B, T, D]: `weights` from Block.native_weights, k_cache and
     v_cache one layer of the KV cache [rows, Hkv, L, Dh] (row b's keys go to row slots[b], position
     n_keys[b, t] − 1)."""
-    return kernels().decoder_layer(x, *weights, cos, sin, k_cache, v_cache, slots, n_keys, n_heads, n_kv_heads,
-                                   tree)
+    *layer, qkv_bias = weights
+    return kernels().decoder_layer(x, *layer, cos, sin, k_cache, v_cache, slots, n_keys, n_heads, n_kv_heads,
+                                   tree, qkv_bias[0] if qkv_bias else None)

@@ -1,0 +1,251 @@
+"""A GGUF file loaded straight into the native kernels: each quantized tensor repacked exactly (models/ggml.py)
+into a packed cache that later loads map from disk; no float copy of the model on disk or in memory.
+
+The cache holds the repacked tensors (packed.bin, packed.json) next to the config and tokenizer that
+models/gguf.py writes, published by an atomic rename; the token embedding stays in the file's blocks and
+only the rows a pass reads are dequantized.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from torch import nn
+
+from speculant.errors import SpeculantError
+from speculant.models import ggml, native
+from speculant.models.gguf import (
+    ARCHITECTURES,
+    PERMUTED_QK,
+    cache_dir,
+    cache_key,
+    hf_config,
+    open_gguf,
+    read_metadata,
+    write_json,
+    write_tokenizer,
+)
+from speculant.models.llama import ModelConfig, Transformer, rope_inv_freq
+
+FORMAT_VERSION = 2
+CHUNK_ROWS = 8192  # outputs repacked at a time: a vocabulary-sized head's temporaries stay a few hundred MB
+DENSE = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+
+
+def cache_folder(src: Path) -> Path:
+    return cache_dir(None) / "gguf-native" / f"{cache_key(src)}-v{FORMAT_VERSION}"
+
+
+@functools.lru_cache(maxsize=1)
+def _reader(src: Path, key: str) -> gguf.GGUFReader:
+    """One parse for the check and the build: GGUFReader reads every vocabulary string, seconds for 151k."""
+    return open_gguf(src)
+
+
+def native_loadable(src: Path) -> bool:
+    """Whether every matrix of the file has a native kernel here (else the file goes through models/gguf.py)."""
+    if native.level() == "off":
+        return False
+    if (cache_folder(src) / "packed.json").is_file():
+        return True
+    reader = _reader(src, cache_key(src))
+    tied = "output.weight" not in {t.name for t in reader.tensors}
+    for t in reader.tensors:
+        if t.name == "token_embd.weight" and not tied:  # rows are looked up, not multiplied
+            if t.tensor_type not in ggml.FORMATS and t.tensor_type not in DENSE:
+                return False
+        elif len(t.shape) == 2 and not ggml.usable(t.tensor_type, int(t.shape[1]), int(t.shape[0])):
+            return False
+    arch = read_metadata(reader).get("general.architecture")
+    return arch in ARCHITECTURES
+
+
+def load_gguf_native(src: Path, dtype: torch.dtype = torch.bfloat16) -> tuple[Transformer, Path, bool]:
+    """→ (the model, the folder with its config and tokenizer, whether the packed cache was there)."""
+    folder = cache_folder(src)
+    cached = (folder / "packed.json").is_file()
+    if not cached:
+        build_cache(src, folder)
+    config = json.loads((folder / "config.json").read_text())
+    cfg = ModelConfig.from_hf(config, source=str(src))
+    return assemble(src, cfg, read_packed(folder), dtype), folder, cached
+
+
+# --- the packed cache ---------------------------------------------------------------------------------------
+
+def build_cache(src: Path, folder: Path) -> None:
+    reader = _reader(src, cache_key(src))
+    meta = read_metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise SpeculantError(f"{src}: unsupported architecture '{arch}'. Supported: {', '.join(ARCHITECTURES)}.")
+    config = hf_config(reader, meta, arch, src)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))  # a crash leaves only `.tmp-*`
+    try:
+        write_packed(reader, config, arch, src, tmp)
+        write_tokenizer(reader, meta, src, tmp)
+        eos = [meta[f"tokenizer.ggml.{k}_token_id"] for k in ("eos", "eot", "eom")
+               if f"tokenizer.ggml.{k}_token_id" in meta]
+        eos = list(dict.fromkeys(eos))
+        write_json(tmp / "generation_config.json",
+                   {"bos_token_id": config["bos_token_id"], "eos_token_id": eos[0] if len(eos) == 1 else (eos or None)})
+        write_json(tmp / "config.json", config)
+        try:
+            tmp.rename(folder)
+        except OSError:
+            if not (folder / "packed.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def component_shapes(fmt: ggml.Format, n_out: int, n_in: int) -> list[tuple[tuple[int, ...], np.dtype]]:
+    """The 7 tensors' shapes and dtypes of ggml.layout for an [n_out, n_in] matrix."""
+    B, G = n_out // 16, n_in // 32
+    low = 512 if fmt.bits == 8 else 256
+    high = {5: 64, 6: 128}.get(fmt.bits, 0)
+    mins = (B, G // fmt.superblock, 16) if fmt.mins else (0,)
+    return [((B, G, low), np.uint8), ((B, G, high) if high else (0,), np.uint8), ((B, G, fmt.halves, 16), np.int8),
+            ((B, G // fmt.superblock, 16), np.float16), ((B, G, 16) if fmt.mins else (0,), np.uint8),
+            (mins, np.float16), ((4,), np.int64)]
+
+
+def write_packed(reader: gguf.GGUFReader, config: dict, arch: str, src: Path, out: Path) -> None:
+    """Every quantized matrix (the token embedding only where it is the head too), repacked CHUNK_ROWS outputs
+    at a time into one file, with the norms and biases; the embedding's place in the GGUF file."""
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    plan, offset = [], 0
+    tied = "output.weight" not in {t.name for t in reader.tensors}
+    for t in reader.tensors:
+        if len(t.shape) != 2 or (t.name == "token_embd.weight" and not tied):
+            continue
+        if t.tensor_type not in ggml.FORMATS:
+            raise SpeculantError(f"{src}: tensor '{t.name}' has type {t.tensor_type.name}, which the native "
+                                 f"kernels do not take. Supported: {', '.join(q.name for q in ggml.FORMATS)}.")
+        n_in, n_out = int(t.shape[0]), int(t.shape[1])
+        parts = []
+        for shape, dt in component_shapes(ggml.FORMATS[t.tensor_type], n_out + -n_out % 16, n_in):
+            parts.append({"shape": list(shape), "dtype": np.dtype(dt).str, "offset": offset})
+            offset += int(np.prod(shape)) * np.dtype(dt).itemsize
+            offset = (offset + 63) // 64 * 64
+        plan.append((t, n_out, n_in, parts))
+    vectors = {}
+    for t in reader.tensors:  # norms and biases, as float32
+        if len(t.shape) == 1:
+            vectors[t.name] = {"shape": [int(t.shape[0])], "dtype": "<f4", "offset": offset}
+            offset = (offset + 4 * int(t.shape[0]) + 63) // 64 * 64
+    data = np.memmap(out / "packed.bin", np.uint8, "w+", shape=(max(offset, 1),))
+    for t in reader.tensors:
+        if t.name in vectors:
+            np.ndarray(int(t.shape[0]), np.float32, data, vectors[t.name]["offset"])[:] = \
+                gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1)
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    embedding = {"type": embd.tensor_type.name, "rows": int(embd.shape[1]), "dim": int(embd.shape[0]),
+                 "offset": int(embd.data_offset), "row_bytes": int(embd.n_bytes) // int(embd.shape[1])}
+    index = {}
+    for t, n_out, n_in, parts in plan:
+        kind = t.name.split(".")[-2]
+        perm = unpermute_rows(n_out, heads[kind]) if arch in PERMUTED_QK and kind in heads else None
+        views = [np.ndarray(p["shape"], np.dtype(p["dtype"]), data, p["offset"]) for p in parts]
+        for r0 in range(0, n_out, CHUNK_ROWS):
+            rows = np.arange(r0, min(n_out, r0 + CHUNK_ROWS))
+            raw = t.data[rows if perm is None else perm[rows]]
+            tensors = ggml.layout(ggml.decode(t.tensor_type, raw, len(rows), n_in).padded())
+            for view, tensor in zip(views, tensors):
+                if view.ndim == 3 or view.ndim == 4:
+                    view[r0 // 16:r0 // 16 + len(tensor)] = tensor.numpy()
+                elif view.size:
+                    view[:] = tensor.numpy()
+        index[t.name] = {"rows": n_out, "parts": parts}
+    data.flush()
+    del data
+    write_json(out / "packed.json", {"version": FORMAT_VERSION, "tensors": index, "vectors": vectors,
+                                     "embedding": embedding})
+
+
+def unpermute_rows(n_out: int, n_heads: int) -> np.ndarray:
+    """llama.cpp's Llama converter interleaves each head's q/k rows in pairs; row r of HF's order is row perm[r]."""
+    return np.arange(n_out).reshape(n_heads, -1, 2).transpose(0, 2, 1).reshape(-1)
+
+
+def read_packed(folder: Path) -> dict:
+    """The packed tensors, mapped from disk copy-on-write (pages shared with the page cache), the norms and
+    biases, and where the token embedding's blocks lie in the GGUF file."""
+    index = json.loads((folder / "packed.json").read_text())
+    data = np.memmap(folder / "packed.bin", np.uint8, "c")
+
+    def view(p: dict) -> torch.Tensor:
+        return torch.from_numpy(np.ndarray(p["shape"], np.dtype(p["dtype"]), data, p["offset"]))
+
+    return {"matrices": {name: ([view(p) for p in m["parts"]], m["rows"]) for name, m in index["tensors"].items()},
+            "vectors": {name: view(p) for name, p in index["vectors"].items()}, "embedding": index["embedding"]}
+
+
+# --- the model --------------------------------------------------------------------------------------------
+
+class GGMLEmbedding(nn.Module):
+    """The token embedding in the file's blocks, mapped from the GGUF file: a pass dequantizes its tokens' rows."""
+
+    def __init__(self, src: Path, where: dict, dtype: torch.dtype):
+        super().__init__()
+        self.qtype, self.dtype = gguf.GGMLQuantizationType[where["type"]], dtype
+        self.num_embeddings, self.embedding_dim = where["rows"], where["dim"]
+        self.raw = np.memmap(src, np.uint8, "r", where["offset"], (where["rows"], where["row_bytes"]))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        ids = tokens.reshape(-1).cpu().numpy()
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_embeddings):
+            raise IndexError(f"token id out of the vocabulary [0, {self.num_embeddings})")
+        rows = gguf.quants.dequantize(np.asarray(self.raw[ids]), self.qtype).reshape(len(ids), self.embedding_dim)
+        return torch.from_numpy(rows).to(self.dtype).view(*tokens.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.qtype.name} blocks"
+
+
+def assemble(src: Path, cfg: ModelConfig, packed: dict, dtype: torch.dtype) -> Transformer:
+    matrices, vectors = packed["matrices"], packed["vectors"]
+    arch = cfg.model_type
+    heads = {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}
+
+    def vector(name: str, kind: str = "") -> torch.Tensor:
+        v = vectors[name]
+        if arch in PERMUTED_QK and kind in heads:
+            v = v[torch.from_numpy(unpermute_rows(len(v), heads[kind]))]
+        return v.to(dtype)
+
+    def linear(parts: list[str], n_in: int, bias: bool = False) -> ggml.GGMLLinear:
+        b = torch.cat([vector(p.replace(".weight", ".bias"), p.split(".")[-2]) for p in parts]) if bias else None
+        return ggml.GGMLLinear([matrices[p][0] for p in parts], n_in, b)
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    for i, block in enumerate(model.model.layers):
+        p = f"blk.{i}."
+        attn, mlp = block.self_attn, block.mlp
+        attn.qkv_proj = linear([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], cfg.dim, cfg.qkv_bias)
+        attn.o_proj = linear([p + "attn_output.weight"], cfg.n_heads * cfg.head_dim)
+        mlp.gate_up_proj = linear([p + "ffn_gate.weight", p + "ffn_up.weight"], cfg.dim)
+        mlp.down_proj = linear([p + "ffn_down.weight"], cfg.intermediate_size)
+        norms = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+        if cfg.qk_norm:
+            norms |= {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+        for module, name in norms.items():
+            block.get_submodule(module).weight = nn.Parameter(vector(f"{p}{name}.weight"), requires_grad=False)
+    model.model.norm.weight = nn.Parameter(vector("output_norm.weight"), requires_grad=False)
+    head, rows = matrices["output.weight" if "output.weight" in matrices else "token_embd.weight"]
+    model.lm_head = ggml.GGMLLinear([head], cfg.dim, out_features=rows)
+    model.model.embed_tokens = GGMLEmbedding(src, packed["embedding"], dtype)
+    model.inv_freq = rope_inv_freq(cfg)
+    left = [n for n, t in model.named_parameters() if t.is_meta]
+    if left:
+        raise SpeculantError(f"{src}: no weights for {', '.join(left[:3])}")
+    return model.eval().requires_grad_(False)
