@@ -133,10 +133,10 @@ def decode(qtype: T, raw: np.ndarray, n_out: int, n_in: int) -> Blocks:
 
 
 def layout(blocks: Blocks) -> list[torch.Tensor]:
-    """Blocks → the kernel's 7 tensors (csrc/ggml_mm.cpp): per block of 16 outputs and group of 32 inputs,
-    vector v of the unpacked weights holds byte 4j + e = u[j][4v + e]; nibble planes keep vectors v and
-    v + 4 in one byte's low and high halves, high planes the bits above the nibble of vector v in bit v
-    (5 bits) or bits 2(v mod 4), +1 of vector v / 4 (6 bits)."""
+    """Blocks → the kernel's 7 tensors (csrc/ggml_mm.cpp; sc and mn empty where they are all 1). Per block of
+    16 outputs and group of 32 inputs, vector v of the unpacked weights holds byte 4j + e = u[j][4v + e];
+    nibble planes keep vectors v and v + 4 in one byte's low and high halves, high planes the bits above
+    the nibble of vector v in bit v (5 bits) or bits 2(v mod 4), +1 of vector v / 4 (6 bits)."""
     f = blocks.fmt
     N, K = blocks.u.shape
     G = K // 32
@@ -161,8 +161,10 @@ def layout(blocks: Blocks) -> list[torch.Tensor]:
 
     empty = torch.empty(0, dtype=torch.uint8)
     fmt = torch.tensor([f.bits, f.halves, f.offset, f.superblock], dtype=torch.int64)
-    return [low, high, per_block(blocks.sc), per_block(blocks.d), per_block(blocks.mn) if f.mins else empty,
-            per_block(blocks.m) if f.mins else empty, fmt]
+    unit = f.superblock == 1  # sc and mn are all 1: the kernel reads D and M alone
+    sc = empty.to(torch.int8) if unit else per_block(blocks.sc)
+    mn = empty if unit or not f.mins else per_block(blocks.mn)
+    return [low, high, sc, per_block(blocks.d), mn, per_block(blocks.m) if f.mins else empty, fmt]
 
 
 def usable(qtype: T, n_out: int, n_in: int) -> bool:

@@ -34,7 +34,10 @@ from speculant.models.gguf import (
 )
 from speculant.models.llama import ModelConfig, Transformer, rope_inv_freq
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+# An embedding table up to this size is dequantized whole at load (SmolLM2-135M's: 57 MB), a larger one a
+# pass's rows at a time (Qwen2.5-1.5B's would be 467 MB of bf16 beside a 1.04 GiB file).
+SMALL_EMBEDDING_BYTES = 128 << 20
 CHUNK_ROWS = 8192  # outputs repacked at a time: a vocabulary-sized head's temporaries stay a few hundred MB
 DENSE = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
 
@@ -112,10 +115,11 @@ def component_shapes(fmt: ggml.Format, n_out: int, n_in: int) -> list[tuple[tupl
     B, G = n_out // 16, n_in // 32
     low = 512 if fmt.bits == 8 else 256
     high = {5: 64, 6: 128}.get(fmt.bits, 0)
+    unit = fmt.superblock == 1  # sc and mn not stored (ggml.layout)
     mins = (B, G // fmt.superblock, 16) if fmt.mins else (0,)
-    return [((B, G, low), np.uint8), ((B, G, high) if high else (0,), np.uint8), ((B, G, fmt.halves, 16), np.int8),
-            ((B, G // fmt.superblock, 16), np.float16), ((B, G, 16) if fmt.mins else (0,), np.uint8),
-            (mins, np.float16), ((4,), np.int64)]
+    return [((B, G, low), np.uint8), ((B, G, high) if high else (0,), np.uint8),
+            ((0,) if unit else (B, G, fmt.halves, 16), np.int8), ((B, G // fmt.superblock, 16), np.float16),
+            ((B, G, 16) if fmt.mins and not unit else (0,), np.uint8), (mins, np.float16), ((4,), np.int64)]
 
 
 def write_packed(reader: gguf.GGUFReader, config: dict, arch: str, src: Path, out: Path) -> None:
@@ -207,6 +211,12 @@ class GGMLEmbedding(nn.Module):
         rows = gguf.quants.dequantize(np.asarray(self.raw[ids]), self.qtype).reshape(len(ids), self.embedding_dim)
         return torch.from_numpy(rows).to(self.dtype).view(*tokens.shape, self.embedding_dim)
 
+    def table(self) -> nn.Embedding:
+        """The whole table in the activations' dtype (a pass's lookups are then copies)."""
+        table = nn.Embedding(self.num_embeddings, self.embedding_dim, device="meta")
+        table.weight = nn.Parameter(self(torch.arange(self.num_embeddings)), requires_grad=False)
+        return table
+
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.qtype.name} blocks"
 
@@ -243,7 +253,10 @@ def assemble(src: Path, cfg: ModelConfig, packed: dict, dtype: torch.dtype) -> T
     model.model.norm.weight = nn.Parameter(vector("output_norm.weight"), requires_grad=False)
     head, rows = matrices["output.weight" if "output.weight" in matrices else "token_embd.weight"]
     model.lm_head = ggml.GGMLLinear([head], cfg.dim, out_features=rows)
-    model.model.embed_tokens = GGMLEmbedding(src, packed["embedding"], dtype)
+    embed = GGMLEmbedding(src, packed["embedding"], dtype)
+    if embed.num_embeddings * embed.embedding_dim * 2 <= SMALL_EMBEDDING_BYTES:
+        embed = embed.table()
+    model.model.embed_tokens = embed
     model.inv_freq = rope_inv_freq(cfg)
     left = [n for n, t in model.named_parameters() if t.is_meta]
     if left:

@@ -3,7 +3,8 @@
 //   w = (D·sc_h)·(u − offset) + M·mn
 // with u the stored unsigned value (BITS bits: a nibble plane, plus 1 or 2 high bits, or whole bytes), sc_h an
 // int8 scale per half group of 16 inputs (H = 2, Q6_K) or per group (H = 1), D and M fp16 per superblock of S
-// groups (8 for K-quants, 1 for the others), mn a uint8 per group (types with a minimum). Every product and sum
+// groups (8 for K-quants, 1 for the others), mn a uint8 per group (types with a minimum); sc and mn are not
+// stored where they are all 1 (Q4_0, Q4_1, Q5_0, Q8_0). Every product and sum
 // of that formula is exact in fp32 for these types, so the stored weights are the file's, value for value.
 //
 // The activations are int8 per group of 32 (x ≈ dx·p, as llama.cpp's Q8 activations), a half group's sum
@@ -121,7 +122,8 @@ inline __m512 uint8x16(const uint8_t* p) {
 }
 
 // Blocks b .. b + C of 16 outputs for rows r0 .. r0 + R: R·C independent chains of dpbusd per half group.
-template <int BITS, int H, bool MINS, int R, int C>
+// UNIT: the format's scales and minimums are D and M alone (sc = mn = 1: Q4_0, Q4_1, Q5_0, Q8_0), not stored.
+template <int BITS, int H, bool MINS, bool UNIT, int R, int C>
 void blocks(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int64_t b) {
   using P = Plane<BITS>;
   const int64_t G = w.G, S = w.S, off = w.offset;
@@ -148,7 +150,7 @@ void blocks(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int
         }
       for (int c = 0; c < C; c++) {
         const int64_t bg = (b + c) * G + g, sb = ((b + c) * (G / S) + g / S) * 16;
-        const __m512 scale = _mm512_mul_ps(fp16x16(w.d + sb), int8x16(w.sc + (bg * H + h) * 16));  // exact
+        const __m512 scale = UNIT ? fp16x16(w.d + sb) : _mm512_mul_ps(fp16x16(w.d + sb), int8x16(w.sc + (bg * H + h) * 16));
         for (int i = 0; i < R; i++) {
           const int32_t* half = x.half + ((r0 + i) * G + g) * 2;
           const int32_t sum = H == 2 ? half[h] : half[0] + half[1];
@@ -161,7 +163,7 @@ void blocks(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int
     if constexpr (MINS) {
       for (int c = 0; c < C; c++) {
         const int64_t bg = (b + c) * G + g, sb = ((b + c) * (G / S) + g / S) * 16;
-        const __m512 minimum = _mm512_mul_ps(fp16x16(w.m + sb), uint8x16(w.mn + bg * 16));  // exact
+        const __m512 minimum = UNIT ? fp16x16(w.m + sb) : _mm512_mul_ps(fp16x16(w.m + sb), uint8x16(w.mn + bg * 16));
         for (int i = 0; i < R; i++)
           acc[c][i] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(x.sx[(r0 + i) * G + g]), acc[c][i]);
       }
@@ -172,37 +174,40 @@ void blocks(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int
       _mm256_storeu_si256((__m256i*)(Y + (r0 + i) * w.ld + (b + c) * 16), (__m256i)_mm512_cvtneps_pbh(acc[c][i]));
 }
 
-template <int BITS, int H, bool MINS, int R>
+template <int BITS, int H, bool MINS, bool UNIT, int R>
 void rows(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int64_t b0, int64_t b1) {
   constexpr int C = R <= 4 ? 2 : 1;  // two blocks share each broadcast input while registers allow
   int64_t b = b0;
-  for (; b + C <= b1; b += C) blocks<BITS, H, MINS, R, C>(w, x, Y, r0, b);
-  if (b < b1) blocks<BITS, H, MINS, R, 1>(w, x, Y, r0, b);
+  for (; b + C <= b1; b += C) blocks<BITS, H, MINS, UNIT, R, C>(w, x, Y, r0, b);
+  if (b < b1) blocks<BITS, H, MINS, UNIT, R, 1>(w, x, Y, r0, b);
 }
 
-template <int BITS, int H, bool MINS>
+template <int BITS, int H, bool MINS, bool UNIT>
 void any_rows(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int n, int64_t b0, int64_t b1) {
   switch (n) {
-    case 1: return rows<BITS, H, MINS, 1>(w, x, Y, r0, b0, b1);
-    case 2: return rows<BITS, H, MINS, 2>(w, x, Y, r0, b0, b1);
-    case 3: return rows<BITS, H, MINS, 3>(w, x, Y, r0, b0, b1);
-    case 4: return rows<BITS, H, MINS, 4>(w, x, Y, r0, b0, b1);
-    case 5: return rows<BITS, H, MINS, 5>(w, x, Y, r0, b0, b1);
-    case 6: return rows<BITS, H, MINS, 6>(w, x, Y, r0, b0, b1);
-    case 7: return rows<BITS, H, MINS, 7>(w, x, Y, r0, b0, b1);
-    default: return rows<BITS, H, MINS, 8>(w, x, Y, r0, b0, b1);
+    case 1: return rows<BITS, H, MINS, UNIT, 1>(w, x, Y, r0, b0, b1);
+    case 2: return rows<BITS, H, MINS, UNIT, 2>(w, x, Y, r0, b0, b1);
+    case 3: return rows<BITS, H, MINS, UNIT, 3>(w, x, Y, r0, b0, b1);
+    case 4: return rows<BITS, H, MINS, UNIT, 4>(w, x, Y, r0, b0, b1);
+    case 5: return rows<BITS, H, MINS, UNIT, 5>(w, x, Y, r0, b0, b1);
+    case 6: return rows<BITS, H, MINS, UNIT, 6>(w, x, Y, r0, b0, b1);
+    case 7: return rows<BITS, H, MINS, UNIT, 7>(w, x, Y, r0, b0, b1);
+    default: return rows<BITS, H, MINS, UNIT, 8>(w, x, Y, r0, b0, b1);
   }
 }
 
 using Kernel = void (*)(const Weights&, const Activations&, uint16_t*, int64_t, int, int64_t, int64_t);
 
-// The formats GGUF files of the Llama family use (models/ggml.py's FORMATS): bits, halves, minimum.
-Kernel kernel_for(int64_t bits, int64_t halves, bool mins) {
-  if (bits == 4 && halves == 1) return mins ? any_rows<4, 1, true> : any_rows<4, 1, false>;
-  if (bits == 5 && halves == 1) return mins ? any_rows<5, 1, true> : any_rows<5, 1, false>;
-  if (bits == 6 && halves == 2 && !mins) return any_rows<6, 2, false>;
-  if (bits == 8 && halves == 1 && !mins) return any_rows<8, 1, false>;
-  TORCH_CHECK(false, "no kernel for ", bits, "-bit weights with ", halves, " scales a group", mins ? " and minimums" : "");
+// The formats GGUF files of the Llama family use (models/ggml.py's FORMATS): bits, halves, minimum, unit scales.
+Kernel kernel_for(int64_t bits, int64_t halves, bool mins, bool unit) {
+  if (bits == 4 && halves == 1 && unit) return mins ? any_rows<4, 1, true, true> : any_rows<4, 1, false, true>;
+  if (bits == 5 && halves == 1 && unit && !mins) return any_rows<5, 1, false, true>;
+  if (bits == 8 && halves == 1 && unit && !mins) return any_rows<8, 1, false, true>;
+  if (bits == 4 && halves == 1 && mins && !unit) return any_rows<4, 1, true, false>;
+  if (bits == 5 && halves == 1 && mins && !unit) return any_rows<5, 1, true, false>;
+  if (bits == 6 && halves == 2 && !mins && !unit) return any_rows<6, 2, false, false>;
+  TORCH_CHECK(false, "no kernel for ", bits, "-bit weights with ", halves, " scales a group", mins ? " and minimums" : "",
+              unit ? " (unit scales)" : "");
 }
 
 }  // namespace
@@ -224,16 +229,16 @@ void ggml_mm_into(const torch::Tensor& x, const std::vector<torch::Tensor>& p, t
     const auto& low = p[i];
     const int64_t* format = p[i + 6].data_ptr<int64_t>();
     const int64_t bits = format[0], halves = format[1], offset = format[2], S = format[3];
-    const bool mins = p[i + 4].numel() > 0;
+    const bool mins = p[i + 5].numel() > 0, unit = p[i + 2].numel() == 0;
     const int64_t N = low.size(0) * 16;
     TORCH_CHECK(low.dim() == 3 && low.size(1) == G && K % 32 == 0 && G % S == 0, "input size ", K,
                 " does not match the weight's ", low.size(1) * 32);
-    const Kernel kernel = kernel_for(bits, halves, mins);
+    const Kernel kernel = kernel_for(bits, halves, mins, unit);
     const Weights w{low.data_ptr<uint8_t>(),
                     p[i + 1].numel() ? p[i + 1].data_ptr<uint8_t>() : nullptr,
-                    p[i + 2].data_ptr<int8_t>(),
+                    unit ? nullptr : p[i + 2].data_ptr<int8_t>(),
                     (const uint16_t*)p[i + 3].data_ptr(),
-                    mins ? p[i + 4].data_ptr<uint8_t>() : nullptr,
+                    mins && !unit ? p[i + 4].data_ptr<uint8_t>() : nullptr,
                     mins ? (const uint16_t*)p[i + 5].data_ptr() : nullptr,
                     K, G, S, offset, total};
     auto* Y = (uint16_t*)y.data_ptr<at::BFloat16>() + col;
