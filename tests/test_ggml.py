@@ -62,8 +62,9 @@ def test_the_layout_keeps_every_stored_value(qtype):
     assert torch.equal(unpack(ggml.layout(blocks), 48, 512), torch.from_numpy(blocks.u))
 
 
-def q8_activations(x: torch.Tensor) -> torch.Tensor:
-    groups = x.double().view(x.shape[0], -1, 32)
+def q8_activations(x: torch.Tensor, span: int = 32) -> torch.Tensor:
+    """x as the kernel reads it: per `span` inputs (a K-quant's superblock of 256, else 32), dx·round(x/dx)."""
+    groups = x.double().view(x.shape[0], -1, span)
     dx = groups.abs().amax(-1, keepdim=True).float().double() / 127
     return torch.where(dx > 0, torch.round(groups / dx) * dx, 0.0).view(x.shape)
 
@@ -80,7 +81,7 @@ def test_the_kernel_gives_every_row_the_same_bits_at_any_row_count(qtype):
     x = torch.randn(20, n_in, generator=torch.Generator().manual_seed(0)).bfloat16()
     x[3, 64:96] = 0  # a group of zeros: scale 0
     y = native.ggml_mm(x, weights)
-    ref = q8_activations(x) @ w.T
+    ref = q8_activations(x, 32 * blocks.fmt.superblock) @ w.T
     assert ((y.double() - ref).norm() / ref.norm()).item() < 0.004
     for rows in range(1, 21):
         assert torch.equal(native.ggml_mm(x[:rows], weights), y[:rows]), rows

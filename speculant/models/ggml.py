@@ -146,14 +146,19 @@ def layout(blocks: Blocks) -> list[torch.Tensor]:
     else:
         nib = u & 0x0F
         low = (nib[:, :, :4] | (nib[:, :, 4:] << 4)).reshape(N // 16, G, 256).contiguous()
-        hi = (u >> 4).to(torch.int32)
+        hi = u >> 4  # uint8 throughout: the shifted bits never pass bit 7
         if f.bits == 4:
             high = torch.empty(0, dtype=torch.uint8)
         elif f.bits == 5:
-            high = sum(hi[:, :, v] << v for v in range(8)).to(torch.uint8).reshape(N // 16, G, 64).contiguous()
+            high = hi[:, :, 0].clone()
+            for v in range(1, 8):
+                high |= hi[:, :, v] << v
+            high = high.reshape(N // 16, G, 64)
         else:
-            pairs = [sum(hi[:, :, 4 * h + s] << (2 * s) for s in range(4)) for h in range(2)]
-            high = torch.stack(pairs, 2).to(torch.uint8).reshape(N // 16, G, 128).contiguous()
+            high = hi[:, :, 0::4].clone()  # [B, G, 2, j, e]: vectors 0 and 4, then the next three of each
+            for s in range(1, 4):
+                high |= hi[:, :, s::4] << (2 * s)
+            high = high.reshape(N // 16, G, 128)
 
     def per_block(a: np.ndarray) -> torch.Tensor:  # [N, X, ...] → [N/16, X, ..., 16]
         t = torch.from_numpy(np.ascontiguousarray(a)).view(N // 16, 16, *a.shape[1:])

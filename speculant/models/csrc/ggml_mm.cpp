@@ -7,12 +7,16 @@
 // stored where they are all 1 (Q4_0, Q4_1, Q5_0, Q8_0). Every product and sum
 // of that formula is exact in fp32 for these types, so the stored weights are the file's, value for value.
 //
-// The activations are int8 per group of 32 (x ≈ dx·p, as llama.cpp's Q8 activations), a half group's sum
-// Σ u·p is VNNI's integer product, and per row and group
-//   y += dx·((D·sc_h)·(Σ u·p − offset·Σp)) + (dx·Σp)·(M·mn),
-// the same float steps in the same order for every row: a row gets the same bits alone or in a verify pass.
+// The activations are int8 (x ≈ dx·p, as llama.cpp's Q8 activations), a half group's sum Σ u·p is VNNI's
+// integer product. Legacy formats take per row and group of 32 (dx per 32)
+//   y += dx·(D·(Σ u·p − offset·Σp)) + (dx·Σp)·M,
+// K-quants per row and superblock (dx per 256, as llama.cpp's Q8_K), their integer sub-scales summed first:
+//   y += dx·(D·Σ_g sc·(Σ u·p − offset·Σp)) + dx·(M·Σ_g mn·Σp).
+// The same steps in the same order for every row: a row gets the same bits alone or in a verify pass.
 #include <torch/extension.h>
 #include <immintrin.h>
+
+#include <optional>
 
 #include "amx.h"
 #include "bf16.h"
@@ -31,30 +35,37 @@ T* reused(std::vector<T>& buffer, int64_t n) {
   return buffer.data();
 }
 
-// The rows' int8 activations, each group's scale dx, dx·Σp, and each half group's Σp.
+// The rows' int8 activations, per group of `span` inputs (32 beside legacy formats; a K-quant superblock's
+// 256, as llama.cpp's Q8_K, so its sub-blocks' integer sums add up before one float step), each group's
+// scale dx and dx·Σp, and each half group of 16's Σp.
 struct Activations {
-  int8_t* p;     // [M, K]
-  float *dx, *sx;  // [M, G]
-  int32_t* half;   // [M, G, 2]
+  int8_t* p;       // [M, K]
+  float *dx, *sx;  // [M, K / span]
+  int32_t* half;   // [M, K / 16]
+  int64_t span;
 
-  Activations(const uint16_t* X, int64_t M, int64_t K) {
-    static thread_local std::vector<int8_t> p_buffer;
-    static thread_local std::vector<float> dx_buffer, sx_buffer;
-    static thread_local std::vector<int32_t> half_buffer;
-    const int64_t n = M * K / 32;
-    p = reused(p_buffer, M * K), dx = reused(dx_buffer, n), sx = reused(sx_buffer, n);
-    half = reused(half_buffer, 2 * n);
+  Activations(const uint16_t* X, int64_t M, int64_t K, int64_t span) : span(span) {
+    static thread_local std::vector<int8_t> p_buffer[2];
+    static thread_local std::vector<float> dx_buffer[2], sx_buffer[2];
+    static thread_local std::vector<int32_t> half_buffer[2];
+    const int k = span == 32 ? 0 : 1;
+    const int64_t n = M * K / span;
+    p = reused(p_buffer[k], M * K), dx = reused(dx_buffer[k], n), sx = reused(sx_buffer[k], n);
+    half = reused(half_buffer[k], M * K / 16);
     for (int64_t i = 0; i < n; i++) {
-      const __m512 a = load_bf16(X + 32 * i), b = load_bf16(X + 32 * i + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-      const __m512 inv = _mm512_set1_ps(amax > 0 ? 127.f / amax : 0.f);
-      const __m512i pa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), pb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
-      _mm_storeu_si128((__m128i*)(p + 32 * i), _mm512_cvtsepi32_epi8(pa));
-      _mm_storeu_si128((__m128i*)(p + 32 * i + 16), _mm512_cvtsepi32_epi8(pb));
-      half[2 * i] = _mm512_reduce_add_epi32(pa);
-      half[2 * i + 1] = _mm512_reduce_add_epi32(pb);
-      dx[i] = amax / 127.f;
-      sx[i] = dx[i] * (float)(half[2 * i] + half[2 * i + 1]);
+      const uint16_t* x = X + span * i;
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t j = 0; j < span; j += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load_bf16(x + j)));
+      const float top = _mm512_reduce_max_ps(amax);
+      const __m512 inv = _mm512_set1_ps(top > 0 ? 127.f / top : 0.f);
+      int32_t total = 0;
+      for (int64_t j = 0; j < span; j += 16) {
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load_bf16(x + j), inv));
+        _mm_storeu_si128((__m128i*)(p + span * i + j), _mm512_cvtsepi32_epi8(q));
+        total += half[(span * i + j) / 16] = _mm512_reduce_add_epi32(q);
+      }
+      dx[i] = top / 127.f;
+      sx[i] = dx[i] * (float)total;
     }
   }
 };
@@ -174,12 +185,85 @@ void blocks(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int
       _mm256_storeu_si256((__m256i*)(Y + (r0 + i) * w.ld + (b + c) * 16), (__m256i)_mm512_cvtneps_pbh(acc[c][i]));
 }
 
+// The same for K-quants (integer sub-scales sc, mn under one D, M a superblock of 8 groups), with activations
+// per superblock: a row's integer sums Σ_g sc·(Σ u·p − offset·Σp) and Σ_g mn·Σp are taken over the superblock
+// (they fit int32), then two float steps, where legacy formats take them per group.
+template <int BITS, int H, bool MINS, int R, int C>
+void super_blocks(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int64_t b) {
+  using P = Plane<BITS>;
+  const int64_t G = w.G, S = w.S, off = w.offset, n_super = G / S;
+  const int8_t* X = x.p + r0 * w.K;
+  __m512 acc[C][R];
+  for (int c = 0; c < C; c++)
+    for (int i = 0; i < R; i++) acc[c][i] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < n_super; sb++) {
+    __m512i scaled[C][R], minimum[C][R];
+    for (int c = 0; c < C; c++)
+      for (int i = 0; i < R; i++) scaled[c][i] = minimum[c][i] = _mm512_setzero_si512();
+    for (int64_t g = sb * S; g < (sb + 1) * S; g++) {
+      __m512i u[C][8];
+      for (int c = 0; c < C; c++) {
+        const int64_t bg = (b + c) * G + g;
+        P::prefetch(w, g + 16 < G ? bg + 16 : (b + c + C) * G + g + 16 - G);
+        P::unpack(w, bg, u[c]);
+      }
+      for (int h = 0; h < H; h++) {
+        __m512i s[C][R];
+        for (int c = 0; c < C; c++)
+          for (int i = 0; i < R; i++) s[c][i] = _mm512_setzero_si512();
+        for (int v = h * 8 / H; v < (h + 1) * 8 / H; v++)
+          for (int i = 0; i < R; i++) {
+            const __m512i p = _mm512_set1_epi32(((const int32_t*)(X + i * w.K + g * 32))[v]);
+            for (int c = 0; c < C; c++) s[c][i] = _mm512_dpbusd_epi32(s[c][i], u[c][v], p);
+          }
+        for (int c = 0; c < C; c++) {
+          const int64_t bg = (b + c) * G + g;
+          const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w.sc + (bg * H + h) * 16)));
+          for (int i = 0; i < R; i++) {
+            const int32_t* half = x.half + ((r0 + i) * G + g) * 2;
+            __m512i e = s[c][i];
+            if (off) e = _mm512_sub_epi32(e, _mm512_set1_epi32((int32_t)off * (H == 2 ? half[h] : half[0] + half[1])));
+            scaled[c][i] = _mm512_add_epi32(scaled[c][i], _mm512_mullo_epi32(e, sc));
+          }
+        }
+      }
+      if constexpr (MINS) {
+        for (int c = 0; c < C; c++) {
+          const __m512i mn = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(w.mn + ((b + c) * G + g) * 16)));
+          for (int i = 0; i < R; i++) {
+            const int32_t* half = x.half + ((r0 + i) * G + g) * 2;
+            minimum[c][i] = _mm512_add_epi32(minimum[c][i], _mm512_mullo_epi32(mn, _mm512_set1_epi32(half[0] + half[1])));
+          }
+        }
+      }
+    }
+    for (int c = 0; c < C; c++) {
+      const int64_t at = ((b + c) * n_super + sb) * 16;
+      const __m512 d = fp16x16(w.d + at);
+      for (int i = 0; i < R; i++) {
+        const __m512 dx = _mm512_set1_ps(x.dx[(r0 + i) * n_super + sb]);
+        acc[c][i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(scaled[c][i]), d), dx, acc[c][i]);
+        if constexpr (MINS)
+          acc[c][i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(minimum[c][i]), fp16x16(w.m + at)), dx, acc[c][i]);
+      }
+    }
+  }
+  for (int c = 0; c < C; c++)
+    for (int i = 0; i < R; i++)
+      _mm256_storeu_si256((__m256i*)(Y + (r0 + i) * w.ld + (b + c) * 16), (__m256i)_mm512_cvtneps_pbh(acc[c][i]));
+}
+
 template <int BITS, int H, bool MINS, bool UNIT, int R>
 void rows(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int64_t b0, int64_t b1) {
   constexpr int C = R <= 4 ? 2 : 1;  // two blocks share each broadcast input while registers allow
   int64_t b = b0;
-  for (; b + C <= b1; b += C) blocks<BITS, H, MINS, UNIT, R, C>(w, x, Y, r0, b);
-  if (b < b1) blocks<BITS, H, MINS, UNIT, R, 1>(w, x, Y, r0, b);
+  if constexpr (UNIT) {
+    for (; b + C <= b1; b += C) blocks<BITS, H, MINS, UNIT, R, C>(w, x, Y, r0, b);
+    if (b < b1) blocks<BITS, H, MINS, UNIT, R, 1>(w, x, Y, r0, b);
+  } else {
+    for (; b + C <= b1; b += C) super_blocks<BITS, H, MINS, R, C>(w, x, Y, r0, b);
+    if (b < b1) super_blocks<BITS, H, MINS, R, 1>(w, x, Y, r0, b);
+  }
 }
 
 template <int BITS, int H, bool MINS, bool UNIT>
@@ -222,8 +306,15 @@ void ggml_mm_into(const torch::Tensor& x, const std::vector<torch::Tensor>& p, t
   int64_t total = 0;
   for (size_t i = 0; i < p.size(); i += 7) total += p[i].size(0) * 16;
   check_output(y, M * total);
+  bool legacy = false, super = false;
+  for (size_t i = 0; i < p.size(); i += 7) (p[i + 2].numel() == 0 ? legacy : super) = true;
+  TORCH_CHECK(!super || K % 256 == 0, "K-quant weights need inputs in multiples of 256");
   auto xc = x.contiguous();
-  const Activations act((const uint16_t*)xc.data_ptr<at::BFloat16>(), M, K);
+  const auto* X = (const uint16_t*)xc.data_ptr<at::BFloat16>();
+  // Each granularity the parts need, quantized once for all of them.
+  std::optional<Activations> per_group, per_super;
+  if (legacy) per_group.emplace(X, M, K, 32);
+  if (super) per_super.emplace(X, M, K, 256);
   int64_t col = 0;
   for (size_t i = 0; i < p.size(); i += 7) {
     const auto& low = p[i];
@@ -242,6 +333,7 @@ void ggml_mm_into(const torch::Tensor& x, const std::vector<torch::Tensor>& p, t
                     mins ? (const uint16_t*)p[i + 5].data_ptr() : nullptr,
                     K, G, S, offset, total};
     auto* Y = (uint16_t*)y.data_ptr<at::BFloat16>() + col;
+    const Activations& act = unit ? *per_group : *per_super;
     speculant::Team::parallel_for(0, N / 16, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t r0 = 0; r0 < M; r0 += kRows)
         kernel(w, act, Y, r0, (int)std::min<int64_t>(kRows, M - r0), b0, b1);
