@@ -17,11 +17,11 @@ import torch
 
 from speculant.bench.prompts import load_prompts
 from speculant.config import SamplingParams
+from speculant.defaults import CORPUS
 from speculant.llm import engine_for
 from speculant.models.loader import load_model
 from speculant.proposers.corpus import load_corpus
 from speculant.proposers.ngram import NgramProposer, SuffixIndex, continuation
-from speculant.training.shipped import CORPUS
 
 K = 6
 
