@@ -7,11 +7,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from speculant.errors import SpeculantError
+from speculant.models.limits import MAX_SPECULATIVE_TOKENS, MAX_VERIFY_WIDTH  # noqa: F401 (kernels.py imports it here)
 
-MAX_SPECULATIVE_TOKENS = 32
-# A target pass over one sequence is a verify pass (a pending token and its drafts) up to this wide; a
-# wider one is a prompt, computed the same way in every configuration.
-MAX_VERIFY_WIDTH = MAX_SPECULATIVE_TOKENS + 1
 MAX_LOGPROBS = 20
 MAX_TREE_WIDTH = 8
 MAX_HISTORY_TOKENS = 10_000_000  # an answer history holds ~220 bytes a token (its lists and index entry)
