@@ -63,8 +63,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     model: str | None = None
     prompt_lookup_min: int = 1
-    # The earlier occurrence that matches a longer suffix continues right more often: up to 6 measured
-    # +3.5% over up to 4 (int4 SmolLM2, batch 1, adaptive k, two runs of 18 prompts).
+    # The earlier occurrence that matches a longer suffix continues right more often.
     prompt_lookup_max: int = 6
     # Our extension: choose k per step (0..num_speculative_tokens) from the measured cost curve and
     # the running acceptance; speculation switches itself off where it would lose.
