@@ -2,23 +2,24 @@
 curve and the running acceptance, and switch speculation off where it would lose (large batches,
 drafts that keep missing).
 
-The choice maximises DESIGN.md §3's predicted speed-up
+The choice maximises the predicted speed-up of docs/design.md §3
     S(k) = E(k) / (C_B(k+1)/C_B(1) + k · c_draft/C_B(1)),
 with C_B measured once per model, device and thread count (cached on disk). E(k), the tokens a
 pass yields, comes from the acceptance measured at each draft position given the previous one was
-accepted: E(k) = 1 + Σ_i Π_{j≤i} a_j, over a memory of about 20 steps. An n-gram lookup's drafts
-are either wrong at once or right for a long copied run; a quickly-moving single α switched it off
-after a few misses and then missed the copy runs (measured, bf16 batch 1: drafting on 17% of steps,
-1.14× where fixed k = 4 made 1.44×).
+accepted: E(k) = 1 + Σ_i Π_{j≤i} a_j, over a memory of about 20 steps. Per position, because an
+n-gram lookup's drafts are either wrong at once or right for a long copied run: a single quickly-moving
+α switched lookup off after a few misses and then missed the copies.
 
 Acceptance is kept per bucket, a proposer's own hint of how good a row's drafts are: for n-gram
-lookup, the length of the suffix that matched. Measured on the bundled prompts (SmolLM2, greedy,
-up to 4 drafts): a 1-token match gets its first draft accepted 16–26% of the time, a 4-token match
-88–90% (3.1 of 4 drafts kept), whatever the prompt class. One acceptance for all switched lookup off
-after a run of short matches and lost the long ones (0.93× on rewrites, where fixed k made 1.28×).
+lookup, the length of the suffix that matched (a long match is right far more often than a 1-token
+one, whatever the prompt). One acceptance for all switched lookup off after a run of short matches
+and lost the long ones.
 
-Two ways in: a proposer whose drafts cost a model pass is asked for `choose()` drafts; one whose
-drafts cost nothing (lookup) proposes all it can and `plan()` says how many of them to verify.
+Two ways in, chosen by the proposer (Proposer.propose_adaptive): a proposer whose drafts cost a model
+pass is asked for `choose()` drafts; one whose drafts cost nothing (lookup) finds all it can and
+`plan()` says how many of them to verify. After the step the engine hands `observe()` one StepRecord.
+
+The runs behind these choices and the constants below: docs/benchmarks/README.md ("Adaptive k").
 """
 
 from __future__ import annotations
@@ -37,10 +38,8 @@ from speculant.speedup import CostCurve, measure_cost_curve, speedup_from
 
 # Gains below this are noise on a shared CPU: not worth the risk of a loss.
 MIN_GAIN = 1.05
-# In a batch the model overestimates: measured 0.07-0.27 under its prediction (fp32 bench, fixed k = 2,
-# batch 2-32: ragged rows, per-row work it leaves out). Below this it cannot tell a gain from a loss: at
-# 1.25, once int4's wide passes got cheaper, batch 4 widened 11% of its steps for 0.92x plain (two bench
-# runs); at 1.4, 4% of them, 0.95-0.96x.
+# In a batch the model overestimates (ragged rows, per-row work it leaves out): below this predicted gain it
+# cannot tell a gain from a loss.
 MIN_GAIN_BATCHED = 1.4
 MAX_PROBE_INTERVAL = 64
 MAX_SKIPPED = 8  # steps a batch goes without looking for drafts after a step that drafted none
@@ -52,7 +51,19 @@ CALIBRATION_MIN_PASSES = 8  # of each width compared, plain passes included
 # The weight a new request leaves to what the drafts of earlier requests showed (at batch 1): their texts
 # may suit a drafter better or worse than its own.
 REQUEST_MEMORY = 0.1
-CURVE_VERSION = 10  # cached curves of an older measurement or model code (10: weights in huge pages) are measured again
+CURVE_VERSION = 10  # raised when the measurement or the model code changes: cached curves are measured again
+
+
+@dataclass
+class StepRecord:
+    """One engine step, as the policy learns from it."""
+    buckets: list[int]  # per row: its drafts' bucket (Proposal.bucket_list)
+    drafted: list[int]  # per row: drafts it could have accepted (0 on a plain row; a tree's depth)
+    accepted: list[int]  # per row: drafts accepted
+    batch_size: int
+    draft_s: float  # time spent proposing
+    pass_s: float | None = None  # the verify pass's own time, when measured
+    width: int | None = None  # tokens per row of that pass (default: the most drafts + 1)
 
 
 @dataclass
@@ -103,16 +114,15 @@ class AdaptiveK:
         """How many drafts to ask of a proposer whose drafts cost a pass of its own. While it is off
         it is probed at batch 1 only: in a batch a probe runs the model for every row and widens
         every row's pass, and what it learns, the drafts' acceptance, does not depend on the batch
-        size (measured, EAGLE head with lookup first, int4, batch 16: two probes in 48 steps, 0.90x
-        plain)."""
+        size."""
         buckets, available = [MODEL_BUCKET] * batch_size, [self.k_max] * batch_size
         return self._width(buckets, available, self.draft_ratio, remaining, probe=batch_size == 1)
 
     def worth_proposing(self, batch_size: int) -> bool:
         """Whether a free proposer should look for drafts this step. In a batch, after a step whose
         drafts were all left out the next 1, 2, 4 … MAX_SKIPPED steps do not look (each counts as an
-        idle step for the probes), until a step drafts again: looking up and planning cost ~3% of a
-        batch-32 step (int4) where speculation widened 1% of the steps."""
+        idle step for the probes), until a step drafts again: in large batches speculation rarely pays,
+        and looking up and planning every step would cost more than it finds."""
         if batch_size == 1 or self.skip_left == 0:
             return True
         self.skip_left -= 1
@@ -122,10 +132,9 @@ class AdaptiveK:
 
     def new_request(self) -> None:
         """A request starts alone (batch 1). Without this, a drafter turned off on one request stayed off
-        for the next ones, its acceptance seen only by rare probes (bench, int4, code at 48 tokens: the
-        EAGLE head off on 51% of steps, 1.09× where fixed k = 2 made 1.29×): each bucket keeps
-        REQUEST_MEMORY of its evidence, so the prior and the request's own drafts weigh in, and a bucket
-        that is off is probed at once."""
+        for the next ones, its acceptance seen only by rare probes: each bucket keeps REQUEST_MEMORY of
+        its evidence, so the prior and the request's own drafts weigh in, and a bucket that is off is
+        probed at once."""
         for b in self.buckets.values():
             b.reached = [r * REQUEST_MEMORY for r in b.reached]
             b.kept = [c * REQUEST_MEMORY for c in b.kept]
@@ -211,14 +220,12 @@ class AdaptiveK:
     def calibration(self, batch_size: int) -> float:
         """How the widening cost of this run's passes compares with the curve's: C_B(w)/C_B(1) − 1 is
         taken as this factor × the curve's. The curve is the fastest of a few repetitions, measured
-        once; on a shared machine a pass typically costs more, and not in proportion: at batch 1
-        (int4) fixed k = 4 gained 1.57× where the curve predicted 1.27×, and adaptive k had skipped
-        drafts that would have paid.
+        once; on a shared machine a pass typically costs more, and not in proportion, and without this
+        adaptive k skipped drafts that would have paid.
 
         Σ (measured − 1) / Σ (curve − 1) over the widened pass widths seen at batch 1, each
         C(w)/C(1) with enough passes of both; 1 until then, clamped to CALIBRATION_RANGE. Batch 1 only:
-        in batches few passes are widened and the factor came out low on too few of them (bench, bf16
-        batch 8: drafting where the measured acceptance predicted 0.86×, 0.92× measured)."""
+        in batches few passes are widened and the factor came out low on too few of them."""
         plain = self.pass_times.get(1)
         if batch_size > 1 or plain is None or plain[0] < CALIBRATION_MIN_PASSES:
             return 1.0
@@ -242,37 +249,33 @@ class AdaptiveK:
         # The mean of the first passes, then a decayed one (~20 passes): the machine's load drifts.
         n_mean[1] += (seconds - n_mean[1]) * max(1 - self.memory, 1 / n_mean[0])
 
-    def observe(self, buckets: list[int], n_draft: list[int], n_accepted: list[int], draft_s: float,
-                batch_size: int, pass_s: float | None = None, width: int | None = None) -> None:
-        """After every step: each row's bucket, verified drafts (none on a plain step; a draft tree's
-        depth) and accepted count; the time spent drafting and, when known, the verify pass's own time
-        and width (default: the most drafts + 1)."""
-        for key in {key for key, n in zip(buckets, n_draft) if n}:
+    def observe(self, step: StepRecord) -> None:
+        """What one step drafted, kept and cost."""
+        if step.pass_s is not None:
+            self.observe_pass(step.batch_size, step.width or max(step.drafted, default=0) + 1, step.pass_s)
+        for key in {key for key, n in zip(step.buckets, step.drafted) if n}:
             b = self.bucket(key)
             b.reached = [r * self.memory for r in b.reached]
             b.kept = [c * self.memory for c in b.kept]
-        for key, drafted, accepted in zip(buckets, n_draft, n_accepted):
-            if not drafted:  # observe() runs every step: plain rows have nothing to record
+        for key, drafted, accepted in zip(step.buckets, step.drafted, step.accepted):
+            if not drafted:  # a plain row has nothing to record
                 continue
             b = self.bucket(key)
             for i in range(min(drafted, accepted + 1, self.k_max)):
                 b.reached[i] += 1
                 b.kept[i] += i < accepted
         # Only a model's drafts cost time (a lookup's are free): the longest of them set the step's. A
-        # model that sat out the step before first reads every token it missed (measured, EAGLE head with
-        # lookup first, int4: 5.5 ms after ~80 tokens it missed, 2.3 ms for one draft on the step after a
-        # drafting one), a cost paid once per stretch: a draft's cost is measured on consecutive
-        # drafting steps only.
-        model_drafts = max((n for key, n in zip(buckets, n_draft) if key == MODEL_BUCKET), default=0)
+        # model that sat out the step before first reads every token it missed, a cost paid once per
+        # stretch: a draft's cost is measured on consecutive drafting steps only.
+        model_drafts = max((n for key, n in zip(step.buckets, step.drafted) if key == MODEL_BUCKET), default=0)
         steady, self.model_drafted = self.model_drafted, bool(model_drafts)
         if model_drafts and steady:
-            # Against this run's own pass (scaled to one token by the curve): the curve's C(1) is the
-            # fastest of a few passes measured once, and the machine's speed drifts (measured: 11.5 ms
-            # in the curve, 9.0 ms in the run, which made a draft look 22% cheaper than it was).
-            width = width or max(n_draft) + 1
-            one_token = self.curve.cost(batch_size, 1) if pass_s is None else pass_s / self.curve.ratio(batch_size,
-                                                                                                       width)
-            ratio = draft_s / model_drafts / one_token
+            # Against this run's own pass (scaled to one token by the curve), not the curve's C(1): that is
+            # the fastest of a few passes measured once, and the machine's speed drifts.
+            width = step.width or max(step.drafted) + 1
+            one_token = (self.curve.cost(step.batch_size, 1) if step.pass_s is None
+                         else step.pass_s / self.curve.ratio(step.batch_size, width))
+            ratio = step.draft_s / model_drafts / one_token
             self.draft_ratio += self.smoothing * (ratio - self.draft_ratio)
 
 
@@ -284,8 +287,8 @@ def batch_progress(tokens: list[float], catch_up: list[float] | None, fixed_shar
     depend on the rows (`fixed_share` of it: streaming the weights) and a part per row; the first is
     paid until the last row is done, so it is worth the progress of the row furthest behind,
     min_b tokens[b] · catch_up[b] with catch_up[b] = r_max / r_b (r_b: the tokens row b has left), the
-    second the mean. Measured (int4, batch 8, 48 tokens each, no queue, the mean alone): drafts for a
-    few rows cost their widened passes and saved no step, 48 steps either way, 0.88× plain."""
+    second the mean. With the mean alone, drafts for a few rows of a batch cost their widened passes and
+    saved no step."""
     mean = sum(tokens) / len(tokens)
     if catch_up is None:
         return mean

@@ -116,7 +116,7 @@ def _speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": k, "adaptive": args.adaptive})
     # No flags: the bundled model speculates with its best measured proposer, adaptively (k per step,
     # off where it would lose); other models decode plainly.
-    from speculant.training.shipped import default_speculative_config
+    from speculant.defaults import default_speculative_config
 
     return SpeculativeConfig.parse(default_speculative_config(args.model))
 

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 from speculant.errors import SpeculantError
+from speculant.models.limits import MAX_SPECULATIVE_TOKENS, MAX_VERIFY_WIDTH  # noqa: F401 (kernels.py imports it here)
 
-MAX_SPECULATIVE_TOKENS = 32
-# A target pass over one sequence is a verify pass (a pending token and its drafts) up to this wide; a
-# wider one is a prompt, computed the same way in every configuration.
-MAX_VERIFY_WIDTH = MAX_SPECULATIVE_TOKENS + 1
 MAX_LOGPROBS = 20
 MAX_TREE_WIDTH = 8
 MAX_HISTORY_TOKENS = 10_000_000  # an answer history holds ~220 bytes a token (its lists and index entry)
@@ -65,8 +63,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     model: str | None = None
     prompt_lookup_min: int = 1
-    # The earlier occurrence that matches a longer suffix continues right more often: up to 6 measured
-    # +3.5% over up to 4 (int4 SmolLM2, batch 1, adaptive k, two runs of 18 prompts).
+    # The earlier occurrence that matches a longer suffix continues right more often.
     prompt_lookup_max: int = 6
     # Our extension: choose k per step (0..num_speculative_tokens) from the measured cost curve and
     # the running acceptance; speculation switches itself off where it would lose.
@@ -110,54 +107,59 @@ class SpeculativeConfig:
         method = value.get("method")
         if method is None and value.get("model"):
             method = "draft_model"
-        if method not in METHODS:
-            raise SpeculantError(f"speculative config: unknown method {method!r}; choose one of {', '.join(METHODS)}")
-        k = value.get("num_speculative_tokens")
-        if not isinstance(k, int) or isinstance(k, bool):
-            raise SpeculantError("speculative config: num_speculative_tokens (an integer) is required")
-        if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise SpeculantError(f"speculative config: num_speculative_tokens={k} is out of range "
-                                 f"[1, {MAX_SPECULATIVE_TOKENS}]")
-        cfg = cls(method=method, num_speculative_tokens=k, model=value.get("model"),
-                  prompt_lookup_min=value.get("prompt_lookup_min", cls.prompt_lookup_min),
-                  prompt_lookup_max=value.get("prompt_lookup_max", cls.prompt_lookup_max),
-                  adaptive=value.get("adaptive", False), lookup_first=value.get("lookup_first", False),
-                  tree_width=value.get("tree_width", 1), corpus=value.get("corpus"),
-                  history_tokens=value.get("history_tokens", 0))
-        for key in ("adaptive", "lookup_first"):
-            if not isinstance(getattr(cfg, key), bool):
-                raise SpeculantError(f"speculative config: {key} must be true or false, got {getattr(cfg, key)!r}")
-        if cfg.lookup_first and method == "ngram":
-            raise SpeculantError("speculative config: lookup_first puts prompt lookup ahead of a model's drafts; "
-                                 "it needs method draft_model or eagle")
-        width = cfg.tree_width
-        if not isinstance(width, int) or isinstance(width, bool) or not 1 <= width <= MAX_TREE_WIDTH:
-            raise SpeculantError(f"speculative config: tree_width={width!r} is out of range [1, {MAX_TREE_WIDTH}]")
-        if width > 1 and method != "eagle":
-            raise SpeculantError("speculative config: tree_width (a draft tree) needs method eagle")
-        if k + width - 1 > MAX_SPECULATIVE_TOKENS:
-            raise SpeculantError(f"speculative config: num_speculative_tokens + tree_width - 1 = {k + width - 1} "
-                                 f"drafts a step; at most {MAX_SPECULATIVE_TOKENS}")
-        if cfg.corpus is not None and not (isinstance(cfg.corpus, str) and cfg.corpus):
-            raise SpeculantError(f"speculative config: corpus must be a path, got {cfg.corpus!r}")
-        history = cfg.history_tokens
-        if not isinstance(history, int) or isinstance(history, bool) or not 0 <= history <= MAX_HISTORY_TOKENS:
-            raise SpeculantError(f"speculative config: history_tokens={history!r} is out of range "
-                                 f"[0, {MAX_HISTORY_TOKENS}]")
-        if history and not (method == "ngram" or cfg.lookup_first):
-            raise SpeculantError("speculative config: history_tokens (drafts from earlier answers) works with "
-                                 "prompt lookup; it needs method ngram or lookup_first")
-        if cfg.corpus and not (method == "ngram" or cfg.lookup_first):
-            raise SpeculantError("speculative config: corpus drafts where prompt lookup finds little; it needs "
-                                 "method ngram or lookup_first")
-        if method in ("draft_model", "eagle") and not cfg.model:
-            raise SpeculantError(f"speculative config: method {method!r} needs \"model\" (the draft's path)")
-        if method == "ngram" or cfg.lookup_first:
-            lo, hi = cfg.prompt_lookup_min, cfg.prompt_lookup_max
-            if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
-                raise SpeculantError(f"speculative config: need 1 <= prompt_lookup_min <= prompt_lookup_max, "
-                                     f"got {lo} and {hi}")
+        given = {key: v for key, v in value.items() if key not in ("method", "num_speculative_tokens")}
+        cfg = cls(method=method, num_speculative_tokens=value.get("num_speculative_tokens"), **given)
+        for ok, error in CHECKS:
+            if not ok(cfg):
+                raise SpeculantError(f"speculative config: {error(cfg)}")
         return cfg
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _uses_lookup(c: SpeculativeConfig) -> bool:
+    return c.method == "ngram" or c.lookup_first
+
+
+# (what a valid config satisfies, the error otherwise), in order: each check may assume those before it passed.
+CHECKS: tuple[tuple[Callable[[SpeculativeConfig], bool], Callable[[SpeculativeConfig], str]], ...] = (
+    (lambda c: c.method in METHODS,
+     lambda c: f"unknown method {c.method!r}; choose one of {', '.join(METHODS)}"),
+    (lambda c: _is_int(c.num_speculative_tokens),
+     lambda c: "num_speculative_tokens (an integer) is required"),
+    (lambda c: 1 <= c.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+     lambda c: f"num_speculative_tokens={c.num_speculative_tokens} is out of range [1, {MAX_SPECULATIVE_TOKENS}]"),
+    (lambda c: isinstance(c.adaptive, bool),
+     lambda c: f"adaptive must be true or false, got {c.adaptive!r}"),
+    (lambda c: isinstance(c.lookup_first, bool),
+     lambda c: f"lookup_first must be true or false, got {c.lookup_first!r}"),
+    (lambda c: not (c.lookup_first and c.method == "ngram"),
+     lambda c: "lookup_first puts prompt lookup ahead of a model's drafts; it needs method draft_model or eagle"),
+    (lambda c: _is_int(c.tree_width) and 1 <= c.tree_width <= MAX_TREE_WIDTH,
+     lambda c: f"tree_width={c.tree_width!r} is out of range [1, {MAX_TREE_WIDTH}]"),
+    (lambda c: c.tree_width == 1 or c.method == "eagle",
+     lambda c: "tree_width (a draft tree) needs method eagle"),
+    (lambda c: c.num_speculative_tokens + c.tree_width - 1 <= MAX_SPECULATIVE_TOKENS,
+     lambda c: f"num_speculative_tokens + tree_width - 1 = {c.num_speculative_tokens + c.tree_width - 1} drafts "
+               f"a step; at most {MAX_SPECULATIVE_TOKENS}"),
+    (lambda c: c.corpus is None or (isinstance(c.corpus, str) and bool(c.corpus)),
+     lambda c: f"corpus must be a path, got {c.corpus!r}"),
+    (lambda c: _is_int(c.history_tokens) and 0 <= c.history_tokens <= MAX_HISTORY_TOKENS,
+     lambda c: f"history_tokens={c.history_tokens!r} is out of range [0, {MAX_HISTORY_TOKENS}]"),
+    (lambda c: not c.history_tokens or _uses_lookup(c),
+     lambda c: "history_tokens (drafts from earlier answers) works with prompt lookup; it needs method ngram or "
+               "lookup_first"),
+    (lambda c: not c.corpus or _uses_lookup(c),
+     lambda c: "corpus drafts where prompt lookup finds little; it needs method ngram or lookup_first"),
+    (lambda c: c.method == "ngram" or bool(c.model),
+     lambda c: f"method {c.method!r} needs \"model\" (the draft's path)"),
+    (lambda c: not _uses_lookup(c) or (isinstance(c.prompt_lookup_min, int) and isinstance(c.prompt_lookup_max, int)
+                                       and 1 <= c.prompt_lookup_min <= c.prompt_lookup_max),
+     lambda c: f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {c.prompt_lookup_min} and "
+               f"{c.prompt_lookup_max}"),
+)
 
 
 def _load_json_or_file(text: str) -> dict:

@@ -11,12 +11,11 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from speculant.adaptive import AdaptiveK
+from speculant.adaptive import AdaptiveK, StepRecord
 from speculant.config import SamplingParams
 from speculant.errors import SpeculantError
 from speculant.models.llama import ModelConfig
@@ -24,7 +23,6 @@ from speculant.models.loader import LoadedModel
 from speculant.models.tokenizer import Detokenizer
 from speculant.proposers import Proposal, Proposer, TargetHidden
 from speculant.proposers.base import chain_padded, pad_rows
-from speculant.proposers.lookup_first import LookupFirstProposer
 from speculant.sampling import SamplingBatch, request_key
 from speculant.sequence import Sequence, SpecStats, TokenLogprob
 from speculant.verify import verify_logits, verify_tree_logits
@@ -103,9 +101,6 @@ class Engine:
         self._logged = SpecStats()
         self.device = self.model.device
         self._batch: list[Sequence] = []  # the rows _batch_tensors last built for
-        # A step without drafts (plain decoding, speculation switched off) only reads its proposal: one per
-        # batch size, where making its two tensors cost ~30 µs of a 2.7 ms plain step in the loop.
-        self._empty_proposals: dict[int, Proposal] = {}
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -169,9 +164,8 @@ class Engine:
         n_accepted = [len(a) for a in accepted]
         drafted = proposal.depths()
         if self.adaptive:
-            width = proposal.tokens.shape[1] + 1
-            self.adaptive.observe_pass(len(batch), width, t2 - t1)
-            self.adaptive.observe(proposal.bucket_list(), drafted, n_accepted, t1 - t0, len(batch), t2 - t1, width)
+            self.adaptive.observe(StepRecord(proposal.bucket_list(), drafted, n_accepted, len(batch), t1 - t0,
+                                             t2 - t1, proposal.tokens.shape[1] + 1))
         start = [s.num_cached for s in batch]
         n_valid = [len(s.tokens) - s.num_cached + n for s, n in zip(batch, n_accepted)]
         if proposal.parents is not None:
@@ -190,47 +184,17 @@ class Engine:
         return outputs
 
     def propose(self, batch: list[Sequence], sb: SamplingBatch) -> Proposal:
-        """Each row's drafts for this step: as many as adaptive k plans (all of them without it)."""
-        proposer = self.proposer
-        if proposer is None:
-            return self._no_drafts(len(batch))
-        if not self.adaptive:
-            return self._drafts(proposer, batch, self.k, sb)
-        # With no request waiting for a slot the batch is done when its last row is (adaptive.batch_progress).
-        remaining = None if self.waiting else [s.max_tokens - s.num_generated for s in batch]
-        if proposer.free_drafts:
-            return self._planned_lookup(proposer, batch, remaining)
-        if isinstance(proposer, LookupFirstProposer):
-            found = self._planned_lookup(proposer.lookup, batch, remaining, self.adaptive.keep_lookup)
-            empty = [n == 0 for n in found.n_draft.tolist()]
-            k = self.adaptive.choose(len(batch), remaining) if any(empty) else 0
-            return proposer.complete(batch, found, [self._k_for(s, k) if e else 0 for s, e in zip(batch, empty)], sb)
-        return self._drafts(proposer, batch, self.adaptive.choose(len(batch), remaining), sb)
-
-    def _no_drafts(self, batch_size: int) -> Proposal:
-        if batch_size not in self._empty_proposals:
-            self._empty_proposals[batch_size] = Proposal.empty(batch_size, self.device)
-        return self._empty_proposals[batch_size]
-
-    def _drafts(self, proposer: Proposer, batch: list[Sequence], k: int, sb: SamplingBatch) -> Proposal:
-        """Up to k drafts per row from the proposer."""
-        ks = [self._k_for(s, k) for s in batch]
-        if not any(ks):
-            return self._no_drafts(len(batch))
-        return proposer.propose(batch, ks, sb)
-
-    def _planned_lookup(self, proposer: Proposer, batch: list[Sequence], remaining: list[int] | None,
-                        keep: Callable[[list[int], list[int]], list[int]] | None = None) -> Proposal:
-        """Free drafts: all the lookup finds, then only as many as adaptive k plans to verify; `keep`
-        (buckets, available) → available first leaves out the rows a model drafts better."""
-        if not self.adaptive.worth_proposing(len(batch)):
-            return self._no_drafts(len(batch))
-        drafts, buckets = proposer.find(batch, [self._k_for(s, self.k) for s in batch])
-        available = [len(d) for d in drafts]
-        if keep is not None:
-            available = keep(buckets, available)
-        plan = self.adaptive.plan(buckets, available, remaining=remaining)
-        return Proposal.from_lists([d[:n] for d, n in zip(drafts, plan)], self.device, buckets)
+        """Each row's drafts for this step: as many as adaptive k plans (k of them without it)."""
+        if self.proposer is None:
+            return Proposal.empty(len(batch), self.device)
+        limits = [self._k_for(s, self.k) for s in batch]
+        if self.adaptive:
+            # With no request waiting for a slot the batch is done when its last row is (adaptive.batch_progress).
+            remaining = None if self.waiting else [s.max_tokens - s.num_generated for s in batch]
+            return self.proposer.propose_adaptive(batch, limits, sb, self.adaptive, remaining)
+        if not any(limits):
+            return Proposal.empty(len(batch), self.device)
+        return self.proposer.propose(batch, limits, sb)
 
     def _batch_tensors(self, batch: list[Sequence]) -> tuple[SamplingBatch, torch.Tensor]:
         """The batch's sampling transforms and cache slots [B], built again only when its rows change."""

@@ -1,11 +1,11 @@
-"""The speed-up model of DESIGN.md §3 and the target's measured cost curve C_B(T).
+"""The speed-up model of docs/design.md §3 and the target's measured cost curve C_B(T).
 
     tokens per target pass   E = (1 − α^(k+1)) / (1 − α)
     speed-up                 S = E / (C(k+1)/C(1) + k · c_draft/C(1))
 
 Two measured facts the bare model leaves out are added as `coverage`: a proposer that finds
 nothing to draft (n-gram lookup without a match) turns a pass into a plain one, costing C(1)
-and yielding one token. With coverage 1 the formula is exactly DESIGN §3's.
+and yielding one token. With coverage 1 the formula is exactly docs/design.md §3's.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def expected_tokens_per_pass(alpha: float, k: float) -> float:
 
 def predicted_speedup(alpha: float, k: float, cost_ratio: float, draft_cost_ratio: float = 0.0,
                       coverage: float = 1.0, pass_coverage: float | None = None) -> float:
-    """S = E / (C(k+1)/C(1) + k·c_draft/C(1)), DESIGN §3, with E = E(α, k) (see speedup_from)."""
+    """S = E / (C(k+1)/C(1) + k·c_draft/C(1)), docs/design.md §3, with E = E(α, k) (see speedup_from)."""
     if k == 0:
         return 1.0
     return speedup_from(expected_tokens_per_pass(alpha, k), k, cost_ratio, draft_cost_ratio, coverage,
@@ -138,16 +138,14 @@ class CostCurve:
 def measure_cost_curve(model: Transformer, batch_sizes: list[int], max_width: int = 16, context: int = 256,
                        reps: int = 5, tick: Callable[[], None] | None = None) -> CostCurve:
     """Time one pass over T = 1..max_width new tokens at each batch size, with the target distribution at
-    every position (a verify step builds it over [B, T, vocabulary]: 3 ms of a 50 ms step at batch 4,
-    T = 9, left out, made widened passes look cheaper than they were). Every batch size and width is
-    measured once per repetition, so a burst of other work on a shared machine hits them alike (measured
-    one batch size after another, a burst once made a whole batch size look flat and adaptive k draft
-    there at a loss); the fastest of `reps` after a warm-up round (other work only ever adds time).
+    every position (a verify step builds it over [B, T, vocabulary]; left out, widened passes looked
+    cheaper than they were). Every batch size and width is measured once per repetition, so a burst of
+    other work on a shared machine hits them alike (one batch size after another, a burst could make a
+    whole batch size look flat); the fastest of `reps` after a warm-up round (other work only ever adds
+    time).
 
     Widths go from the widest down, and each timed pass follows an untimed one of its shape, as passes
-    follow like ones in decoding: timed right after batch 16's widest pass, int4's pass over 1 token at
-    batch 1 took 4.9–5.4 ms where it takes 3.5–4.2 in a row, and the curve came out flat up to 4 tokens,
-    where it rises 20–30%."""
+    follow like ones in decoding: a pass timed right after a much wider one is slower than in a row."""
     vocab = model.cfg.vocab_size
     gen = torch.Generator().manual_seed(0)
     caches = {b: model.new_cache(b, context + max_width + 1) for b in batch_sizes}

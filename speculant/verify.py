@@ -53,9 +53,9 @@ class TargetTokens:
     """The target's token at a step's positions, each drawn as plain decoding draws it there: from row b's
     logits at a column (0: after the last token, j + 1: after draft j) with the request's uniform for
     the position `offset` past its next token; the argmax for a greedy row. On the native sampler where
-    it runs (two passes over a row, a sort of its likeliest tokens: in PyTorch a sampled row took ~10
-    operations over the vocabulary, 0.39 ms of a 2.8 ms plain int4 step for SmolLM2 at temperature 0.7),
-    else by `sampling.inverse_cdf` over `probabilities`; plain decoding takes the same path."""
+    it runs (two passes over a row and a sort of its likeliest tokens, where PyTorch makes ~10 operations
+    over the vocabulary), else by `sampling.inverse_cdf` over `probabilities`; plain decoding takes the
+    same path."""
 
     def __init__(self, logits: torch.Tensor, sb: SamplingBatch):
         self.logits, self.sb = logits, sb

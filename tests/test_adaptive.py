@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from speculant.adaptive import AdaptiveK, cost_curve_for, expected_tokens_upto
+from speculant.adaptive import AdaptiveK, StepRecord, cost_curve_for, expected_tokens_upto
 from speculant.config import SamplingParams
 from speculant.engine import Engine
 from speculant.models.loader import load_model
@@ -41,7 +41,7 @@ def test_low_acceptance_shortens_or_stops_drafting():
     policy = AdaptiveK(curve(32), k_max=8, alpha=0.9)
     long_k = policy.choose(1)
     for _ in range(40):  # every draft rejected
-        policy.observe([0], [4], [0], draft_s=0.0, batch_size=1)
+        policy.observe(StepRecord([0], [4], [0], draft_s=0.0, batch_size=1))
     assert policy.acceptance()[0] < 0.1
     assert policy.choose(1) < long_k
 
@@ -51,7 +51,7 @@ def test_copy_runs_keep_long_drafts_despite_frequent_misses():
     acceptance sees a_1 = 0.5 and a_2.. near 1, so k stays long."""
     policy = AdaptiveK(curve(32), k_max=8, alpha=0.5)
     for _ in range(40):
-        policy.observe([0, 0], [8, 8], [0, 8], draft_s=0.0, batch_size=1)
+        policy.observe(StepRecord([0, 0], [8, 8], [0, 8], draft_s=0.0, batch_size=1))
     a = policy.acceptance()
     assert a[0] == pytest.approx(0.5, abs=0.02) and min(a[1:]) > 0.9
     assert policy.choose(1) == 8
@@ -69,10 +69,10 @@ def test_off_policy_probes_less_and_less_while_probes_fail():
     chosen = [policy.choose(1) for _ in range(4 + 8 + 16)]
     assert [i for i, k in enumerate(chosen) if k] == [3, 11, 27] and set(chosen) == {0, 2}
     for _ in range(20):  # a probe found acceptance high: speculation is back on, the wait resets
-        policy.observe([0], [2], [2], draft_s=0.0, batch_size=1)
+        policy.observe(StepRecord([0], [2], [2], draft_s=0.0, batch_size=1))
     assert policy.choose(1) > 0
     for _ in range(60):
-        policy.observe([0], [2], [0], draft_s=0.0, batch_size=1)
+        policy.observe(StepRecord([0], [2], [0], draft_s=0.0, batch_size=1))
     assert [policy.choose(1) for _ in range(4)] == [0, 0, 0, 2]
 
 
@@ -83,13 +83,13 @@ def test_a_new_request_gets_its_own_look_at_the_drafts():
     # A draft costs 0.3 of a pass (the curve's C(1) is 1 s).
     for policy in (fresh, stale):
         for _ in range(40):
-            policy.observe([MODEL_BUCKET], [4], [0], draft_s=4 * 0.3, batch_size=1)
+            policy.observe(StepRecord([MODEL_BUCKET], [4], [0], draft_s=4 * 0.3, batch_size=1))
         assert [policy.choose(1) for _ in range(3)] == [0, 0, 0]
     fresh.new_request()
     assert fresh.choose(1) > 0 and stale.choose(1) == 0  # a probe at once
     for policy in (fresh, stale):
         for _ in range(5):  # the new request's drafts are right
-            policy.observe([MODEL_BUCKET], [2], [2], draft_s=2 * 0.3, batch_size=1)
+            policy.observe(StepRecord([MODEL_BUCKET], [2], [2], draft_s=2 * 0.3, batch_size=1))
     assert fresh.choose(1) > 0
     assert stale.choose(1) == 0
 
@@ -130,7 +130,7 @@ def test_rare_drafts_stay_on_alone_but_not_in_a_batch():
 
 def test_no_probes_where_even_perfect_drafts_would_not_pay():
     """Batch 32, two rows with a draft: were both accepted in full the widened pass would still lose,
-    so probing them only costs (measured: probes alone made adaptive k lose 9% at batch 16)."""
+    so probing them only costs."""
     rows = {b: [1.0 + 0.2 * (t - 1) for t in range(1, 10)] for b in (1, 32)}
     policy = AdaptiveK(CostCurve(context=128, seconds=rows), k_max=4, alpha=0.0, probe_every=4)
     few = [4, 4] + [0] * 30
@@ -143,7 +143,7 @@ def test_acceptance_is_kept_per_bucket():
     runs; the misses of the first must not switch off the second (bucket = match length)."""
     policy = AdaptiveK(curve(32), k_max=4)
     for _ in range(40):
-        policy.observe([1, 4], [4, 4], [0, 4], draft_s=0.0, batch_size=1)
+        policy.observe(StepRecord([1, 4], [4, 4], [0, 4], draft_s=0.0, batch_size=1))
     assert policy.acceptance(1)[0] < 0.1 and policy.acceptance(4)[0] > 0.9
     assert policy.plan([1], [4]) == [0]
     assert policy.plan([4], [4]) == [4]

@@ -28,7 +28,7 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-# -- the speed-up model, DESIGN §3 -------------------------------------------------------------
+# -- the speed-up model, docs/design.md §3 -------------------------------------------------------------
 
 
 @pytest.mark.parametrize("alpha, k, expected", [

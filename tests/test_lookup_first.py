@@ -11,7 +11,7 @@ from test_adaptive import curve
 from test_distribution import ALPHA, N_SAMPLES, N_TOKENS, SETTINGS, exact_joint, g_test, sampled_joint
 from test_eagle import saved_head
 
-from speculant.adaptive import AdaptiveK
+from speculant.adaptive import AdaptiveK, StepRecord
 from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.engine import Engine
 from speculant.models.loader import load_model
@@ -145,14 +145,14 @@ def test_greedy_and_sampled_rows_in_one_step(small):
 def test_only_model_drafts_set_the_draft_cost():
     policy = AdaptiveK(curve(32), k_max=4)
     cost = policy.curve.cost(2, 1)
-    policy.observe([3, 4], [4, 4], [4, 1], draft_s=0.001 * cost, batch_size=2)  # lookup rows only: free
+    policy.observe(StepRecord([3, 4], [4, 4], [4, 1], draft_s=0.001 * cost, batch_size=2))  # lookup rows only: free
     assert policy.draft_ratio == 0.0
-    policy.observe([3, MODEL_BUCKET], [4, 2], [4, 1], draft_s=0.9 * cost, batch_size=2)
+    policy.observe(StepRecord([3, MODEL_BUCKET], [4, 2], [4, 1], draft_s=0.9 * cost, batch_size=2))
     assert policy.draft_ratio == 0.0  # the model first read what it missed while lookup drafted
-    policy.observe([3, MODEL_BUCKET], [4, 2], [4, 1], draft_s=0.4 * cost, batch_size=2)
+    policy.observe(StepRecord([3, MODEL_BUCKET], [4, 2], [4, 1], draft_s=0.4 * cost, batch_size=2))
     assert policy.draft_ratio == pytest.approx(policy.smoothing * 0.2)  # 0.4 over the model's 2 drafts
-    policy.observe([3, MODEL_BUCKET], [0, 0], [0, 0], draft_s=0.0, batch_size=2)  # a plain step
-    policy.observe([3, MODEL_BUCKET], [4, 2], [4, 1], draft_s=0.9 * cost, batch_size=2)
+    policy.observe(StepRecord([3, MODEL_BUCKET], [0, 0], [0, 0], draft_s=0.0, batch_size=2))  # a plain step
+    policy.observe(StepRecord([3, MODEL_BUCKET], [4, 2], [4, 1], draft_s=0.9 * cost, batch_size=2))
     assert policy.draft_ratio == pytest.approx(policy.smoothing * 0.2)
 
 
@@ -189,9 +189,9 @@ def test_each_row_keeps_the_drafter_that_promises_more():
     cost more than they yield, every match keeps its drafts."""
     policy = AdaptiveK(curve(32), k_max=4, draft_ratio=0.05)
     for _ in range(30):
-        policy.observe([4, 1, MODEL_BUCKET], [4, 4, 2], [4, 0, 1], draft_s=0.0, batch_size=3)
-        policy.observe([1, MODEL_BUCKET], [4, 2], [1, 2], draft_s=0.0, batch_size=2)
-        policy.observe([1], [4], [0], draft_s=0.0, batch_size=1)
+        policy.observe(StepRecord([4, 1, MODEL_BUCKET], [4, 4, 2], [4, 0, 1], draft_s=0.0, batch_size=3))
+        policy.observe(StepRecord([1, MODEL_BUCKET], [4, 2], [1, 2], draft_s=0.0, batch_size=2))
+        policy.observe(StepRecord([1], [4], [0], draft_s=0.0, batch_size=1))
     assert policy.keep_lookup([4, 1, 2, MODEL_BUCKET], [4, 3, 0, 0]) == [4, 0, 0, 0]
     policy.draft_ratio = 2.0  # a draft costs two passes: the model never pays
     assert policy.keep_lookup([4, 1], [4, 3]) == [4, 3]

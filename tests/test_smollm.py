@@ -89,9 +89,9 @@ def test_seeded_sampling_writes_the_same_tokens_with_speculation(smollm_path):
     request's answer with speculation is its answer without, token for token, alone or in a batch. The
     fast path: int4, bf16 logits, the native sampler; top_p makes it sort."""
     from speculant.config import SpeculativeConfig
+    from speculant.defaults import default_speculative_config
     from speculant.llm import engine_for
     from speculant.models.loader import load_model
-    from speculant.training.shipped import default_speculative_config
 
     target = load_model(str(smollm_path), dtype="auto", quantization="auto")
     prompts = [target.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]

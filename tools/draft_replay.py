@@ -7,8 +7,8 @@ earlier match (not only the latest one's) at k = 6. No engine overhead is counte
 
     python tools/draft_replay.py [--costs 1.08,1.13,1.20,1.30,1.42,1.63] [--per-class 6] [--max-tokens 128]
 
---costs: C(w)/C(1) for w = 2 … 7 as the decoding loop pays them (the default: measured in session 20 by
-timing steps of each width in the loop; an isolated pass costs less).
+--costs: C(w)/C(1) for w = 2 … 7 as the decoding loop pays them (the default: docs/benchmarks/README.md,
+timed steps of each width in the loop; an isolated pass costs less).
 """
 
 import argparse
@@ -17,11 +17,11 @@ import torch
 
 from speculant.bench.prompts import load_prompts
 from speculant.config import SamplingParams
+from speculant.defaults import CORPUS
 from speculant.llm import engine_for
 from speculant.models.loader import load_model
 from speculant.proposers.corpus import load_corpus
 from speculant.proposers.ngram import NgramProposer, SuffixIndex, continuation
-from speculant.training.shipped import CORPUS
 
 K = 6
 

@@ -1,7 +1,7 @@
 """`speculant advise [MODEL] [--draft PATH]`: a short run that says whether speculation pays here.
 
 It measures the target's cost curve at several batch sizes and each available proposer's acceptance
-on a few prompts at batch 1, fits the speed-up model of DESIGN §3 to them, and prints the regime,
+on a few prompts at batch 1, fits the speed-up model of docs/design.md §3 to them, and prints the regime,
 the best k per batch size (0 where speculation would lose) and a ready --speculative-config line.
 """
 

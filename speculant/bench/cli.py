@@ -11,8 +11,8 @@ from pathlib import Path
 from speculant.bench.prompts import PROMPT_CLASSES
 from speculant.bench.suite import DEFAULT_PROPOSERS, PEERS, PROPOSERS, BenchPlan
 from speculant.cli import add_target_arguments
+from speculant.defaults import TREE_WIDTH
 from speculant.errors import SpeculantError
-from speculant.training.shipped import TREE_WIDTH
 
 # What --quick changes; flags given explicitly still win.
 QUICK = dict(per_class=1, max_tokens=24, ks=[2, 4], batch_sizes=[1, 4], temperatures=[0.0, 0.7],

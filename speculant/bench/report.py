@@ -259,7 +259,7 @@ def method_section(result: BenchResult) -> list[str]:
             "- **acceptance**: accepted / drafted tokens; **mean acc. length**: 1 + accepted per drafting "
             "step; **drafting steps**: share of sequence-steps that carried a draft (prompt lookup drafts "
             "only when it finds a match).\n"
-            "- **predicted**: DESIGN §3, S = E / (C(k+1)/C(1) + k·c_draft/C(1)) with E = (1 − α^(k+1)) / "
+            "- **predicted**: docs/design.md §3, S = E / (C(k+1)/C(1) + k·c_draft/C(1)) with E = (1 − α^(k+1)) / "
             "(1 − α); α fitted so that E equals the measured mean acceptance length, C from the cost curve "
             "above, c_draft from the measured draft time; steps without a draft count as plain steps. "
             "The model leaves out the engine's own per-step work (verify, commit: the \"other\" share).\n"

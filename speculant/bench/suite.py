@@ -36,11 +36,11 @@ from speculant.bench.runner import (
 )
 from speculant.bench.summary import ALL, Row, summarize
 from speculant.config import SamplingParams, SpeculativeConfig
+from speculant.defaults import TREE_WIDTH
 from speculant.errors import SpeculantError
 from speculant.models.loader import LoadedModel, default_model_path, load_model
 from speculant.proposers.corpus import FILE as CORPUS_FILE
 from speculant.speedup import CostCurve, measure_cost_curve
-from speculant.training.shipped import TREE_WIDTH
 
 PROPOSERS = ("ngram", "ngram+corpus", "ngram+history", "ngram+corpus+history", "draft_model", "eagle",
              "draft_model+lookup", "eagle+lookup", "eagle+tree", "eagle+lookup+tree", "eagle+lookup+corpus+tree")

@@ -16,12 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speculant.config import MAX_VERIFY_WIDTH
 from speculant.errors import SpeculantError
 from speculant.models import native
 from speculant.models.ggml import GGMLLinear
 from speculant.models.kernels import PackedLinear
 from speculant.models.kv_cache import CacheIndex, KVCache
+from speculant.models.limits import MAX_VERIFY_WIDTH
 from speculant.models.quantize import Int4Linear
 
 if TYPE_CHECKING:

@@ -11,6 +11,7 @@ from speculant.models.llama import tree_layout
 from speculant.sampling import DRAFT, SamplingBatch, argmax, probabilities, sample
 
 if TYPE_CHECKING:
+    from speculant.adaptive import AdaptiveK
     from speculant.sequence import Sequence
 
 
@@ -22,7 +23,7 @@ def pad_rows(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor,
     """Ragged token rows → (tokens [B, T] padded with 0, lengths [B]), T the longest row."""
     lengths = [len(r) for r in rows]
     T = max(lengths, default=0)
-    # One tensor from padded lists: a tensor per row cost 0.19 ms a step at batch 16.
+    # One tensor from padded lists, not one per row: each tensor made costs a call, and this runs every step.
     tokens = torch.tensor([r + [0] * (T - len(r)) for r in rows], dtype=torch.long).reshape(len(rows), T)
     return tokens.to(device), torch.tensor(lengths, dtype=torch.long, device=device)
 
@@ -52,8 +53,11 @@ class Proposal:
 
     @classmethod
     def empty(cls, batch_size: int, device: torch.device) -> Proposal:
-        """No drafts for any of the batch's rows."""
-        return cls.from_lists([[] for _ in range(batch_size)], device)
+        """No drafts for any of the batch's rows: made once per batch size and device and only read (plain
+        decoding asks for one every step)."""
+        if (batch_size, device) not in _EMPTY:
+            _EMPTY[batch_size, device] = cls.from_lists([[] for _ in range(batch_size)], device)
+        return _EMPTY[batch_size, device]
 
     def bucket_list(self) -> list[int]:
         return self.buckets if self.buckets is not None else [MODEL_BUCKET] * len(self.n_draft)
@@ -83,6 +87,9 @@ class Proposal:
         return Proposal(tokens, n_draft, q, parents=parents)
 
 
+_EMPTY: dict[tuple[int, torch.device], Proposal] = {}
+
+
 @dataclass
 class TargetHidden:
     """The target's final hidden states from a verify pass, for proposers that draft from them
@@ -94,12 +101,12 @@ class TargetHidden:
 
 
 class Proposer:
-    """Stateless by default; a proposer with a model keeps per-sequence state (a KV cache row)."""
+    """Stateless by default; a proposer with a model keeps per-sequence state (a KV cache row).
+
+    The engine calls, per step, `propose` (fixed k) or `propose_adaptive` (k from the adaptive policy), then
+    `commit` with what the target verified; `add`, `prefill` and `remove` follow a sequence's life."""
 
     name = "none"
-    # Drafts that cost no model pass (lookup): the engine asks for all it can get and verifies what
-    # adaptive k plans; costly ones are asked for the planned number only.
-    free_drafts = False
     # Drafts a row may get beyond the k asked for: a tree's other candidates (they add width, not depth).
     extra_nodes = 0
 
@@ -121,9 +128,20 @@ class Proposer:
         drafts, buckets = self.find(seqs, ks)
         return Proposal.from_lists(drafts, sb.temperature.device, buckets)
 
+    def propose_adaptive(self, seqs: list[Sequence], limits: list[int], sb: SamplingBatch, policy: AdaptiveK,
+                         remaining: list[int] | None) -> Proposal:
+        """The drafts `policy` judges worth a verify pass, at most limits[b] for row b. `remaining`: each
+        row's tokens left to its limit when no request waits for a slot (adaptive.batch_progress), else None.
+        Drafts that cost a model pass are made only as many as the policy chooses."""
+        k = policy.choose(len(seqs), remaining)
+        ks = [min(k, n) for n in limits]
+        if not any(ks):
+            return Proposal.empty(len(seqs), sb.temperature.device)
+        return self.propose(seqs, ks, sb)
+
     def find(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[list[int]], list[int]]:
-        """A free proposer's drafts as lists (up to ks[b] continuing seqs[b].tokens) and their buckets: the
-        engine trims them to adaptive k's plan before it makes the step's tensors."""
+        """A free proposer's drafts as lists (up to ks[b] continuing seqs[b].tokens) and their buckets: with
+        adaptive k they are trimmed to the policy's plan before they become the step's tensors."""
         raise NotImplementedError
 
     def draw(self, logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:

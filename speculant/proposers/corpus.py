@@ -5,10 +5,7 @@ next in the corpus, chained up to k tokens. No model pass: a dictionary lookup p
 Prompt lookup finds what the prompt or the answer so far repeats; a small model's answers also repeat
 each other — code idioms, the phrases of its explanations and greetings — which the prompt does not
 hold. The table keeps a context only where its likeliest next token was seen at least MIN_COUNT times
-and in at least MIN_SHARE of the context's occurrences. Simulated on the bench's greedy int4 outputs
-(18 prompts × 128 tokens; a table from 1.74M tokens of the target's answers to other requests; every
-draft up to 6 checked against the output): prompt lookup of 2+ tokens alone yields 1.26 / 1.39 / 1.74
-tokens a step on chat / code / rewrite, followed by the table where it finds nothing 1.46 / 1.94 / 1.96.
+and in at least MIN_SHARE of the context's occurrences.
 
 A table is built for one tokenizer: its file names the vocabulary (size and digest), and loading it
 for another target is refused.
@@ -35,7 +32,7 @@ FILE = "corpus.safetensors"
 # lookup's buckets are its match lengths, 1 to 6; a model's drafts are bucket 0).
 CORPUS_BUCKET = 10
 MIN_CONTEXT = 2
-MAX_CONTEXT = 3  # 4 and 5 tokens of context simulated 1.73 and 1.73 tokens a step, 3 tokens 1.72, at 2-3x the size
+MAX_CONTEXT = 3  # longer contexts drafted no better in simulation, for a table 2-3x the size
 MIN_COUNT = 3
 MIN_SHARE = 0.2
 

@@ -1,11 +1,9 @@
 """Prompt lookup first, a model's drafts elsewhere.
 
-Lookup drafts cost nothing and, after a long suffix match, are nearly all accepted (a 6-token
-match's first draft 94% of the time on the bundled prompts); a learned drafter pays a pass per draft
-and is right less often, but it drafts where nothing repeats. Measured (int4, batch 1): the EAGLE
-head was the best drafter on code (1.14x), lookup on chat and rewrites (1.53x, 1.42x), and lookup
-has a match on ~40% of code steps. So a row whose lookup finds a match verifies those drafts, the
-others get the model's (with adaptive k: the drafter whose acceptance promises more, per row).
+Lookup drafts cost nothing and, after a long suffix match, are nearly all accepted; a learned drafter
+pays a pass per draft and is right less often, but it drafts where nothing repeats. So a row whose
+lookup finds a match verifies those drafts, the others get the model's (with adaptive k: the drafter
+whose acceptance promises more, per row).
 
 The model proposer keeps its state in step either way: its `commit` reads the verified tokens (and,
 for EAGLE, the target's features), whoever drafted them.
@@ -13,13 +11,18 @@ for EAGLE, the target's features), whoever drafted them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch.nn.functional import one_hot, pad
 
 from speculant.proposers.base import MODEL_BUCKET, Proposal, Proposer, TargetHidden, chain_padded
-from speculant.proposers.ngram import NgramProposer
+from speculant.proposers.ngram import NgramProposer, planned_lookup
 from speculant.sampling import SamplingBatch
 from speculant.sequence import Sequence
+
+if TYPE_CHECKING:
+    from speculant.adaptive import AdaptiveK
 
 
 class LookupFirstProposer(Proposer):
@@ -49,6 +52,14 @@ class LookupFirstProposer(Proposer):
     def propose(self, seqs: list[Sequence], ks: list[int], sb: SamplingBatch) -> Proposal:
         found = self.lookup.propose(seqs, ks, sb)
         return self.complete(seqs, found, [0 if n else k for n, k in zip(found.n_draft.tolist(), ks)], sb)
+
+    def propose_adaptive(self, seqs: list[Sequence], limits: list[int], sb: SamplingBatch, policy: AdaptiveK,
+                         remaining: list[int] | None) -> Proposal:
+        """Lookup's drafts where the policy trusts them more than the model's, the model's in the rows left empty."""
+        found = planned_lookup(self.lookup, seqs, limits, sb, policy, remaining, policy.keep_lookup)
+        empty = [n == 0 for n in found.n_draft.tolist()]
+        k = policy.choose(len(seqs), remaining) if any(empty) else 0
+        return self.complete(seqs, found, [min(k, n) if e else 0 for n, e in zip(limits, empty)], sb)
 
     def complete(self, seqs: list[Sequence], found: Proposal, ks: list[int], sb: SamplingBatch) -> Proposal:
         """The lookup's drafts `found`, with the model's ks[b] drafts in the rows where ks[b] > 0 (rows

@@ -3,19 +3,26 @@ what followed it. No model, deterministic (q is one-hot)."""
 
 from __future__ import annotations
 
-from speculant.proposers.base import Proposer
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from speculant.proposers.base import Proposal, Proposer
 from speculant.proposers.corpus import CORPUS_BUCKET, CorpusTable
 from speculant.proposers.history import HISTORY_BUCKET, AnswerHistory
+from speculant.sampling import SamplingBatch
 from speculant.sequence import Sequence
+
+if TYPE_CHECKING:
+    from speculant.adaptive import AdaptiveK
 
 CORPUS_UNDER = 2
 
 
 class SuffixIndex:
     """The latest end of every n-gram (n ≤ n_max) of a growing token list, its last token left out: prompt
-    lookup's matches in O(n_max) dictionary reads a step, where a pass over the whole sequence grew with it
-    (40 µs a step at ~300 tokens in the decoding loop, numpy; a row at 8K tokens of context paid it per
-    step and per row). Tokens are only ever appended to a sequence, so the index only grows."""
+    lookup's matches in O(n_max) dictionary reads a step, where a pass over the whole sequence grows with
+    the context, per step and per row. Tokens are only ever appended to a sequence, so the index only
+    grows."""
 
     def __init__(self, tokens: list[int], n_max: int):
         self.tokens, self.n_max = tokens, n_max
@@ -40,8 +47,8 @@ class SuffixIndex:
 
 def continuation(tokens: list[int], end: int, k: int) -> list[int]:
     """The k tokens that followed a match ending at `end`. Where they run into the sequence's end, they
-    repeat: the match lies one period back in a loop, which goes on. (Drafting only up to the end, a run
-    of "1"s went one token a step: bench prompt code-3, 1.89 → 2.01 tokens a step on code, k = 4.)"""
+    repeat: the match lies one period back in a loop, which goes on (drafting only up to the end, a run
+    of one token would go one token a step)."""
     period = len(tokens) - 1 - end
     return [tokens[end + 1 + j % period] for j in range(k)]
 
@@ -51,8 +58,6 @@ class NgramProposer(Proposer):
     one is given (proposers/corpus.py): simulated, a 2-token match of the prompt's continued right
     more often than the table, a 1-token match less often. With an answer history (proposers/history.py,
     opt-in), an earlier answer that agrees with the sequence's last 8 tokens drafts first (greedy rows)."""
-
-    free_drafts = True
 
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, corpus: CorpusTable | None = None,
                  history: AnswerHistory | None = None):
@@ -74,6 +79,10 @@ class NgramProposer(Proposer):
         found = [self._draft(self._index(s), k, s.params.greedy) if k else ([], 0) for s, k in zip(seqs, ks)]
         return [d for d, _ in found], [n for _, n in found]
 
+    def propose_adaptive(self, seqs: list[Sequence], limits: list[int], sb: SamplingBatch, policy: AdaptiveK,
+                         remaining: list[int] | None) -> Proposal:
+        return planned_lookup(self, seqs, limits, sb, policy, remaining)
+
     def _index(self, seq: Sequence) -> SuffixIndex:
         index = self.indexes.get(seq.request_id)
         if index is None or index.tokens is not seq.tokens:
@@ -86,8 +95,7 @@ class NgramProposer(Proposer):
         end, n = index.match(self.n_min)
         drafts = continuation(tokens, end, k) if n else []
         # History drafts for greedy rows only: a sampled answer's token was drawn with probability p(d), and
-        # as a draft it is accepted with probability p(d) again, less often than the corpus's likeliest
-        # tokens (bench, the same sampled requests again at T = 0.7: 1.14x with the history, 1.23x without).
+        # as a draft it is accepted with probability p(d) again, less often than the corpus's likeliest tokens.
         if self.history is not None and greedy:
             past = self.history.draft(tokens, k)
             # 8 agreeing tokens, more than lookup matches (6 at most by default); but an answer that ends
@@ -99,3 +107,18 @@ class NgramProposer(Proposer):
             if from_corpus:
                 return from_corpus, CORPUS_BUCKET + context
         return drafts, n
+
+
+def planned_lookup(lookup: NgramProposer, seqs: list[Sequence], limits: list[int], sb: SamplingBatch,
+                   policy: AdaptiveK, remaining: list[int] | None,
+                   keep: Callable[[list[int], list[int]], list[int]] | None = None) -> Proposal:
+    """Lookup's drafts cost no model pass: find all of them, then keep as many as the policy plans to verify.
+    `keep` (buckets, available) → available first leaves out the rows a model drafts better."""
+    if not policy.worth_proposing(len(seqs)):
+        return Proposal.empty(len(seqs), sb.temperature.device)
+    drafts, buckets = lookup.find(seqs, limits)
+    available = [len(d) for d in drafts]
+    if keep is not None:
+        available = keep(buckets, available)
+    plan = policy.plan(buckets, available, remaining=remaining)
+    return Proposal.from_lists([d[:n] for d, n in zip(drafts, plan)], sb.temperature.device, buckets)

@@ -325,8 +325,7 @@ def record_answers(target: LoadedModel, out: Path, n_prompts: int = 2400, answer
     requests, then to rewrites of its own pieces of writing, decoded in batches with no features
     recorded. Shards hold tokens, offsets and kinds like build_dataset's; complete shards are kept on
     a rerun. Greedy answers because a greedy request's drafts come true when they are what the target
-    writes greedily (a table of the greedy half of the recorded answers drafted 1.75 tokens a step in
-    simulation, of the sampled half 1.70)."""
+    writes greedily."""
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     first = in_shards(build_items(0, n_prompts, seed), shard_items)

@@ -19,10 +19,10 @@ import torch
 
 from speculant.cli import add_target_arguments
 from speculant.config import SamplingParams, SpeculativeConfig
+from speculant.defaults import SHIPPED, default_speculative_config
 from speculant.engine import Engine
 from speculant.llm import engine_for
 from speculant.models.loader import LoadedModel, load_model
-from speculant.training.shipped import SHIPPED, default_speculative_config
 
 HELD_OUT = {
     "code": [

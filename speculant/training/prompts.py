@@ -2,9 +2,9 @@
 languages, everyday questions and advice, short pieces of writing, and rewrites of those pieces.
 
 A head learns the target's habits on the kind of text it sees; one trained on answers to requests
-built from the standard library's docstrings and package descriptions agreed with the target 54% of
-the time on held-out data of that kind but 19-42% on the bench's requests. These lists widen what
-the requests look like. The bench's own prompts (speculant/data/prompts) are left out of every list
+built from the standard library's docstrings and package descriptions agreed with the target far
+less on the bench's requests than on held-out data of its own kind. These lists widen what the
+requests look like (docs/training.md). The bench's own prompts (speculant/data/prompts) are left out of every list
 so the bench measures held-out text.
 """
 
