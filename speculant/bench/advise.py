@@ -23,7 +23,7 @@ from speculant.bench.runner import engine_runner, run_jobs, warm_up
 from speculant.bench.suite import BenchPlan, Progress, machine_facts, make_jobs, proposer_configs, try_runner
 from speculant.bench.summary import ALL, summarize
 from speculant.errors import SpeculantError
-from speculant.models.loader import default_model_path, load_model
+from speculant.models.loader import load_model, resolve_model_path
 from speculant.models.quantize import QUANTIZATIONS
 from speculant.speedup import CostCurve, measure_cost_curve
 
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     progress = Progress(not args.no_progress)
-    model_path = Path(args.model).expanduser() if args.model else default_model_path()
+    model_path = resolve_model_path(args.model)
     target = load_model(model_path, dtype=args.dtype, device=args.device, quantization=args.quantization)
     plan = BenchPlan(model=args.model, dtype=args.dtype, device=args.device, quantization=target.quantization,
                      adaptive=False, draft_model=args.draft, eagle=args.eagle)

@@ -54,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "speed-up model's prediction. Writes report.md, report.json and PNG plots.")
     add_target_arguments(p)
     s = p.add_argument_group("sweeps")
-    s.add_argument("--draft-model", default=None, help="a draft model path: adds the draft_model proposer "
+    s.add_argument("--draft-model", default=None, help="a draft model path or a name from `speculant models`: "
+                   "adds the draft_model proposer "
                    "(and transformers' assistant_model)")
     s.add_argument("--eagle", default=None, help="an EAGLE head path: adds the eagle proposer")
     s.add_argument("--corpus", default=None,

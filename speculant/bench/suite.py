@@ -37,7 +37,7 @@ from speculant.bench.runner import (
 from speculant.bench.summary import ALL, Row, summarize
 from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.errors import SpeculantError
-from speculant.models.loader import LoadedModel, default_model_path, load_model
+from speculant.models.loader import LoadedModel, load_model, resolve_model_path
 from speculant.proposers.corpus import FILE as CORPUS_FILE
 from speculant.speedup import CostCurve, measure_cost_curve
 from speculant.training.shipped import TREE_WIDTH
@@ -175,7 +175,7 @@ def shipped_drafts() -> dict[str, Path]:
 def draft_paths(plan: BenchPlan) -> dict[str, Path | None]:
     """The draft model and EAGLE head to use: the user's, else those shipped for the bundled model."""
     drafts = shipped_drafts() if plan.model is None else {}
-    return {"draft_model": Path(plan.draft_model) if plan.draft_model else drafts.get("draft_model"),
+    return {"draft_model": resolve_model_path(plan.draft_model) if plan.draft_model else drafts.get("draft_model"),
             "eagle": Path(plan.eagle) if plan.eagle else drafts.get("eagle"),
             "corpus": Path(plan.corpus) if plan.corpus else drafts.get("corpus")}
 
@@ -267,7 +267,7 @@ def run_bench(plan: BenchPlan) -> BenchResult:
         torch.set_num_threads(plan.threads)
     meta = machine_facts()
     progress = Progress(plan.progress)
-    model_path = Path(plan.model).expanduser() if plan.model else default_model_path()
+    model_path = resolve_model_path(plan.model)
     target = load_model(model_path, dtype=plan.dtype, device=plan.device, quantization=plan.quantization)
     prompts = load_prompts(plan.prompts, target.tokenizer, target.config.vocab_size, plan.chat,
                            plan.per_class, plan.max_prompt_tokens)
