@@ -120,10 +120,10 @@ def _speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     if args.ngram or args.num_speculative_tokens is not None:
         return SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": k, "adaptive": args.adaptive})
     # No flags: the bundled model speculates with its best measured proposer, adaptively (k per step,
-    # off where it would lose); other models decode plainly.
-    from speculant.training.shipped import default_speculative_config
+    # off where it would lose); other models decode plainly. LLM() resolves its default the same way.
+    from speculant.llm import resolve_speculative_config
 
-    return SpeculativeConfig.parse(default_speculative_config(args.model))
+    return resolve_speculative_config(args.model, "auto")
 
 
 def engine_from_args(args: argparse.Namespace):

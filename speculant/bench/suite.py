@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from speculant.bench.peers import llama_cpp_peers, transformers_peers
+from speculant.bench.peers import llama_cpp_peers, llama_server_peers, transformers_peers
 from speculant.bench.prompts import PROMPT_CLASSES, BenchPrompt, load_prompts
 from speculant.bench.regime import memory_bound_limit, regime_rule, regime_verdict
 from speculant.bench.runner import (
@@ -47,7 +47,7 @@ PROPOSERS = ("ngram", "ngram+corpus", "ngram+history", "ngram+corpus+history", "
 # The +history proposers' answer history (proposers/history.py): ~220 MB at most.
 HISTORY_TOKENS = 1_000_000
 DEFAULT_PROPOSERS = ("ngram", "ngram+corpus", "draft_model", "eagle")
-PEERS = ("transformers", "llama.cpp")
+PEERS = ("transformers", "llama.cpp", "llama-server")
 DRAFTS_DIR = Path(__file__).resolve().parents[1] / "data" / "drafts"
 
 
@@ -309,9 +309,15 @@ def k_sweep(plan: BenchPlan, target: LoadedModel, model_path: Path, prompts: lis
     runners += [r for spec in adaptive_configs(plan) if (r := try_runner(target, spec, 1, max_len, notes))]
     runners += peer_runners(plan, target, model_path, max_len, notes)
     jobs = make_jobs(prompts, 1, 0.0, plan.max_tokens, plan.reps, plan.seed)
-    warm_up(runners, jobs[0])
-    measurements = run_jobs(runners, jobs, progress.phase("k sweep (batch 1)", len(jobs) * len(runners)),
-                            plan.repeat)
+    try:
+        warm_up(runners, jobs[0])
+        measurements = run_jobs(runners, jobs, progress.phase("k sweep (batch 1)", len(jobs) * len(runners)),
+                                plan.repeat)
+        notes += [r.summary() for r in runners if hasattr(r, "summary")]
+    finally:  # peers that are processes of their own (llama-server) stop here
+        for r in runners:
+            if hasattr(r, "close"):
+                r.close()
     return Experiment("k", "batch 1, greedy: plain decoding vs every proposer at every k, and the peers",
                       [r.descriptor() for r in runners], measurements)
 
@@ -327,6 +333,10 @@ def peer_runners(plan: BenchPlan, target: LoadedModel, model_path: Path, max_len
         notes += skipped
     if "llama.cpp" in plan.peers:
         found, skipped = llama_cpp_peers(model_path, [plan.peer_k], eos, max_len + plan.peer_k + 8)
+        runners += found
+        notes += skipped
+    if "llama-server" in plan.peers:
+        found, skipped = llama_server_peers(model_path, max_len + 8, plan.threads)
         runners += found
         notes += skipped
     return runners
