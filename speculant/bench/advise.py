@@ -44,8 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "memory-bound, which num_speculative_tokens to use per batch size, and what speed-up "
                      "to expect.")
     p.add_argument("model", nargs="?", default=None,
-                   help="HF model folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--draft", default=None, help="a draft model path: also consider method draft_model")
+                   help="HF model folder, .gguf file or a name from `speculant models` (default: the bundled "
+                        "SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", default=None,
+                   help="a draft model path or name: also consider method draft_model")
     p.add_argument("--eagle", default=None, help="an EAGLE head path: also consider method eagle")
     p.add_argument("--dtype", default="auto",
                    help="auto | float32 | bfloat16 | float16 (default auto: bfloat16 where the CPU has AMX or "
