@@ -60,3 +60,42 @@ def test_llama_server_stops_on_close(smollm_path):
     assert runner.server.running
     runner.close()
     assert not runner.server.running
+
+
+def test_bench_reports_and_stops_the_server_peer(tiny_pair, tmp_path, monkeypatch, capsys):
+    """The suite's side, with a stand-in for the server: its runs are measured, its own figures are
+    noted, and it is closed after the k sweep."""
+    import json
+
+    from speculant.bench import suite
+    from speculant.bench.runner import Measurement
+    from speculant.cli import main
+
+    closed = []
+
+    class StandIn(peers.LlamaServerRunner):
+        def run(self, prompts, params):
+            return Measurement(self.name, [], "", 1, 0.0, 0, [[5, 6, 7]], ttft_s=0.01, decode_s=0.02,
+                               decode_tokens=2)
+
+        def summary(self):
+            return "llama-server plain: its own timings (stand-in)"
+
+        def close(self):
+            closed.append(self.name)
+
+    def stand_in(model_path, n_ctx, threads=None, binary=None):
+        return [StandIn("llama-server plain", "llama-server", None, 0, "llama-server plain")], []
+
+    monkeypatch.setattr(suite, "llama_server_peers", stand_in)
+    target, _ = tiny_pair
+    out = tmp_path / "report"
+    assert main(["bench", "--model", str(target), "--quick", "--per-class", "1", "--proposers", "ngram",
+                 "--ks", "2", "--batch-sizes", "1", "--temperatures", "0", "--max-tokens", "4", "--max-width", "2",
+                 "--no-adaptive", "--peers", "llama-server", "--out", str(out), "--no-progress"]) == 0
+    assert closed == ["llama-server plain"]
+    report = json.loads((out / "report.json").read_text())
+    assert "llama-server plain: its own timings (stand-in)" in report["notes"]
+    rows = [r for r in report["experiments"]["k"]["summary"] if r["runner"] == "llama-server plain"]
+    assert rows and all(r["vs_speculant"] for r in rows)
+    assert "llama-server plain" in (out / "report.md").read_text()
