@@ -1,4 +1,4 @@
-"""The `speculant` command: generate | serve | bench | advise | train-draft."""
+"""The `speculant` command: generate | serve | bench | advise | train-draft | models."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ FEATURE_COMMANDS = {
     "bench": ("speculant.bench.cli", "side-by-side benchmark: speed-up per k, batch size, proposer"),
     "advise": ("speculant.bench.advise", "short run that says whether speculation pays on this setup"),
     "train-draft": ("speculant.training.cli", "train an EAGLE-style head or a distilled draft model"),
+    "models": ("speculant.models.registry", "list the named models --model NAME accepts (fetched with pip on "
+                                            "first use), installed or not"),
 }
 
 
@@ -28,7 +30,9 @@ def add_target_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """The target model's flags, shared by every subcommand that loads one."""
     g = p.add_argument_group("model")
     g.add_argument("--model", "-m", default=None,
-                   help="HF model folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+                   help="HF model folder, .gguf file, or a name from `speculant models` (e.g. "
+                        "qwen2.5-coder-1.5b-instruct, fetched on first use; ./NAME for a folder of that name) "
+                        "(default: the bundled SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="auto",
                    help="auto | float32 | bfloat16 | float16 (default auto: bfloat16 where the CPU has AMX or "
                         "AVX512-BF16, or on CUDA; float32 elsewhere)")
@@ -55,7 +59,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-config", default=None,
                    help='JSON object or a JSON/YAML file, as vLLM: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\'; methods: draft_model, ngram, eagle')
-    s.add_argument("--draft-model", default=None, help="shortcut: a draft model path (method draft_model)")
+    s.add_argument("--draft-model", default=None, help="shortcut: a draft model path or a name from "
+                   "`speculant models` (method draft_model)")
     s.add_argument("--eagle", default=None, help="shortcut: an EAGLE head folder (method eagle)")
     s.add_argument("--ngram", action="store_true", help="shortcut: prompt-lookup proposer (method ngram)")
     s.add_argument("--lookup-first", action="store_true",
@@ -115,10 +120,10 @@ def _speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     if args.ngram or args.num_speculative_tokens is not None:
         return SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": k, "adaptive": args.adaptive})
     # No flags: the bundled model speculates with its best measured proposer, adaptively (k per step,
-    # off where it would lose); other models decode plainly.
-    from speculant.defaults import default_speculative_config
+    # off where it would lose); other models decode plainly. LLM() resolves its default the same way.
+    from speculant.llm import resolve_speculative_config
 
-    return SpeculativeConfig.parse(default_speculative_config(args.model))
+    return resolve_speculative_config(args.model, "auto")
 
 
 def engine_from_args(args: argparse.Namespace):

