@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from speculant.config import MAX_VERIFY_WIDTH
 from speculant.models.kv_cache import CacheIndex, KVCache
+from speculant.models.limits import MAX_VERIFY_WIDTH
 from speculant.models.llama import Pass, Transformer, attention_mask, rope_tables, tree_layout
 
 ATTENTION_BACKEND = SDPBackend.MATH  # row-invariant (module docstring); tools/attention_probe.py compares

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from speculant.config import MAX_VERIFY_WIDTH
 from speculant.models import native
+from speculant.models.limits import MAX_VERIFY_WIDTH
 
 ONEDNN_BATCH_HINT = 8  # the row count oneDNN lays the packed weight out for: a typical verify pass
 # oneDNN's packed bf16 kernel gives a row the same bits whatever the row count up to 32 rows, other bits
