@@ -255,7 +255,7 @@ void super_blocks(const Weights& w, const Activations& x, uint16_t* Y, int64_t r
 
 template <int BITS, int H, bool MINS, bool UNIT, int R>
 void rows(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int64_t b0, int64_t b1) {
-  constexpr int C = R <= 4 ? 2 : 1;  // two blocks share each broadcast input while registers allow
+  constexpr int C = R <= (UNIT ? 4 : 6) ? 2 : 1;  // two blocks share each broadcast input while registers allow
   int64_t b = b0;
   if constexpr (UNIT) {
     for (; b + C <= b1; b += C) blocks<BITS, H, MINS, UNIT, R, C>(w, x, Y, r0, b);
