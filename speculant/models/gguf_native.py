@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import mmap
 import shutil
 import tempfile
 from pathlib import Path
@@ -34,7 +35,7 @@ from speculant.models.gguf import (
 )
 from speculant.models.llama import ModelConfig, Transformer, rope_inv_freq
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 # An embedding table up to this size is dequantized whole at load (SmolLM2-135M's: 57 MB), a larger one a
 # pass's rows at a time (Qwen2.5-1.5B's would be 467 MB of bf16 beside a 1.04 GiB file).
 SMALL_EMBEDDING_BYTES = 128 << 20
@@ -146,33 +147,41 @@ def write_packed(reader: gguf.GGUFReader, config: dict, arch: str, src: Path, ou
         if len(t.shape) == 1:
             vectors[t.name] = {"shape": [int(t.shape[0])], "dtype": "<f4", "offset": offset}
             offset = (offset + 4 * int(t.shape[0]) + 63) // 64 * 64
-    data = np.memmap(out / "packed.bin", np.uint8, "w+", shape=(max(offset, 1),))
-    for t in reader.tensors:
-        if t.name in vectors:
-            np.ndarray(int(t.shape[0]), np.float32, data, vectors[t.name]["offset"])[:] = \
-                gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1)
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
     embedding = {"type": embd.tensor_type.name, "rows": int(embd.shape[1]), "dim": int(embd.shape[0]),
                  "offset": int(embd.data_offset), "row_bytes": int(embd.n_bytes) // int(embd.shape[1])}
     index = {}
-    for t, n_out, n_in, parts in plan:
-        kind = t.name.split(".")[-2]
-        perm = unpermute_rows(n_out, heads[kind]) if arch in PERMUTED_QK and kind in heads else None
-        views = [np.ndarray(p["shape"], np.dtype(p["dtype"]), data, p["offset"]) for p in parts]
-        for r0 in range(0, n_out, CHUNK_ROWS):
-            rows = np.arange(r0, min(n_out, r0 + CHUNK_ROWS))
-            raw = t.data[rows if perm is None else perm[rows]]
-            tensors = ggml.layout(ggml.decode(t.tensor_type, raw, len(rows), n_in).padded())
-            for view, tensor in zip(views, tensors):
-                if view.ndim == 3 or view.ndim == 4:
-                    view[r0 // 16:r0 // 16 + len(tensor)] = tensor.numpy()
-                elif view.size:
-                    view[:] = tensor.numpy()
-        index[t.name] = {"rows": n_out, "parts": parts}
-    data.flush()
-    del data
+    # Plain writes, and the file's pages let go after each tensor: the build's memory stays a chunk's.
+    with open(out / "packed.bin", "wb") as f:
+        f.truncate(max(offset, 1))
+        for t in reader.tensors:
+            if t.name in vectors:
+                f.seek(vectors[t.name]["offset"])
+                f.write(np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).tobytes())
+        for t, n_out, n_in, parts in plan:
+            kind = t.name.split(".")[-2]
+            perm = unpermute_rows(n_out, heads[kind]) if arch in PERMUTED_QK and kind in heads else None
+            for r0 in range(0, n_out, CHUNK_ROWS):
+                rows = np.arange(r0, min(n_out, r0 + CHUNK_ROWS))
+                raw = t.data[rows if perm is None else perm[rows]]
+                tensors = ggml.layout(ggml.decode(t.tensor_type, raw, len(rows), n_in).padded())
+                for p, tensor in zip(parts, tensors):
+                    if tensor.numel() == 0:
+                        continue
+                    per_block = tensor[0].numel() * tensor.element_size() if len(p["shape"]) > 1 else 0
+                    f.seek(p["offset"] + r0 // 16 * per_block)
+                    f.write(tensor.contiguous().numpy().tobytes())
+            index[t.name] = {"rows": n_out, "parts": parts}
+            release(reader)
     write_json(out / "packed.json", {"version": FORMAT_VERSION, "tensors": index, "vectors": vectors,
                                      "embedding": embedding})
+
+
+def release(reader: gguf.GGUFReader) -> None:
+    """Unmap the pages of the file read so far (they stay in the page cache, outside this process's memory)."""
+    mm = getattr(reader.data, "_mmap", None)
+    if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
+        mm.madvise(mmap.MADV_DONTNEED)
 
 
 def unpermute_rows(n_out: int, n_heads: int) -> np.ndarray:
