@@ -25,8 +25,12 @@ def cli_defaults(smollm_path) -> dict:
 def test_llm_defaults_are_the_clis(cli_defaults, smollm_path):
     ours = settings(LLM().engine)
     assert ours == cli_defaults
-    # what "auto" comes to for the bundled Q4_1 file: its own precision, and speculation
-    assert ours["source"] == str(smollm_path) and ours["quantization"] == "int4" and ours["k"] > 0
+    # what "auto" comes to for the bundled Q4_1 file: its own blocks on the native kernels (else int4), and
+    # speculation
+    from speculant.models import native
+
+    stored = "gguf" if native.level() != "off" else "int4"
+    assert ours["source"] == str(smollm_path) and ours["quantization"] == stored and ours["k"] > 0
 
 
 def test_llm_and_cli_agree_on_explicit_settings(smollm_path):

