@@ -7,19 +7,17 @@ launch. A graph fixes its tensors' shapes and addresses, so the pass it records 
 changes from step to step on the device: the tokens, the cache rows (slots) and the draft tree's layout
 sit in input buffers each replay refills, the cache lengths are read where the cache keeps them, and the
 pass attends over every position of the cache, the mask hiding those a row must not see. One graph per
-(rows, width). Measured on an H200 (SmolLM2-135M's shape, random weights, batch 1, 160 cached tokens,
-cuDNN attention, before the choice of kernel below): a bf16 pass 2.1 ms from a graph, 9.1 ms as PyTorch
-runs the model eagerly; plain greedy decoding 356 tokens/s, 35 eagerly.
+(rows, width).
 
 Lossless speculation needs a row scored alike alone and among the drafts of a verify pass (or the rows
 of a batch). Two choices make it so:
 - every pass attends over the same keys, the whole cache: with the span rounded up to a power of two
   instead, a verify pass crossing a boundary read more keys than the plain steps at the same positions,
-  and bf16 speculative output parted from plain output on one prompt of six (H200);
-- attention runs on PyTorch's math kernel: the cuDNN kernel it picks otherwise on an H200 gave row 0 of
-  a 5-token pass other bits than the same row alone (first in layer 0's attention), the math kernel the
-  same bits after every layer, as the bf16 linear layers do at 1 to 64 rows (tools/row_probe.py).
-cuBLAS's fp32 products are not row-invariant there (a row differs by ~1e-6 alone and among others): fp32
+  and bf16 speculative output parted from plain output;
+- attention runs on PyTorch's math kernel: the cuDNN kernel it picks otherwise on an H200 gave a row of
+  a verify pass other bits than the same row alone, the math kernel the same bits, as the bf16 linear
+  layers give (tools/row_probe.py).
+cuBLAS's fp32 products are not row-invariant there (a row differs in its last bits alone and among others): fp32
 greedy speculation on CUDA can part from plain output where two tokens tie that closely; bf16, the default
 on CUDA, does not. Eagerly (--enforce-eager) the same static passes run kernel by kernel.
 """

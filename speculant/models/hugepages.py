@@ -3,12 +3,8 @@ with madvise: most machines, this one included, give them only to memory that as
 
 A decode pass reads every weight once. SmolLM2-135M in int4 is ~92 MB: ~23,000 pages of 4 KB a pass,
 far more than the TLB holds, so nearly every page costs a page-table walk; in 2 MB pages it is 46.
-Measured on this project's CPU (one token, 300 cached, a pass and the lm_head): the two layouts loaded
-in one process, passes interleaved in blocks, 4611 → 4524 µs (medians of 12 blocks, 11 of 12 paired
-ratios below 1); processes alternating, 4585 → 4016, 4162 → 3903, 5240 → 4559 µs, and end to end (4
-alternated runs of 9 prompts × 128 tokens) plain decoding +6.8%, the default +5.8%, outputs identical
-— the gain is 2–7%, the page walks' share of a pass. The KV cache in huge pages as well made no
-difference (same process, interleaved, 300 and 1500 cached tokens: 3752 / 3762 and 5640 / 5603 µs).
+The gain is the page walks' share of a pass, small but steady, the outputs identical. The KV cache in
+huge pages as well made no difference, so it stays where it is.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A verify pass multiplies T = k + 1 rows by every weight, and speculation pays on
 about what one row costs. On CPUs the default fp32 kernel (MKL, y = x Wᵀ) slows sharply from
 T = 4 on, while the same product with the weight stored transposed (y = x W', W' = Wᵀ
 contiguous) stays flatter, and oneDNN's bf16 kernel with a prepacked weight (AMX where the CPU has
-it) is flat up to T = 16 (README, "Precision and speed"). The products are the same; only the
+it) is flat up to T = 16 (docs/performance.md). The products are the same; only the
 weight's memory layout and the kernel differ.
 """
 
@@ -18,8 +18,8 @@ from speculant.models.limits import MAX_VERIFY_WIDTH
 
 ONEDNN_BATCH_HINT = 8  # the row count oneDNN lays the packed weight out for: a typical verify pass
 # oneDNN's packed bf16 kernel gives a row the same bits whatever the row count up to 32 rows, other bits
-# from 33 on (measured on every SmolLM2 layer shape): wider passes go in chunks of 32, unless they hold
-# one sequence's prompt, computed the same way in every run (chunks cost a prompt 25% more time).
+# from 33 on (on every SmolLM2 layer shape): wider passes go in chunks of 32, unless they hold one
+# sequence's prompt, computed the same way in every run (chunks would slow a prompt down).
 ONEDNN_EXACT_ROWS = 32
 
 
@@ -52,9 +52,7 @@ class PackedLinear(nn.Module):
             self.kind = "transposed"
             self.register_buffer("weight", w.t().contiguous())  # [in, out]
         elif w.dtype == torch.bfloat16 and native.bf16_usable(*w.shape):
-            # Row-exact at any row count and faster than oneDNN's (SmolLM2's 120 layers at 1 / 9 / 72
-            # rows: 12.1 / 12.6 / 20.7 ms, oneDNN 19.1 / 18.2 / 38.9; its 49152-row head 1.58 / 1.48 / 5.23,
-            # oneDNN 2.12 / 1.64 / 5.67, interleaved).
+            # Row-exact at any row count and faster than oneDNN's, for the layers and the head alike.
             self.kind = "amx"
             self.register_buffer("weight", native.bf16_layout(w))
         else:

@@ -171,7 +171,7 @@ class Pass:
     @functools.cached_property
     def at(self) -> CacheIndex:
         """Where the layer modules write and read the cache, built when the first one asks: a pass of
-        native.decoder_layer calls writes the cache itself (the index cost ~30 µs a pass at batch 1)."""
+        native.decoder_layer calls writes the cache itself (building the index is not free at batch 1)."""
         return self.cache.index(self.slots, self.positions, self.span)
 
 
@@ -249,7 +249,7 @@ def prepare_pass(cache: KVCache, slots: torch.Tensor, T: int, n_new: torch.Tenso
     # exactly as plain decoding does, or speculative output drifts from plain output. The native kernel
     # attends each row over its own keys alone; without it, batch-1 verify passes attend row by row
     # (linear kernels are row-invariant already, models/kernels.py). Wider passes are prompts, the same
-    # in every configuration: PyTorch's blocked kernel (int4 SmolLM2, 300-token prompt: 169 ms, 437 row by row).
+    # in every configuration: PyTorch's blocked kernel (far faster on a prompt than row by row).
     verify = T <= MAX_VERIFY_WIDTH
     if verify and native_attention_usable(dtype, window, slots.device, 2 * len(inv_freq)):
         n_keys = positions + 1

@@ -4,19 +4,14 @@ otherwise.
 
 - quantized.cpp: int4 (Q4_1) and int8 (Q8_0) weight × int8 activation products (the activations quantized
   per 32 as llama.cpp does), on VNNI up to 8 rows and AMX's int8 tiles above; integer sums, so every row
-  gets the same bits at any row count. SmolLM2-135M's 120 int4 layers at 1 / 4 / 8 / 16 rows: PyTorch 5.1 /
-  9.9 / 14.7 / 29 ms (an earlier run), bf16 activations on AMX 3.6 / 3.7 / 4.2 / 5.2, this kernel 2.0 / 2.4 /
-  3.5 / 5.8 (medians, random weights, this project's 2-core Sapphire Rapids VM); since two blocks of outputs
-  at a time, 1.62 / 1.96 / 3.02 ms at 1 / 4 / 8 rows in decoding's conditions (the real weights, see
-  quantized.cpp). The int4 model's Q8_0 lm_head the same way (it ran on AMX's bf16 tiles, its weights
-  unpacked to bf16 at every pass).
+  gets the same bits at any row count; faster than PyTorch's int4 products and than bf16 activations on
+  AMX at every row count a verify pass has. The int4 model's Q8_0 lm_head the same way (on AMX's bf16
+  tiles its weights were unpacked to bf16 at every pass).
 - bf16_amx.cpp: bf16 weight × bf16 activation products on AMX tiles, every row alike at any row count.
 - attention.cpp: bf16 decode attention, one query row over exactly its keys, so rows score alike alone
-  or in a verify pass or batch. SmolLM2's 30 layers, 300 cached keys, 1 / 4 / 8 rows: 0.53 / 1.6 / 3.1 ms;
-  PyTorch's attention called row by row (its exact use) 2.1 / 8.2 / 12.2 ms.
+  or in a verify pass or batch, faster than PyTorch's attention called row by row (its exact use).
 - attention_amx.cpp: the same on AMX tiles (attention.cpp calls it where the CPU has AMX), the rows that
-  read one key head together: 1 / 4 / 8 rows 0.34 / 0.46 / 0.67 ms, the vector kernel 0.49 / 1.41 / 2.60
-  (interleaved, medians of 200).
+  read one key head together, so a verify pass costs little more than one row.
 - layer_ops.cpp: RMSNorm (alone, or with the residual sum before it), rotary embedding and SwiGLU's
   product for bf16 rows, one call each where PyTorch dispatches several operations (its RMSNorm ~10).
 - argmax.cpp: each row's first maximum in one pass over bf16 or fp32 logits (greedy decoding's token).
@@ -25,7 +20,7 @@ otherwise.
   vocabulary (sampled decoding, and the target's tokens that deterministic drafts are verified against).
 - decoder.cpp: a whole decoder layer of AMX weights (int4 or bf16) in one call, the same kernels in the
   same order; every layer of a pass in one call, its parallel loops handed to one team of threads
-  (team.h: a parallel region per kernel cost ~1.7 µs, 150 a pass; passes 2–5% faster, in one process).
+  (team.h: a parallel region per kernel, ~150 a pass, cost more than handing loops to waiting threads).
 """
 
 from __future__ import annotations

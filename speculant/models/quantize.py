@@ -28,9 +28,8 @@ GROUP = 32  # inputs per scale (and minimum), int4 and grouped int8 alike, as in
 
 class QuantizedLinear(nn.Module):
     """y = x Wᵀ + b with W quantized; `matmul` is the kernel, fed 2-D activations in compute_dtype.
-    The CPU kernels are fast with bf16 activations only (int8 with fp32 ones ran ~4× slower than
-    plain fp32 weights, int4 ~20× slower: measured on SmolLM2-135M), so products are taken in bf16
-    there."""
+    The CPU kernels are fast with bf16 activations only (with fp32 ones int8 and int4 ran slower than
+    plain fp32 weights), so products are taken in bf16 there."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -43,8 +42,7 @@ class QuantizedLinear(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Conversions only where needed: a no-op .to() is still a dispatch, and four of them per layer
-        # were 0.5 ms of a 16 ms int4 pass (measured interleaved).
+        # Conversions only where needed: a no-op .to() is still a dispatch, four of them per layer.
         rows = x.flatten(0, -2)
         y = self.matmul(rows if rows.dtype == self.compute_dtype else rows.to(self.compute_dtype))
         if y.dtype != x.dtype:
@@ -137,8 +135,8 @@ def int4_supported(linear: nn.Linear) -> bool:
 def quantize(model: nn.Module, method: str | None) -> nn.Module:
     """Replace every nn.Linear by its quantized version, in place, but a 16-bit lm_head on CPU. With
     int4 the lm_head (often the embedding matrix, which GGUF files keep at 6-8 bits) gets int8 in groups
-    where the AMX kernel runs, else stays 16-bit: at 4 bits its logits moved by 9% of their norm on
-    SmolLM2, its decoder layers by 0.25%."""
+    where the AMX kernel runs, else stays 16-bit: at 4 bits its logits move far more than the decoder
+    layers' outputs do."""
     if method in (None, "none"):
         return model
     if method == "int4" and model.device.type != "cpu":
@@ -169,7 +167,6 @@ def _grouped_int8_head(head: nn.Linear) -> bool:
 
 def _head_stays_16_bit(head: nn.Linear) -> bool:
     """A verify pass scores k + 1 rows per sequence with the lm_head, and the CPU int8 kernel's cost
-    grows with every row (49152×576: 1.3 ms at 1 row, 5.6 at 9, 32 at 72) where oneDNN's packed
-    16-bit kernel stays flat (1.9, 2.0, 4.4 ms): at one row a whole pass costs the same either way
-    (SmolLM2 int4: 14.7 ms), at 9 rows 42 instead of 48 ms, at batch 4 × 9 rows 86 instead of 108."""
+    grows with every row where oneDNN's packed 16-bit kernel stays flat: at one row a whole pass costs
+    the same either way, with more rows the 16-bit head is cheaper."""
     return head.weight.dtype in (torch.bfloat16, torch.float16) and packable(head)

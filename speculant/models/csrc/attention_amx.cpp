@@ -1,6 +1,6 @@
 // Decode-time attention on AMX tiles: the rows of a call that read one key head (its query heads, at
 // every new position) share each key and value tile, so a verify pass of 8 tokens costs little more
-// than one (the vector kernel pays per row: SmolLM2, 300 keys, 8 rows cost 7x one).
+// than one (the vector kernel pays per row).
 //
 // Per task (a sequence, a key head, up to 16 of its rows):
 // 1. scores: tiles of 16 keys (straight from the cache) × the rows' queries → [keys, rows], turned to

@@ -1,10 +1,8 @@
 // A whole Llama decoder layer in one call, for bf16 activations and AMX weights (int4 or bf16): what
 // llama.Block computes with the same kernels, in the same order, so the bits are the same.
 //
-// Called layer by layer from Python, a decode pass spent more time between kernels than in them
-// (SmolLM2-135M int4, one token: ~4 of 11 ms in Python and PyTorch's dispatch), and the AMX unit runs
-// slower after each idle gap (120 int4 products back to back 3.0 ms, 4.5 ms between the model's
-// other operations).
+// Called layer by layer from Python, a decode pass spent much of its time between kernels, in Python and
+// PyTorch's dispatch, and the AMX unit runs slower after each idle gap than back to back.
 #include <torch/extension.h>
 #include <algorithm>
 #include <cmath>
@@ -56,8 +54,8 @@ int64_t input_width(const std::vector<torch::Tensor>& p) {
   return p.size() == 3 ? p[1].size(1) * 32 : p[0].size(1) * 32;
 }
 
-// A pass's intermediate rows, allocated once for all its layers (each of the ~10 allocations and views a
-// layer made cost ~0.25 µs, ~300 a pass). Outputs of a layer that outlive it are the caller's.
+// A pass's intermediate rows, allocated once for all its layers (each layer made ~10 allocations and
+// views, and they add up over a pass). Outputs of a layer that outlive it are the caller's.
 struct Workspace {
   torch::Tensor qkv, q, mixed, attended, o, h, h_normed, gate_up, act, down;
 
@@ -135,8 +133,8 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor input_norm, torch::Te
 }
 
 // Every decoder layer of a model and its final norm, their weights handed over once: a pass is one call.
-// Layer by layer from Python, each call cost ~20 µs of interpreter work and argument conversion, 30 of them
-// a pass. Each residual sum is taken with the norm that follows it (add_rms_norm), and the pass's parallel
+// Layer by layer from Python, each call cost interpreter work and argument conversion, one per layer.
+// Each residual sum is taken with the norm that follows it (add_rms_norm), and the pass's parallel
 // loops are handed to one team of threads (team.h).
 class DecoderStack {
  public:
@@ -181,8 +179,8 @@ class DecoderStack {
   // padding, whose positions past max_len go to the cache's sink; embed [V, D] the token embedding; cos, sin
   // the rotary tables [P > max_len, Dh] → forward's output, the rows' lengths advanced. An undefined tensor,
   // nothing written, where a row would run past max_len (the caller raises). What prepare_pass and the
-  // embedding computed in ~10 PyTorch calls, ~100 µs a decoding step between passes that evict the
-  // interpreter's working set from the caches.
+  // embedding computed in ~10 PyTorch calls, slow between passes that evict the interpreter's working set
+  // from the caches.
   torch::Tensor decode(torch::Tensor tokens, torch::Tensor embed, torch::Tensor cos_table, torch::Tensor sin_table,
                        torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor lengths, torch::Tensor slots,
                        int64_t max_len, c10::optional<torch::Tensor> n_new) const {

@@ -3,7 +3,7 @@
 //
 // At decode time a row is 576 numbers and PyTorch spends more time dispatching these operations than
 // computing them: its RMSNorm alone runs as about ten operations (upcast, square, mean, rsqrt, products,
-// downcast), 61 norms per pass, ~28 µs each on SmolLM2-135M. Each function here computes a row in fp32 and
+// downcast), 61 norms per pass on SmolLM2-135M. Each function here computes a row in fp32 and
 // rounds once; a row's result depends on that row alone, so verify passes and batches score rows as
 // plain decoding does.
 #include <torch/extension.h>

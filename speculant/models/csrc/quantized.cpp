@@ -10,14 +10,10 @@
 // float steps after them (apply()) are the same instructions for every row, alone or among any number
 // of rows, on any thread: a verify pass scores exactly as plain decoding does.
 //
-// Why int8 activations: with bf16 ones each group of weights was unpacked to bf16 tiles (1 KB stored,
-// then loaded) for AMX's bf16 product: ~18 GB/s at one row, bounded by that work. Nibbles unpacked to
-// bytes stay in registers for VNNI: SmolLM2-135M's 120 int4 products at one row 3.6 → 2.0 ms, at five
-// rows 3.9 → 2.7 (random weights, medians, one run). The int8 activations cost ~0.6% of a product's
-// norm (bf16 ones ~0.2%), as in llama.cpp. The Q8_0 lm_head the same way: its 30 MB unpacked to bf16 tiles
-// took 1.07 ms a pass at one row, 1.40 at eight (~28 GB/s where the weights stream from L3 at ~50); its
-// greedy choices agree with the fp32 model's as often as before (1170 positions of the bench's prompts:
-// 97.4% and 97.3%).
+// Why int8 activations: with bf16 ones each group of weights had to be unpacked to bf16 tiles (stored,
+// then loaded) for AMX's bf16 product, and that work bounded the product; nibbles unpacked to bytes stay
+// in registers for VNNI. Their rounding error is small, as in llama.cpp. The Q8_0 lm_head the same way,
+// its greedy choices unchanged (figures: docs/benchmarks/README.md, "models/ and its kernels").
 #include <torch/extension.h>
 #include <immintrin.h>
 #include <type_traits>
@@ -32,7 +28,7 @@ namespace {
 using speculant::load_bf16;
 using speculant::prefetch_ahead;
 
-constexpr int kVnniRows = 8;  // above, AMX: 16 rows 6.4 ms on VNNI, 5.8 on AMX; 8 rows 3.6 and 3.9 (Q4_1)
+constexpr int kVnniRows = 8;  // above, AMX: VNNI is faster up to 8 rows, AMX from 16
 
 // The calling thread's buffers, kept from call to call (a pass makes 120 products: their 480 allocations
 // cost more than quantizing a decode row).
@@ -70,8 +66,8 @@ struct Activations {
   int32_t* lift;    // [M, G]: 128·Σp, what weights stored as q + 128 add to a group's sum
 
   // Groups 16 at a time, their maxima and sums reduced together (reduce16): the same values as one group
-  // at a time (max and integer sums are exact, the divisions IEEE's), a verify pass's 5 rows × 30 layers
-  // ~120 → ~70 µs (microbenchmark, one thread); the last groups one by one.
+  // at a time (max and integer sums are exact, the divisions IEEE's), in less time; the last groups one
+  // by one.
   Activations(const uint16_t* X, int64_t M, int64_t K) {
     static thread_local std::vector<int8_t> p_buffer;
     static thread_local std::vector<float> dx_buffer, sx_buffer;
@@ -175,10 +171,8 @@ inline void store_rows(const Operands& o, const __m512* acc, int64_t r0, int row
 
 // Blocks b .. b + C of 16 outputs (C ≤ 2) for rows r0 .. r0 + R, the unpacked weights in registers.
 // Each broadcast input feeds C blocks, and the rows' sums are taken input by input: R · C independent
-// chains of dpbusd (5 cycles each) where one row's chain used to follow another's, and loops over exactly
-// R rows. SmolLM2-135M's 120 int4 products, each pass's right after a whole pass as in decoding, at
-// 1 / 4 / 5 / 8 rows: 1.68 / 2.20 / 2.60 / 3.53 → 1.62 / 1.96 / 2.20 / 3.02 ms (one block at a time,
-// every row count up to 8 in the loop of 8 rows before).
+// chains of dpbusd (5 cycles each) rather than one row's chain after another's, and loops over exactly
+// R rows.
 template <class F, int R, int C>
 void vnni_blocks(const Operands& o, int64_t r0, int64_t b) {
   const int64_t G = o.G;
@@ -191,7 +185,7 @@ void vnni_blocks(const Operands& o, int64_t r0, int64_t b) {
     for (int c = 0; c < C; c++) {
       const uint8_t* wg = o.Q + ((b + c) * G + g) * F::kGroupBytes;
       // 16 groups ahead in this block's stream, past its end in the next call's block c (4 KB ahead in
-      // memory reached into block b + 1, read now anyway: 1-row products 1.72 → 1.92 ms without this)
+      // memory reached into block b + 1, read now anyway: slower without this)
       const int64_t ahead = g + 16 < G ? (b + c) * G + g + 16 : (b + c + C) * G + g + 16 - G;
       for (int64_t line = 0; line < F::kGroupBytes; line += 64)
         _mm_prefetch((const char*)(o.Q + ahead * F::kGroupBytes + line), _MM_HINT_T0);
@@ -216,7 +210,7 @@ void vnni_blocks(const Operands& o, int64_t r0, int64_t b) {
 // Blocks b0 .. b1 for rows r0 .. r0 + R, two at a time.
 template <class F, int R>
 void vnni_rows(const Operands& o, int64_t r0, int64_t b0, int64_t b1) {
-  constexpr int C = R <= 6 ? 2 : 1;  // 7 or 8 rows' two blocks spill registers: 8 rows 3.3–3.6 ms, one 3.1
+  constexpr int C = R <= 6 ? 2 : 1;  // 7 or 8 rows' two blocks spill registers: one block is faster
   int64_t b = b0;
   for (; b + C <= b1; b += C) vnni_blocks<F, R, C>(o, r0, b);
   if (b < b1) vnni_blocks<F, R, 1>(o, r0, b);
@@ -250,7 +244,7 @@ inline const uint8_t* weight_tile(const uint8_t* wg, uint8_t* tile) {
 
 // The same on AMX int8 tiles, two groups in flight: tiles 1, 4 the rows' inputs, 2, 5 the weights, 0, 3 the
 // sums. The next two groups are unpacked while the tiles work on these two (a tile load waits for the
-// stores that made its data: 120 products at one row 3.0 → 2.3 ms).
+// stores that made its data).
 template <class F>
 void amx_rows(const Operands& o, int64_t r0, int rows, int64_t b0, int64_t b1) {
   const int64_t G = o.G, K = o.K;

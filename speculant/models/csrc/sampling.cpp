@@ -4,9 +4,9 @@
 // corpus table, draft trees) against.
 //
 // In PyTorch a sampled step took ~10 operations over the vocabulary (the fp32 copy, the division by the
-// temperature, softmax, the fp64 running sum, ...): ~0.39 ms of a 2.8 ms plain int4 step (SmolLM2, 49152
-// tokens, temperature 0.7), 0.94 ms of 3.9 with top_p 0.9 (top-k's partial sort of 256 candidates, a
-// vocabulary-wide scatter); here two passes over the row, and a sort of the few likeliest tokens.
+// temperature, softmax, the fp64 running sum, ...; with top_p, top-k's partial sort of 256 candidates and
+// a vocabulary-wide scatter), a sizeable share of a plain int4 step; here two passes over the row, and a
+// sort of the few likeliest tokens.
 //
 // The distribution: e_i = exp((x_i − max x) / T) in fp32 (bf16.h's exp_ps). Without top-k, top-p or min-p,
 // p_i = e_i / Σ e. With them, the tokens in descending e (ties: the lower index first) are kept: the first

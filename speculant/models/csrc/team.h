@@ -1,9 +1,8 @@
 // The threads of a whole pass: one OpenMP parallel region for all of DecoderStack::forward, its other
 // threads waiting (spinning) for the parallel loops the first one hands them.
 //
-// Each kernel's at::parallel_for opened a parallel region of its own: ~1.7 µs each (int4_mm on 32
-// outputs, 3.0 µs on 2 threads and 1.3 on one), 150 a pass of SmolLM2-135M, ~0.25 ms of a 3.6 ms pass.
-// Handing a loop to threads already waiting costs a store and a spin. Outside a pass the kernels'
+// Each kernel's at::parallel_for opened a parallel region of its own, ~150 a pass of SmolLM2-135M, each
+// costing more than a small kernel's work. Handing a loop to threads already waiting costs a store and a spin. Outside a pass the kernels'
 // loops fall back to at::parallel_for, and a loop's split among threads does not change any result
 // (each index's work is the same whichever thread does it).
 #pragma once
