@@ -76,7 +76,7 @@ def client(url):
 
 def scrape(url: str) -> dict[tuple, float]:
     """/metrics as {(sample name, frozenset of labels except model_name): value}."""
-    text = httpx.get(f"{url}/metrics").text
+    text = httpx.get(f"{url}/metrics", headers=AUTH).text
     return {(s.name, frozenset((k, v) for k, v in s.labels.items() if k != "model_name")): s.value
             for family in prom_parser.text_string_to_metric_families(text) for s in family.samples}
 
@@ -283,11 +283,14 @@ def test_api_key_is_enforced(url):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         r = httpx.post(f"{url}/v1/completions", json=body, headers=headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    assert httpx.get(f"{url}/v1/models").status_code == 401
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
-    # Health checks and scrapers need no key.
-    assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/metrics").status_code == 200
+    # Everything but the health check needs the key: the metrics, the docs and the schema too.
+    for path in ("/v1/models", "/metrics", "/docs", "/redoc", "/openapi.json", "/v1/no-such-route"):
+        r = httpx.get(url + path)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+        assert httpx.get(url + path, headers=AUTH).status_code in (200, 404), path
+    assert httpx.get(f"{url}/health").status_code == 200
 
 
 def wait_until_idle(url: str, timeout_s: float = 5.0) -> dict:
