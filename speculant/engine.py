@@ -169,15 +169,18 @@ class Engine:
         try:
             outputs = self._step(batch)
         except Exception as e:
-            # propose, score and verify change no sequence: run each row alone to find the one that raises.
+            # propose, score and verify change no sequence: run each row alone to find the one that raises,
+            # from the cache lengths the sequences agree on (a scoring pass moves them on).
             log.warning("engine step over %d sequences failed (%s: %s); retrying them one by one",
                         len(batch), type(e).__name__, e)
+            self.cache.set_lengths([s.slot for s in batch], [s.num_cached for s in batch])
             outputs = []
             for seq in batch:
                 self._reset_proposer(seq)
                 try:
                     outputs += self._step([seq])
                 except Exception as row_error:
+                    self.cache.set_lengths([seq.slot], [seq.num_cached])
                     outputs.append(self._fail(seq, row_error))
         self._release_finished()
         return failed + outputs

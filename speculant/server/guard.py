@@ -155,13 +155,14 @@ class RequestGuard:
 
     @staticmethod
     async def refuse(send, e: Refused) -> None:
-        headers = [(b"content-type", b"application/json")]
+        body = error_body(e.message, e.type, None, e.code)
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if e.close:
             headers.append((b"connection", b"close"))
         if e.status == 401:
             headers.append((b"www-authenticate", b"Bearer"))
         await send({"type": "http.response.start", "status": e.status, "headers": headers})
-        await send({"type": "http.response.body", "body": error_body(e.message, e.type, None, e.code)})
+        await send({"type": "http.response.body", "body": body})
 
 
 def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
