@@ -16,7 +16,7 @@ import time
 
 import httpx
 import pytest
-from test_server import GREEDY, live_server
+from test_server import GREEDY, live_server, slow_steps
 
 openai = pytest.importorskip("openai")
 
@@ -51,17 +51,6 @@ def url(app):
 @pytest.fixture(scope="module")
 def client(url):
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-
-
-def slow_steps(monkeypatch, engine, seconds: float = 0.05) -> None:
-    """Every engine step takes at least `seconds`."""
-    real = engine.step
-
-    def step():
-        time.sleep(seconds)
-        return real()
-
-    monkeypatch.setattr(engine, "step", step)
 
 
 def hold_until_waiting(monkeypatch, engine, n: int) -> None:
