@@ -40,8 +40,9 @@ class StreamOptions(BaseModel):
 class SamplingRequest(BaseModel):
     """What completions and chat completions share: model, sampling, streaming."""
 
-    # extra="allow" keeps unknown fields, so that unsupported() can name them.
-    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+    # extra="allow" keeps unknown fields, so that unsupported() can name them; the schema says what is refused.
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False,
+                              json_schema_extra={"additionalProperties": False})
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)  # None: up to the context length
