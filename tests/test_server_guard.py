@@ -76,3 +76,28 @@ def test_limit_flags():
     for flag in ("--max-body-bytes", "--request-timeout", "--header-timeout"):
         with pytest.raises(SpeculantError, match=flag):
             limits_from_args(serve_args(flag, "0"))
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-40, 1e-6])
+def test_near_zero_temperatures_sample_greedily(temperature):
+    """What the API accepts, the sampler must handle: logits / 1e-40 overflow float32."""
+    import torch
+
+    from speculant.config import SamplingParams
+    from speculant.sampling import SamplingBatch, probabilities
+
+    params = SamplingParams(temperature=temperature)
+    assert params.greedy
+    logits = torch.tensor([[[0.5, 3.0, -1.0, 2.9]]])
+    sb = SamplingBatch.build([params, SamplingParams(temperature=0.7)], [None, 1], torch.device("cpu"))
+    probs = probabilities(logits.expand(2, 1, 4), sb)
+    assert probs[0, 0].tolist() == [0.0, 1.0, 0.0, 0.0] and torch.isfinite(probs).all()
+
+
+def test_top_k_is_bounded_where_the_request_is_made():
+    from speculant.config import MAX_TOP_K, SamplingParams
+
+    SamplingParams(top_k=MAX_TOP_K)
+    for bad in (MAX_TOP_K + 1, 2**63, -2):
+        with pytest.raises(SpeculantError, match="top_k"):
+            SamplingParams(top_k=bad)

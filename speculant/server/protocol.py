@@ -76,7 +76,7 @@ class SamplingRequest(BaseModel):
         if self.logit_bias:
             return "logit_bias"
         for name, value in (self.model_extra or {}).items():
-            if name not in IGNORED_FIELDS or value not in IGNORED_FIELDS[name]:
+            if name not in IGNORED_FIELDS or not (IGNORED_FIELDS[name] is ANY or value in IGNORED_FIELDS[name]):
                 return name
         return None
 
@@ -97,11 +97,14 @@ class SamplingRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-# OpenAI fields that do not change an answer, accepted (and ignored) at these values.
-IGNORED_FIELDS: dict[str, tuple] = {
+ANY = None
+# OpenAI fields that do not change an answer, accepted (and ignored) at these values (ANY: at any value).
+IGNORED_FIELDS: dict[str, tuple | None] = {
     "store": (None, False),
-    "metadata": (None, {}),
-    "service_tier": (None, "auto", "default"),
+    "metadata": ANY,
+    "service_tier": ANY,
+    "prompt_cache_key": ANY,
+    "safety_identifier": ANY,
     "parallel_tool_calls": (None, True, False),
     "tool_choice": (None, "none", "auto"),  # with no tools, both mean plain text
     "response_format": (None, {"type": "text"}),
