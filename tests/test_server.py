@@ -311,11 +311,14 @@ def test_api_key_is_enforced(url):
     assert httpx.get(f"{url}/health").status_code == 200
 
 
-def wait_until_idle(url: str, timeout_s: float = 5.0) -> dict:
+def wait_until_aborted(url: str, before: dict, timeout_s: float = 30.0) -> dict:
+    """/metrics once the abort is counted and nothing runs (the client may leave before its request is even
+    admitted: idle alone would not say the abort happened)."""
     deadline = time.time() + timeout_s
     while True:
         samples = scrape(url)
-        if metric(samples, "speculant:num_requests_running") == 0 or time.time() > deadline:
+        aborted = grew(before, samples, "speculant:request_success_total", finished_reason="abort")
+        if (aborted and metric(samples, "speculant:num_requests_running") == 0) or time.time() > deadline:
             return samples
         time.sleep(0.05)
 
@@ -332,7 +335,7 @@ def test_client_disconnect_aborts_the_request(url, engine, monkeypatch, stream):
     else:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=0.5)
-    after = wait_until_idle(url, timeout_s=30)
+    after = wait_until_aborted(url, before)
     assert metric(after, "speculant:num_requests_running") == 0
     assert grew(before, after, "speculant:request_success_total", finished_reason="abort") == 1
     assert grew(before, after, "speculant:generation_tokens_total") < 200
