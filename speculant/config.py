@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -14,11 +15,16 @@ MAX_LOGPROBS = 20
 MAX_TREE_WIDTH = 8
 MAX_HISTORY_TOKENS = 10_000_000  # an answer history holds ~220 bytes a token (its lists and index entry)
 METHODS = ("draft_model", "ngram", "eagle")
+# Below this a temperature is greedy: dividing logits by 1e-40 underflows in float32 (to inf or nan), and
+# long before that the distribution is the argmax's one-hot anyway (vLLM uses the same 1e-5).
+MIN_TEMPERATURE = 1e-5
+# A top_k past the vocabulary is "off"; bounded so that it fits the int64 sampling tensors.
+MAX_TOP_K = 2**31 - 1
 
 
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below MIN_TEMPERATURE) means greedy
     top_k: int = -1  # -1 or 0: off
     top_p: float = 1.0
     min_p: float = 0.0
@@ -39,14 +45,17 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
 
     def validate(self) -> None:
         checks = [
-            ("temperature", self.temperature >= 0, "must be >= 0"),
-            ("top_k", self.top_k == -1 or self.top_k >= 0, "must be -1 (off) or >= 0"),
+            ("temperature", isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+             and self.temperature >= 0, "must be a finite number >= 0"),
+            ("top_k", isinstance(self.top_k, int) and -1 <= self.top_k <= MAX_TOP_K,
+             f"must be -1 (off) or in [0, {MAX_TOP_K}]"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("seed", self.seed is None or isinstance(self.seed, int), "must be an integer"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,

@@ -11,7 +11,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -57,6 +57,7 @@ class StepOutput:
     new_token_ids: list[int]
     new_text: str
     new_logprobs: list[TokenLogprob] | None = None
+    error: Exception | None = None  # set when serving this sequence raised: it finished as "error"
 
 
 @dataclass
@@ -101,6 +102,7 @@ class Engine:
         self._logged = SpecStats()
         self.device = self.model.device
         self._batch: list[Sequence] = []  # the rows _batch_tensors last built for
+        self._failed: list[StepOutput] = []  # sequences whose prefill raised, reported by the next step
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -115,6 +117,8 @@ class Engine:
         if len(prompt_ids) >= self.max_model_len:
             raise SpeculantError(f"the prompt has {len(prompt_ids)} tokens; the context holds "
                                  f"{self.max_model_len} (prompt plus at least one generated token)")
+        # The request's own copy, validated again: changing the caller's object later changes nothing here.
+        params = replace(params)
         room = self.max_model_len - len(prompt_ids)
         max_tokens = min(params.max_tokens or room, room)
         seq = Sequence(
@@ -150,10 +154,34 @@ class Engine:
     # -- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        """One pass for the running batch. A sequence whose serving raises finishes as "error" (its
+        StepOutput carries the exception); the others go on as if it had never been in the batch."""
         self._admit()
-        batch = self.running
+        failed, self._failed = self._failed, []
+        batch = list(self.running)
         if not batch:
-            return []
+            return failed
+        try:
+            outputs = self._step(batch)
+        except Exception as e:
+            # propose, score and verify change no sequence: run each row alone to find the one that raises,
+            # from the cache lengths the sequences agree on (a scoring pass moves them on).
+            log.warning("engine step over %d sequences failed (%s: %s); retrying them one by one",
+                        len(batch), type(e).__name__, e)
+            self.cache.set_lengths([s.slot for s in batch], [s.num_cached for s in batch])
+            outputs = []
+            for seq in batch:
+                self._reset_proposer(seq)
+                try:
+                    outputs += self._step([seq])
+                except Exception as row_error:
+                    self.cache.set_lengths([seq.slot], [seq.num_cached])
+                    outputs.append(self._fail(seq, row_error))
+        self._release_finished()
+        return failed + outputs
+
+    def _step(self, batch: list[Sequence]) -> list[StepOutput]:
+        """propose → score → verify → commit for `batch`; raises only before commit changed a sequence."""
         t0 = time.perf_counter()
         sb, slots = self._batch_tensors(batch)
         proposal = self.propose(batch, sb)
@@ -172,8 +200,13 @@ class Engine:
             hidden = self.keep_branches(batch, accepted, hidden)
         outputs = self.commit(batch, proposal, accepted, drafted, next_tokens, logits)
         if self.proposer is not None:
-            self.proposer.commit(batch, TargetHidden(hidden, start, n_valid))
-        self._release_finished()
+            try:
+                self.proposer.commit(batch, TargetHidden(hidden, start, n_valid))
+            except Exception:
+                # The tokens are committed; only the drafts' state is in doubt: start it afresh.
+                log.exception("proposer commit failed; resetting its state for %d sequences", len(batch))
+                for seq in batch:
+                    self._reset_proposer(seq)
         t3 = time.perf_counter()
         self.timing.draft_s += t1 - t0
         self.timing.target_s += t2 - t1
@@ -199,9 +232,10 @@ class Engine:
     def _batch_tensors(self, batch: list[Sequence]) -> tuple[SamplingBatch, torch.Tensor]:
         """The batch's sampling transforms and cache slots [B], built again only when its rows change."""
         if len(batch) != len(self._batch) or any(a is not b for a, b in zip(batch, self._batch)):
-            self._batch = list(batch)
+            self._batch = []  # until both are built: a build that raises leaves nothing stale behind
             self._sb = SamplingBatch.build([s.params for s in batch], [s.key for s in batch], self.device)
             self._slots = torch.tensor([s.slot for s in batch], device=self.device)
+            self._batch = list(batch)
         self._sb.positions = [s.num_generated for s in batch]
         return self._sb, self._slots
 
@@ -271,14 +305,17 @@ class Engine:
         outputs = []
         drafts = proposal.tokens.tolist()
         for b, seq in enumerate(batch):
-            path = accepted[b]
-            new = [drafts[b][j] for j in path] + [next_tokens[b]]
-            seq.stats.record(drafted[b], len(path))
-            self.stats.record(drafted[b], len(path))
-            # The logits that chose them: after the last token (0), after each accepted draft (j + 1).
-            lps = None if seq.params.logprobs is None else token_logprobs(logits[b, [0, *(j + 1 for j in path)]],
-                                                                          new, seq.params.logprobs)
-            outputs.append(self._append(seq, new, lps))
+            try:
+                path = accepted[b]
+                new = [drafts[b][j] for j in path] + [next_tokens[b]]
+                seq.stats.record(drafted[b], len(path))
+                self.stats.record(drafted[b], len(path))
+                # The logits that chose them: after the last token (0), after each accepted draft (j + 1).
+                lps = None if seq.params.logprobs is None else token_logprobs(
+                    logits[b, [0, *(j + 1 for j in path)]], new, seq.params.logprobs)
+                outputs.append(self._append(seq, new, lps))
+            except Exception as e:  # this row alone: the others' commits stand
+                outputs.append(self._fail(seq, e))
             # The target has seen every token but the newest (it is the next pass's input).
             seq.num_cached = len(seq.tokens) - 1
         self.cache.set_lengths([s.slot for s in batch], [s.num_cached for s in batch])
@@ -312,7 +349,11 @@ class Engine:
         for seq in admitted:
             same_prompt.setdefault(tuple(seq.tokens[:-1]), []).append(seq)
         for seqs in same_prompt.values():
-            self.prefill(seqs)
+            try:
+                self.prefill(seqs)
+            except Exception as e:
+                self._failed += [self._fail(s, e) for s in seqs]
+        self._release_finished()
         if admitted and len(self.running) == 1 and self.adaptive:
             self.adaptive.new_request()
 
@@ -383,6 +424,19 @@ class Engine:
         end = max(end, seq.emitted)
         new, seq.emitted = seq.text[seq.emitted:end], end
         return new
+
+    def _fail(self, seq: Sequence, error: Exception) -> StepOutput:
+        log.error("sequence %s failed: %s: %s", seq.request_id, type(error).__name__, error,
+                  exc_info=(type(error), error, error.__traceback__))
+        self._finish(seq, "error")
+        return StepOutput(seq, [], "", None, error)
+
+    def _reset_proposer(self, seq: Sequence) -> None:
+        """Forget a sequence's draft state (it may be half updated): the proposer starts it over, so
+        drafts get worse for a while, the output stays the same."""
+        if self.proposer is not None and not seq.finished:
+            self.proposer.remove(seq)
+            self.proposer.add(seq)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason

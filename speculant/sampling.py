@@ -70,7 +70,7 @@ class SamplingBatch:
             return torch.tensor(values, dtype=dtype, device=device)
 
         return cls(
-            temperature=t([p.temperature if p.temperature > 0 else 1.0 for p in params]),
+            temperature=t([1.0 if p.greedy else p.temperature for p in params]),
             top_k=t([max(p.top_k, 0) for p in params], torch.long),
             top_p=t([p.top_p for p in params]),
             min_p=t([p.min_p for p in params]),

@@ -32,13 +32,13 @@ GREEDY = dict(temperature=0)
 
 
 @contextmanager
-def live_server(app):
-    """uvicorn on a free loopback port in a background thread; yields the base URL."""
+def serving(app, shutdown_timeout_s: float = 5):
+    """uvicorn on a free loopback port in a background thread; yields the base URL and the server."""
     from speculant.server.app import Server
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = Server(uvicorn.Config(app, log_level="warning"), shutdown_timeout_s=5)
+    server = Server(uvicorn.Config(app, log_level="warning"), shutdown_timeout_s=shutdown_timeout_s)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.time() + 30
@@ -46,11 +46,29 @@ def live_server(app):
         assert thread.is_alive() and time.time() < deadline, "server did not start"
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", server
     finally:
         server.should_exit = True
         thread.join(15)
         sock.close()
+
+
+@contextmanager
+def live_server(app):
+    with serving(app) as (base, _):
+        yield base
+
+
+def slow_steps(monkeypatch, engine, seconds: float = 0.05) -> None:
+    """Every engine step takes at least `seconds`: a request of N tokens then outlasts N / (k + 1) × seconds on
+    any machine, which lets a test race it against a timeout without racing the machine's speed."""
+    real = engine.step
+
+    def step():
+        time.sleep(seconds)
+        return real()
+
+    monkeypatch.setattr(engine, "step", step)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +94,7 @@ def client(url):
 
 def scrape(url: str) -> dict[tuple, float]:
     """/metrics as {(sample name, frozenset of labels except model_name): value}."""
-    text = httpx.get(f"{url}/metrics").text
+    text = httpx.get(f"{url}/metrics", headers=AUTH).text
     return {(s.name, frozenset((k, v) for k, v in s.labels.items() if k != "model_name")): s.value
             for family in prom_parser.text_string_to_metric_families(text) for s in family.samples}
 
@@ -283,24 +301,31 @@ def test_api_key_is_enforced(url):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         r = httpx.post(f"{url}/v1/completions", json=body, headers=headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    assert httpx.get(f"{url}/v1/models").status_code == 401
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
-    # Health checks and scrapers need no key.
-    assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/metrics").status_code == 200
+    # Everything but the health check needs the key: the metrics, the docs and the schema too.
+    for path in ("/v1/models", "/metrics", "/docs", "/redoc", "/openapi.json", "/v1/no-such-route"):
+        r = httpx.get(url + path)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+        assert httpx.get(url + path, headers=AUTH).status_code in (200, 404), path
+    assert httpx.get(f"{url}/health").status_code == 200
 
 
-def wait_until_idle(url: str, timeout_s: float = 5.0) -> dict:
+def wait_until_aborted(url: str, before: dict, timeout_s: float = 30.0) -> dict:
+    """/metrics once the abort is counted and nothing runs (the client may leave before its request is even
+    admitted: idle alone would not say the abort happened)."""
     deadline = time.time() + timeout_s
     while True:
         samples = scrape(url)
-        if metric(samples, "speculant:num_requests_running") == 0 or time.time() > deadline:
+        aborted = grew(before, samples, "speculant:request_success_total", finished_reason="abort")
+        if (aborted and metric(samples, "speculant:num_requests_running") == 0) or time.time() > deadline:
             return samples
         time.sleep(0.05)
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
-def test_client_disconnect_aborts_the_request(url, stream):
+def test_client_disconnect_aborts_the_request(url, engine, monkeypatch, stream):
+    slow_steps(monkeypatch, engine)  # 200 tokens take at least 40 steps (k = 4): 2 s
     before = scrape(url)
     body = {"prompt": "Tell me a very long story.", "max_tokens": 200, "ignore_eos": True, "stream": stream,
             **GREEDY}
@@ -309,10 +334,9 @@ def test_client_disconnect_aborts_the_request(url, stream):
             next(line for line in r.iter_lines() if line.startswith("data:"))
     else:
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=1.0)
-    left = time.time()
-    after = wait_until_idle(url)
-    assert metric(after, "speculant:num_requests_running") == 0 and time.time() - left < 5
+            httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=0.5)
+    after = wait_until_aborted(url, before)
+    assert metric(after, "speculant:num_requests_running") == 0
     assert grew(before, after, "speculant:request_success_total", finished_reason="abort") == 1
     assert grew(before, after, "speculant:generation_tokens_total") < 200
 
@@ -345,7 +369,31 @@ def test_startup_errors_fail_with_one_line_before_binding(args, says):
     assert "Uvicorn running" not in out + err
 
 
-def test_sigterm_ends_in_flight_requests_cleanly(tmp_path):
+def test_shutdown_ends_in_flight_requests_with_a_clean_error(tmp_path, monkeypatch):
+    """The drain gives in-flight requests 0.2 s, then ends them with an error event, not a cut connection."""
+    from speculant.llm import build_engine
+    from speculant.server.app import create_app
+
+    engine = build_engine(str(save_tiny(tmp_path / "tiny", seed=5)), max_model_len=512)
+    slow_steps(monkeypatch, engine)  # 500 tokens, one a step: 25 s
+    body = {"prompt": [1, 5, 9, 5, 9], "max_tokens": 500, "ignore_eos": True, "stream": True,
+            "return_token_ids": True, **GREEDY}
+    events = []
+    with serving(create_app(engine, ["tiny"]), shutdown_timeout_s=0.2) as (base, server):
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line.removeprefix("data: "))
+                    server.should_exit = True
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "service_unavailable" and "shutting down" in error["message"]
+    assert sum(len(json.loads(e)["choices"][0]["token_ids"]) for e in events[:-2]) < 500
+
+
+def test_sigterm_drains_and_exits_as_terminated(tmp_path):
+    """`speculant serve` under SIGTERM: the stream in flight ends cleanly either way (finished within the
+    0.2 s drain, or cut with an error event), then [DONE], and the process exits as terminated."""
     model = save_tiny(tmp_path / "tiny", seed=5)
     port = free_port()
     proc = speculant("serve", str(model), "--port", str(port), "--ngram", "-k", "2", "--max-model-len", "512",
@@ -379,8 +427,11 @@ def test_sigterm_ends_in_flight_requests_cleanly(tmp_path):
             proc.kill()
             proc.wait()
     assert events[-1] == "[DONE]"
-    error = json.loads(events[-2])["error"]
-    assert error["type"] == "service_unavailable" and "shutting down" in error["message"]
+    last = json.loads(events[-2])
+    if "error" in last:
+        assert last["error"]["type"] == "service_unavailable" and "shutting down" in last["error"]["message"]
+    else:
+        assert last["choices"][0]["finish_reason"] == "length"
 
 
 def test_logprobs_in_completions_and_chat(client):

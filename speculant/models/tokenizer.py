@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from datetime import datetime
 from pathlib import Path
 
@@ -37,6 +39,10 @@ class Tokenizer:
         self.add_bos = bool(config.get("add_bos_token", False))
         self.bos_id = self.token_id(self.bos_token)
         self.eos_id = self.token_id(self.eos_token)
+        # Longest first: a special token that begins another must not cut it short.
+        self.special_tokens = sorted((t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special),
+                                     key=len, reverse=True)
+        self._as_text: HFTokenizer | None = None  # the same tokenizer, reading special tokens as text
 
     @classmethod
     def from_folder(cls, folder: Path) -> Tokenizer | None:
@@ -63,7 +69,7 @@ class Tokenizer:
         return None if token is None else self.hf.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._encode(self.hf, text, add_special_tokens)
         if add_special_tokens and self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids = [self.bos_id] + ids
         return ids
@@ -88,9 +94,44 @@ class Tokenizer:
         except TemplateError as e:
             raise SpeculantError(f"chat template error: {e}") from None
 
+    @staticmethod
+    def _encode(hf: HFTokenizer, text: str, add_special_tokens: bool) -> list[int]:
+        # encode_batch lets go of the GIL while it works (encode holds it: 3.7 s for a 2.9 MB prompt): a
+        # server tokenizing in a worker thread keeps its event loop answering.
+        return hf.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+
     def encode_chat(self, messages: list[dict]) -> list[int]:
+        """The chat template's prompt, with special tokens only where the template writes them: one typed
+        in a message's content is tokenized as its text, so a user cannot open a turn of their own."""
+        nonce = secrets.token_hex(8)
+        typed: list[str] = []  # the special tokens found in contents, each replaced by a placeholder
+
+        def placeholder(match: re.Match) -> str:
+            typed.append(match.group(0))
+            return f"\ue000{nonce}:{len(typed) - 1}\ue001"
+
+        pattern = re.compile("|".join(map(re.escape, self.special_tokens))) if self.special_tokens else None
+        if pattern is not None:
+            messages = [{**m, "content": pattern.sub(placeholder, m["content"])}
+                        if isinstance(m.get("content"), str) else m for m in messages]
         # The template already writes the BOS token where the model wants one.
-        return self.hf.encode(self.apply_chat_template(messages), add_special_tokens=False).ids
+        prompt = self.apply_chat_template(messages)
+        if not typed:
+            return self._encode(self.hf, prompt, False)
+        ids: list[int] = []
+        for i, piece in enumerate(re.split(f"\ue000{nonce}:(\\d+)\ue001", prompt)):
+            if i % 2:
+                ids += self._encode(self._text_tokenizer(), typed[int(piece)], False)
+            elif piece:
+                ids += self._encode(self.hf, piece, False)
+        return ids
+
+    def _text_tokenizer(self) -> HFTokenizer:
+        if self._as_text is None:
+            as_text = HFTokenizer.from_str(self.hf.to_str())
+            as_text.encode_special_tokens = True
+            self._as_text = as_text
+        return self._as_text
 
 
 class Detokenizer:

@@ -1,23 +1,27 @@
 """The OpenAI-compatible HTTP API over one engine.
 
 POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics.
-Handlers validate, tokenize and hand the request to the engine thread (worker.py); they never touch
-the engine themselves. Every error leaves as the OpenAI error body with a 4xx/5xx status.
+Requests first pass the guard (guard.py: host, key, content type, body size and time). Handlers validate,
+tokenize (in a thread: the event loop keeps answering) and hand the request to the engine thread
+(worker.py); they never touch the engine themselves. Every error leaves as the OpenAI error body with a
+4xx/5xx status; a 5xx says only which request failed, the log says why.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 
 import uvicorn
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
@@ -27,6 +31,7 @@ from speculant.engine import Engine
 from speculant.errors import SpeculantError
 from speculant.metrics import ServerMetrics
 from speculant.sequence import Sequence, SpecStats
+from speculant.server.guard import RequestGuard, ServerLimits, allowed_host_names, header_timeout_protocol
 from speculant.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -50,7 +55,14 @@ from speculant.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from speculant.server.worker import Delta, EngineFailure, EngineWorker, RequestStream, ShuttingDown
+from speculant.server.worker import (
+    Delta,
+    EngineFailure,
+    EngineWorker,
+    RequestStream,
+    RequestTimedOut,
+    ShuttingDown,
+)
 
 log = logging.getLogger("speculant.server")
 
@@ -63,17 +75,26 @@ class APIError(Exception):
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
 
 
-def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(ErrorResponse(error=err.info).model_dump(), status_code=err.status)
+def error_response(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(ErrorResponse(error=err.info).model_dump(), status_code=err.status, headers=headers)
 
 
-def api_error(e: Exception) -> APIError:
+def internal_error(request_id: str) -> APIError:
+    return APIError(500, f"internal server error (request id {request_id}); the server log has the details",
+                    "internal_error")
+
+
+def api_error(e: Exception, request_id: str) -> APIError:
     """The HTTP face of an error raised while a request was with the engine."""
     if isinstance(e, SpeculantError):
         return APIError(400, str(e))
     if isinstance(e, ShuttingDown):
         return APIError(503, str(e), "service_unavailable")
-    return APIError(500, str(e), "internal_error")
+    if isinstance(e, RequestTimedOut):
+        return APIError(408, str(e), "timeout_error", code="request_timeout")
+    if not isinstance(e, EngineFailure):
+        log.error("request %s failed", request_id, exc_info=(type(e), e, e.__traceback__))
+    return internal_error(request_id)
 
 
 def sse(body: BaseModel) -> str:
@@ -91,7 +112,8 @@ async def parse_body(request: Request, model: type[SamplingRequest]) -> Sampling
         raise APIError(400, f"{'.'.join(loc)}: {first['msg']}", param=loc[0]) from None
     unsupported = req.unsupported()
     if unsupported:
-        raise APIError(400, f"'{unsupported}' is not supported by this server", param=unsupported)
+        raise APIError(400, f"'{unsupported}' is not supported by this server (refused rather than ignored)",
+                       param=unsupported)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     return req
@@ -188,39 +210,49 @@ class ChatFormat:
 
 
 class OpenAIServer:
-    def __init__(self, engine: Engine, served_model_names: list[str], api_key: str | None):
+    def __init__(self, engine: Engine, served_model_names: list[str], limits: ServerLimits | None = None):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_names = served_model_names
         self.model_name = served_model_names[0]
-        self.api_key = api_key
+        self.limits = limits or ServerLimits()
+        self.max_request_tokens = self.limits.max_request_tokens or engine.max_batch_size * engine.max_model_len
         self.metrics = ServerMetrics(self.model_name, engine.k)
-        self.worker = EngineWorker(engine, self.metrics)
+        self.worker = EngineWorker(engine, self.metrics, self.limits.request_timeout_s)
+        # Tokenization and template rendering: off the event loop, two at a time (the engine needs the rest).
+        self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="speculant-tokenize")
+
+    async def off_loop(self, fn: Callable, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, partial(fn, *args))
 
     # -- endpoints --------------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
         req = await parse_body(request, CompletionRequest)
         self.check_model(req.model)
-        prompts = self.completion_prompts(req.prompt)
+        self.check_sequences(req.prompt_count(), req.n, "prompt")
+        prompts = await self.completion_prompts(req.prompt)
         for ids in prompts:
             self.check_context(ids, req.max_new_tokens(), "prompt")
+        self.check_work(prompts, req)
         return await self.generate(request, req, prompts, CompletionFormat(self.token_text))
 
     async def chat_completions(self, request: Request) -> Response:
         req = await parse_body(request, ChatCompletionRequest)
         self.check_model(req.model)
         self.need_tokenizer("messages")
+        self.check_sequences(1, req.n, "n")
         try:
-            ids = self.tokenizer.encode_chat([m.for_template() for m in req.messages])
+            ids = await self.off_loop(self.tokenizer.encode_chat, [m.for_template() for m in req.messages])
         except SpeculantError as e:
             raise APIError(400, str(e), param="messages") from None
         self.check_context(ids, req.max_new_tokens(), "messages")
+        self.check_work([ids], req)
         return await self.generate(request, req, [ids], ChatFormat(self.token_text))
 
     def models(self) -> ModelList:
-        cards = [ModelCard(id=name, root=self.engine.target.source, max_model_len=self.engine.max_model_len)
-                 for name in self.model_names]
+        # The name clients send, never the path the weights were loaded from.
+        cards = [ModelCard(id=name, root=name, max_model_len=self.engine.max_model_len) for name in self.model_names]
         return ModelList(data=cards)
 
     def health(self) -> Response:
@@ -230,14 +262,6 @@ class OpenAIServer:
 
     def render_metrics(self) -> Response:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
-
-    def check_api_key(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-            raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
 
     # -- checks and prompts -----------------------------------------------------------------
 
@@ -257,7 +281,7 @@ class OpenAIServer:
             raise APIError(400, "this model has no tokenizer: only /v1/completions with a prompt of token ids "
                                 "works", param=param)
 
-    def completion_prompts(self, prompt: str | list) -> list[list[int]]:
+    async def completion_prompts(self, prompt: str | list) -> list[list[int]]:
         if isinstance(prompt, list) and not prompt:
             raise APIError(400, "the prompt is empty", param="prompt")
         if isinstance(prompt, list) and isinstance(prompt[0], int):
@@ -265,7 +289,25 @@ class OpenAIServer:
         if isinstance(prompt, list) and isinstance(prompt[0], list):
             return prompt
         self.need_tokenizer("prompt")
-        return [self.tokenizer.encode(p) for p in ([prompt] if isinstance(prompt, str) else prompt)]
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        return await self.off_loop(lambda: [self.tokenizer.encode(p) for p in texts])
+
+    def check_sequences(self, prompts: int, n: int, param: str) -> None:
+        limit = self.limits.max_sequences
+        if prompts * n > limit:
+            raise APIError(400, f"this request asks for {prompts * n} sequences ({prompts} prompt(s) × n={n}); "
+                                f"this server's limit is {limit} a request", param="n" if n > 1 else param,
+                           code="too_many_sequences")
+
+    def check_work(self, prompts: list[list[int]], req: SamplingRequest) -> None:
+        """Prompt plus completion tokens over the request's sequences, max_tokens unset counting the
+        whole context: the most work it can make."""
+        limit, room = self.max_request_tokens, self.engine.max_model_len
+        asked = req.n * sum(min(len(ids) + (req.max_new_tokens() or room), room) for ids in prompts)
+        if asked > limit:
+            raise APIError(400, f"this request may take {asked} tokens of work (prompt and completion tokens over "
+                                f"its {len(prompts) * req.n} sequence(s)); this server's limit is {limit}: ask "
+                                f"for fewer max_tokens, prompts or n", param="max_tokens", code="request_too_large")
 
     def check_context(self, ids: list[int], max_tokens: int | None, param: str) -> None:
         limit = self.engine.max_model_len
@@ -290,13 +332,13 @@ class OpenAIServer:
         try:
             stream = self.worker.submit(rid, seqs)
         except ShuttingDown as e:
-            raise api_error(e) from None
+            raise api_error(e, rid) from None
         try:
             await stream.admitted()
         except BaseException as e:  # refused, or this handler was cancelled: give back what was taken
             stream.close()
             if isinstance(e, Exception):
-                raise api_error(e) from None
+                raise api_error(e, rid) from None
             raise
         usage_prompt = sum(len(ids) for ids in prompts)
         if req.stream:
@@ -332,7 +374,7 @@ class OpenAIServer:
         if not work.done() or work.cancelled():
             return Response(status_code=499)  # nobody is listening any more
         if work.exception() is not None:
-            raise api_error(work.exception())
+            raise api_error(work.exception(), stream.request_id)
         ids = [c.token_ids for c in choices]
         return JSONResponse(fmt.response(stream.request_id, self.model_name, choices,
                                          req.return_token_ids, usage=self.usage(prompt_tokens, ids),
@@ -357,9 +399,9 @@ class OpenAIServer:
                 yield sse(fmt.chunk(rid, created, self.model_name, [], False,
                                     usage=self.usage(prompt_tokens, ids),
                                     speculative_stats=self.speculative_stats(stream.seqs)))
-        except (ShuttingDown, EngineFailure) as e:
+        except (ShuttingDown, EngineFailure, RequestTimedOut) as e:
             # Headers are gone already: the error travels as an event, which OpenAI clients raise.
-            yield sse(ErrorResponse(error=api_error(e).info))
+            yield sse(ErrorResponse(error=api_error(e, rid).info))
         finally:
             stream.close()
         yield "data: [DONE]\n\n"
@@ -381,25 +423,62 @@ def default_model_name(engine: Engine) -> str:
     return Path(engine.target.source).name.removesuffix(".gguf")
 
 
-def create_app(engine: Engine, served_model_names: list[str] | None = None,
-               api_key: str | None = None) -> FastAPI:
-    """The FastAPI app. The engine thread starts and stops with the app's lifespan."""
-    server = OpenAIServer(engine, served_model_names or [default_model_name(engine)], api_key)
+ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": why} for status, why in {
+    400: "invalid request, or one asking for more than this server's limits",
+    401: "missing or incorrect API key",
+    403: "Host or Origin not allowed",
+    404: "no such model or route",
+    405: "method not allowed on this route (the Allow header lists those that are)",
+    408: "the body took too long to arrive, or the request ran past its time limit",
+    413: "request body too large",
+    415: "the body is not application/json",
+    500: "internal error: the message carries the request id the server log names",
+    503: "the server is shutting down",
+}.items()}
+
+
+def add_request_bodies(schema: dict) -> dict:
+    """Declare the POST bodies (the handlers parse them themselves, for strict validation and OpenAI errors)."""
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest)):
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
+        schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
+            "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    return schema
+
+
+def create_app(engine: Engine, served_model_names: list[str] | None = None, api_key: str | None = None,
+               limits: ServerLimits | None = None, bind_host: str | None = None) -> FastAPI:
+    """The FastAPI app behind its guard (the returned app's `.state.server` is the OpenAIServer). The engine
+    thread starts and stops with the app's lifespan."""
+    limits = limits or ServerLimits()
+    server = OpenAIServer(engine, served_model_names or [default_model_name(engine)], limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         server.worker.start()
         yield
         server.worker.stop()
+        server.executor.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="Speculant", lifespan=lifespan)
+    app = FastAPI(title="Speculant", version="0.1.0", lifespan=lifespan)
     app.state.server = server
-    auth = [Depends(server.check_api_key)]
-    app.post("/v1/completions", dependencies=auth)(server.completions)
-    app.post("/v1/chat/completions", dependencies=auth)(server.chat_completions)
-    app.get("/v1/models", dependencies=auth)(server.models)
-    app.get("/health")(server.health)
-    app.get("/metrics")(server.render_metrics)
+    app.post("/v1/completions", responses=ERROR_RESPONSES, response_model=CompletionResponse)(server.completions)
+    app.post("/v1/chat/completions", responses=ERROR_RESPONSES,
+             response_model=ChatCompletionResponse)(server.chat_completions)
+    app.get("/v1/models", responses=ERROR_RESPONSES, response_model=ModelList)(server.models)
+    app.get("/health", responses=ERROR_RESPONSES)(server.health)
+    app.get("/metrics", responses=ERROR_RESPONSES)(server.render_metrics)
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = add_request_bodies(get_openapi(title=app.title, version=app.version,
+                                                                routes=app.routes))
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -407,13 +486,18 @@ def create_app(engine: Engine, served_model_names: list[str] | None = None,
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(APIError(exc.status_code, str(exc.detail)))
+        # Keeps the exception's headers: a 405 names the allowed methods in Allow.
+        return error_response(APIError(exc.status_code, str(exc.detail)), exc.headers)
 
     @app.exception_handler(Exception)
     async def on_bug(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error in %s", request.url.path)
-        return error_response(APIError(500, f"internal error: {type(exc).__name__}", "internal_error"))
+        request_id = f"err-{uuid.uuid4().hex}"
+        log.error("unhandled error in %s (request id %s)", request.url.path, request_id,
+                  exc_info=(type(exc), exc, exc.__traceback__))
+        return error_response(internal_error(request_id))
 
+    app.add_middleware(RequestGuard, limits=limits, api_key=api_key,
+                       hosts=allowed_host_names(bind_host, limits.allowed_hosts))
     return app
 
 
@@ -422,6 +506,9 @@ class Server(uvicorn.Server):
     `shutdown_timeout_s` to finish, then a clean error instead of a dropped connection."""
 
     def __init__(self, config: uvicorn.Config, shutdown_timeout_s: float = 30.0):
+        limits = config.app.state.server.limits
+        if config.http == "auto":
+            config.http = header_timeout_protocol(limits.header_timeout_s)
         super().__init__(config)
         self.shutdown_timeout_s = shutdown_timeout_s
 

@@ -10,6 +10,7 @@ import socket
 
 from speculant.cli import add_model_arguments, engine_from_args, speculative_config_from_args
 from speculant.errors import SpeculantError
+from speculant.server.guard import ServerLimits
 
 log = logging.getLogger("speculant.server")
 
@@ -23,11 +24,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     g.add_argument("--api-key", default=os.environ.get("SPECULANT_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $SPECULANT_API_KEY, else none)")
+                   help="require 'Authorization: Bearer KEY' on every path but /health (default: "
+                        "$SPECULANT_API_KEY, else none)")
+    g.add_argument("--public-metrics", action="store_true",
+                   help="with --api-key: serve /metrics without the key (for a scraper)")
+    g.add_argument("--allowed-hosts", nargs="+", default=[], metavar="HOST",
+                   help="Host names served besides localhost, 127.0.0.1, ::1 and --host; '*' for any (default none)")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients send; the first is used in responses (default: MODEL)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default 30)")
+    d = ServerLimits()
+    g = p.add_argument_group("limits (docs/server-limits.md)")
+    g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help=f"largest request body (default {d.max_body_bytes})")
+    g.add_argument("--max-request-sequences", type=int, default=d.max_sequences,
+                   help=f"prompts × n one request may ask for (default {d.max_sequences})")
+    g.add_argument("--max-request-tokens", type=int, default=None,
+                   help="prompt plus completion tokens one request may ask for, summed over its sequences "
+                        "(default: max batch size × context length)")
+    g.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may run before it ends with a 408 (default: no limit)")
+    g.add_argument("--header-timeout", type=float, default=d.header_timeout_s,
+                   help=f"seconds a connection gets to send a request's headers (default {d.header_timeout_s:g})")
+    g.add_argument("--body-timeout", type=float, default=d.body_timeout_s,
+                   help=f"seconds a request gets to send its body (default {d.body_timeout_s:g})")
+
+
+def limits_from_args(args: argparse.Namespace) -> ServerLimits:
+    positive = {"--max-body-bytes": args.max_body_bytes, "--max-request-sequences": args.max_request_sequences,
+                "--max-request-tokens": args.max_request_tokens, "--request-timeout": args.request_timeout,
+                "--header-timeout": args.header_timeout, "--body-timeout": args.body_timeout}
+    for flag, value in positive.items():
+        if value is not None and not value > 0:
+            raise SpeculantError(f"{flag} must be > 0, got {value:g}")
+    return ServerLimits(max_body_bytes=args.max_body_bytes, max_sequences=args.max_request_sequences,
+                        max_request_tokens=args.max_request_tokens, request_timeout_s=args.request_timeout,
+                        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                        allowed_hosts=args.allowed_hosts, public_metrics=args.public_metrics)
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -49,6 +83,7 @@ def run(args: argparse.Namespace) -> None:
     if args.model_tag:
         args.model = args.model_tag
     speculative_config_from_args(args)  # a bad config fails here, before anything touches the port
+    limits = limits_from_args(args)
     check_port_free(args.host, args.port)
     engine = engine_from_args(args)
     # The periodic "SpecDecoding metrics" line is INFO: a server shows it unless asked to be quieter.
@@ -56,7 +91,7 @@ def run(args: argparse.Namespace) -> None:
     if speculant_log.getEffectiveLevel() > logging.INFO:
         speculant_log.setLevel(logging.INFO)
     names = args.served_model_name or ([args.model] if args.model else None)
-    app = create_app(engine, names, args.api_key)
+    app = create_app(engine, names, args.api_key, limits, bind_host=args.host)
     server_name = app.state.server.model_name
     how = f"{engine.proposer.name}, k={engine.k}" if engine.k else "no speculation"
     precision = f"{str(engine.model.dtype).removeprefix('torch.')}, weights {engine.target.quantization or 'none'}"

@@ -2,7 +2,8 @@
 (top_k, min_p, stop_token_ids, ignore_eos, return_token_ids) and `speculative_stats`.
 
 Requests are validated strictly (no "16" for 16) with the ranges the OpenAI API documents; fields
-this server cannot honour are declared so that a non-default value is refused, not ignored.
+this server cannot honour are refused with a 400 naming them, never ignored: declared ones at a
+non-neutral value, and any field this server does not know (a vLLM extension it lacks, a typo).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from speculant.config import MAX_LOGPROBS, SamplingParams
+from speculant.config import MAX_LOGPROBS, MAX_TOP_K, SamplingParams
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 
@@ -39,13 +40,15 @@ class StreamOptions(BaseModel):
 class SamplingRequest(BaseModel):
     """What completions and chat completions share: model, sampling, streaming."""
 
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    # extra="allow" keeps unknown fields, so that unsupported() can name them; the schema says what is refused.
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False,
+                              json_schema_extra={"additionalProperties": False})
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)  # None: up to the context length
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
+    top_k: int = Field(-1, ge=-1, le=MAX_TOP_K)
     min_p: float = Field(0.0, ge=0, le=1)
     seed: int | None = None
     stop: NonEmptyStr | list[NonEmptyStr] | None = None
@@ -72,6 +75,9 @@ class SamplingRequest(BaseModel):
             return "frequency_penalty"
         if self.logit_bias:
             return "logit_bias"
+        for name, value in (self.model_extra or {}).items():
+            if name not in IGNORED_FIELDS or not (IGNORED_FIELDS[name] is ANY or value in IGNORED_FIELDS[name]):
+                return name
         return None
 
     def top_logprobs_wanted(self) -> int | None:
@@ -91,6 +97,21 @@ class SamplingRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+ANY = None
+# OpenAI fields that do not change an answer, accepted (and ignored) at these values (ANY: at any value).
+IGNORED_FIELDS: dict[str, tuple | None] = {
+    "store": (None, False),
+    "metadata": ANY,
+    "service_tier": ANY,
+    "prompt_cache_key": ANY,
+    "safety_identifier": ANY,
+    "parallel_tool_calls": (None, True, False),
+    "tool_choice": (None, "none", "auto"),  # with no tools, both mean plain text
+    "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]),
+}
+
+
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)  # the OpenAI API's default for completions
@@ -101,6 +122,10 @@ class CompletionRequest(SamplingRequest):
 
     def top_logprobs_wanted(self) -> int | None:
         return self.logprobs
+
+    def prompt_count(self) -> int:
+        return len(self.prompt) if isinstance(self.prompt, list) and self.prompt \
+            and not isinstance(self.prompt[0], int) else 1
 
     def unsupported(self) -> str | None:
         if self.echo:

@@ -5,6 +5,11 @@ command queue; between two steps the thread admits new requests (they join the r
 next step), aborts those whose client left (their slot is free for the next step), then runs one
 batched step and sends every sequence's new tokens to the asyncio queue of the request it belongs
 to. With nothing to do it sleeps on an Event instead of spinning.
+
+Requests are isolated from each other: a sequence whose serving raises fails its own request (the engine
+retries the rest of the batch without it), waiting sequences are admitted round-robin across requests
+(one request's many sequences cannot hold every free slot), and an optional time limit ends a request
+that runs too long.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,7 +37,11 @@ class ShuttingDown(Exception):
 
 
 class EngineFailure(Exception):
-    """The engine raised an unexpected error while this request was in the batch."""
+    """The engine raised an unexpected error while serving this request (the details are in the log)."""
+
+
+class RequestTimedOut(Exception):
+    """The request ran past the server's per-request time limit."""
 
 
 @dataclass
@@ -113,9 +123,10 @@ class _Entry:
 
 
 class EngineWorker:
-    def __init__(self, engine: Engine, metrics: ServerMetrics):
+    def __init__(self, engine: Engine, metrics: ServerMetrics, request_timeout_s: float | None = None):
         self.engine = engine
         self.metrics = metrics
+        self.request_timeout_s = request_timeout_s  # None: no limit
         self.in_flight: set[RequestStream] = set()  # event-loop side only
         self.accepting = True
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -172,6 +183,8 @@ class EngineWorker:
             # Cleared before draining: a command sent after this point sets it again.
             self._wake.clear()
             running = self._apply_commands()
+            if running and self.request_timeout_s is not None:
+                self._end_overdue()
             if running and self.engine.has_unfinished():
                 self._step()
             self.metrics.observe_load(len(self.engine.running), len(self.engine.waiting))
@@ -202,6 +215,27 @@ class EngineWorker:
                 for s in self._live_streams():
                     self._abort(s, ShuttingDown("the server is shutting down"))
 
+    def _end_overdue(self) -> None:
+        now = time.perf_counter()
+        for stream in self._live_streams():
+            if now - stream.arrival > self.request_timeout_s:
+                self._abort(stream, RequestTimedOut(f"the request ran past this server's time limit of "
+                                                    f"{self.request_timeout_s:g} s"))
+
+    def _interleave_waiting(self) -> None:
+        """Order the engine's waiting sequences round-robin across their requests, each request's own in
+        order: the next free slot goes to the request that has had the fewest so far."""
+        queues: dict[int, deque[Sequence]] = {}
+        for seq in self.engine.waiting:
+            entry = self._entries.get(seq.request_id)
+            queues.setdefault(id(entry.stream) if entry else id(seq), deque()).append(seq)
+        order: deque[Sequence] = deque()
+        pending = list(queues.values())
+        while pending:
+            order.extend(q.popleft() for q in pending)
+            pending = [q for q in pending if q]
+        self.engine.waiting = order
+
     def _add(self, stream: RequestStream) -> None:
         seqs: list[Sequence] = []
         try:
@@ -211,13 +245,14 @@ class EngineWorker:
             for seq in seqs:
                 self.engine.abort(seq.request_id)
             if not isinstance(e, SpeculantError):  # a bug: keep the thread alive for everyone else
-                log.exception("engine refused a request")
-                e = EngineFailure(f"engine failure: {type(e).__name__}: {e}")
+                log.exception("engine refused request %s", stream.request_id)
+                e = EngineFailure("the engine failed to admit the request")
             stream.put(e)
             return
         for i, seq in enumerate(seqs):
             self._entries[seq.request_id] = _Entry(stream, i)
             self.metrics.observe_admitted(len(seq.prompt_ids))
+        self._interleave_waiting()
         stream.put(Admitted(seqs))
 
     def _abort(self, stream: RequestStream, error: Exception | None) -> None:
@@ -234,16 +269,21 @@ class EngineWorker:
         except Exception as e:
             # A bug or an out-of-memory must not take the server down: fail the requests in the
             # batch, keep serving the next ones.
-            log.exception("engine step failed")
+            log.exception("engine step failed outside any one sequence: %s", e)
             for stream in self._live_streams():
-                self._abort(stream, EngineFailure(f"engine failure: {type(e).__name__}: {e}"))
+                self._abort(stream, EngineFailure("the engine failed while this request was in the batch"))
             return
         self.metrics.batch_size.observe(len(outputs))  # one output per sequence in the batch
         self.metrics.observe_spec(self.engine.stats)
         now = time.perf_counter()
         for out in outputs:
             seq = out.seq
-            entry = self._entries[seq.request_id]
+            entry = self._entries.get(seq.request_id)
+            if entry is None:  # its request already failed this step (another of its sequences)
+                continue
+            if out.error is not None:
+                self._abort(entry.stream, EngineFailure("the engine failed while serving this request"))
+                continue
             entry.stream.put(Delta(entry.index, list(out.new_token_ids), out.new_text, seq.finish_reason,
                                    out.new_logprobs))
             if entry.last_emit is None:
