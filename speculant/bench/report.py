@@ -66,7 +66,8 @@ def _speedup_cell(r: Row) -> str:
 
 
 def _weights(quantization: str | None) -> str:
-    return {"int8": "int8 (per channel)", "int4": "int4 (groups of 32)"}.get(quantization or "", "unquantized")
+    return {"int8": "int8 (per channel)", "int4": "int4 (groups of 32)",
+            "gguf": "the GGUF file's own blocks"}.get(quantization or "", "unquantized")
 
 
 def _threads(n: int) -> str:

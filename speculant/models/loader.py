@@ -153,8 +153,19 @@ def _load_gguf_native(path: Path, dtype: torch.dtype, t0: float) -> LoadedModel:
     tokenizer = Tokenizer.from_folder(folder)
     if tokenizer is not None and tokenizer.eos_id is not None and tokenizer.eos_id not in eos_ids:
         eos_ids.append(tokenizer.eos_id)
-    info = {"gguf_cached": cached, "weights": "gguf blocks", "load_s": time.perf_counter() - t0}
+    info = {"gguf_cached": cached, "weights": "gguf blocks", "params": stored_params(model),
+            "load_s": time.perf_counter() - t0}
     return LoadedModel(model, tokenizer, eos_ids, str(path), info, NATIVE_GGUF)
+
+
+def stored_params(model: torch.nn.Module) -> int:
+    """The model's parameter count, its blocks-stored matrices and embedding counted as the values they hold."""
+    from speculant.models.ggml import GGMLLinear
+
+    dense = sum(p.numel() for p in model.parameters())
+    blocks = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, GGMLLinear))
+    embed = model.model.embed_tokens
+    return dense + blocks + (0 if isinstance(embed, torch.nn.Embedding) else embed.num_embeddings * embed.embedding_dim)
 
 
 def _read_json(path: Path) -> dict:
