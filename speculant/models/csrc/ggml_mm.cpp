@@ -165,7 +165,7 @@ void blocks(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int
         for (int i = 0; i < R; i++) {
           const int32_t* half = x.half + ((r0 + i) * G + g) * 2;
           const int32_t sum = H == 2 ? half[h] : half[0] + half[1];
-          const __m512i exact = _mm512_sub_epi32(s[c][i], _mm512_set1_epi32((int32_t)off * sum));
+          const __m512i exact = off ? _mm512_sub_epi32(s[c][i], _mm512_set1_epi32((int32_t)off * sum)) : s[c][i];
           const __m512 dx = _mm512_set1_ps(x.dx[(r0 + i) * G + g]);
           acc[c][i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(exact), scale), dx, acc[c][i]);
         }
@@ -255,7 +255,7 @@ void super_blocks(const Weights& w, const Activations& x, uint16_t* Y, int64_t r
 
 template <int BITS, int H, bool MINS, bool UNIT, int R>
 void rows(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int64_t b0, int64_t b1) {
-  constexpr int C = R <= (UNIT ? 4 : 6) ? 2 : 1;  // two blocks share each broadcast input while registers allow
+  constexpr int C = R <= 6 ? 2 : 1;  // two blocks share each broadcast input while registers allow
   int64_t b = b0;
   if constexpr (UNIT) {
     for (; b + C <= b1; b += C) blocks<BITS, H, MINS, UNIT, R, C>(w, x, Y, r0, b);
