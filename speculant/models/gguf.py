@@ -67,23 +67,28 @@ def convert_gguf(path: str | os.PathLike, cache_root: Path | None = None) -> tup
         return folder, True
 
     reader = open_gguf(src)
+    publish(folder, "config.json", lambda tmp: write_folder(reader, src, tmp))
+    return folder, False
+
+
+def publish(folder: Path, marker: str, write) -> None:
+    """write(tmp) builds the folder's contents in a temporary folder beside it (same filesystem), then an
+    atomic rename publishes it: only complete folders ever have the final name; a crash leaves `.tmp-*`."""
     folder.parent.mkdir(parents=True, exist_ok=True)
-    for stale in folder.parent.glob(".tmp-*"):  # left by killed conversions; a live one is never a day old
+    for stale in folder.parent.glob(".tmp-*"):  # left by killed builds; a live one is never a day old
         if time.time() - stale.stat().st_mtime > 86400:
             shutil.rmtree(stale, ignore_errors=True)
-    # Build next to the final place (same filesystem, so the rename is atomic); a crash leaves only `.tmp-*`.
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
     try:
-        write_folder(reader, src, tmp)
+        write(tmp)
         try:
             tmp.rename(folder)
         except OSError:
-            if not (folder / "config.json").is_file():
+            if not (folder / marker).is_file():
                 raise
-            # Another process finished the same conversion first; its copy is as good as ours.
+            # Another process finished the same build first; its copy is as good as ours.
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return folder, False
 
 
 def cache_dir(cache_root: Path | None) -> Path:
@@ -152,11 +157,15 @@ def write_folder(reader: gguf.GGUFReader, src: Path, out: Path) -> None:
     tensors = hf_tensors(reader, config, arch, src)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     write_tokenizer(reader, meta, src, out)
+    write_generation_config(meta, config, out)
+    write_json(out / "config.json", config)
+
+
+def write_generation_config(meta: dict, config: dict, out: Path) -> None:
     eos = [meta[f"tokenizer.ggml.{k}_token_id"] for k in ("eos", "eot", "eom")
            if f"tokenizer.ggml.{k}_token_id" in meta]
     eos = list(dict.fromkeys(eos))  # chat models stop on end-of-turn as well as end-of-sequence
     gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": eos[0] if len(eos) == 1 else (eos or None)}
-    write_json(out / "config.json", config)
     write_json(out / "generation_config.json", gen)
 
 

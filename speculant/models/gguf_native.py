@@ -11,8 +11,6 @@ from __future__ import annotations
 import functools
 import json
 import mmap
-import shutil
-import tempfile
 from pathlib import Path
 
 import gguf
@@ -29,7 +27,9 @@ from speculant.models.gguf import (
     cache_key,
     hf_config,
     open_gguf,
+    publish,
     read_metadata,
+    write_generation_config,
     write_json,
     write_tokenizer,
 )
@@ -91,24 +91,14 @@ def build_cache(src: Path, folder: Path) -> None:
     if arch not in ARCHITECTURES:
         raise SpeculantError(f"{src}: unsupported architecture '{arch}'. Supported: {', '.join(ARCHITECTURES)}.")
     config = hf_config(reader, meta, arch, src)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))  # a crash leaves only `.tmp-*`
-    try:
+
+    def write(tmp: Path) -> None:
         write_packed(reader, config, arch, src, tmp)
         write_tokenizer(reader, meta, src, tmp)
-        eos = [meta[f"tokenizer.ggml.{k}_token_id"] for k in ("eos", "eot", "eom")
-               if f"tokenizer.ggml.{k}_token_id" in meta]
-        eos = list(dict.fromkeys(eos))
-        write_json(tmp / "generation_config.json",
-                   {"bos_token_id": config["bos_token_id"], "eos_token_id": eos[0] if len(eos) == 1 else (eos or None)})
+        write_generation_config(meta, config, tmp)
         write_json(tmp / "config.json", config)
-        try:
-            tmp.rename(folder)
-        except OSError:
-            if not (folder / "packed.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    publish(folder, "packed.json", write)
 
 
 def component_shapes(fmt: ggml.Format, n_out: int, n_in: int) -> list[tuple[tuple[int, ...], np.dtype]]:

@@ -132,11 +132,28 @@ inline __m512 uint8x16(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)));
 }
 
+// Group g of blocks b .. b + C unpacked, and the stream 16 groups ahead requested (past a block's end: the
+// next call's block c).
+template <int BITS, int C>
+inline void unpack_group(const Weights& w, int64_t b, int64_t g, __m512i (*u)[8]) {
+  for (int c = 0; c < C; c++) {
+    const int64_t bg = (b + c) * w.G + g;
+    Plane<BITS>::prefetch(w, g + 16 < w.G ? bg + 16 : (b + c + C) * w.G + g + 16 - w.G);
+    Plane<BITS>::unpack(w, bg, u[c]);
+  }
+}
+
+template <int R, int C>
+inline void store_rows(const Weights& w, const __m512 (*acc)[R], uint16_t* Y, int64_t r0, int64_t b) {
+  for (int c = 0; c < C; c++)
+    for (int i = 0; i < R; i++)
+      _mm256_storeu_si256((__m256i*)(Y + (r0 + i) * w.ld + (b + c) * 16), (__m256i)_mm512_cvtneps_pbh(acc[c][i]));
+}
+
 // Blocks b .. b + C of 16 outputs for rows r0 .. r0 + R: R·C independent chains of dpbusd per half group.
 // UNIT: the format's scales and minimums are D and M alone (sc = mn = 1: Q4_0, Q4_1, Q5_0, Q8_0), not stored.
 template <int BITS, int H, bool MINS, bool UNIT, int R, int C>
 void blocks(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int64_t b) {
-  using P = Plane<BITS>;
   const int64_t G = w.G, S = w.S, off = w.offset;
   const int8_t* X = x.p + r0 * w.K;
   __m512 acc[C][R];
@@ -144,12 +161,7 @@ void blocks(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int
     for (int i = 0; i < R; i++) acc[c][i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; g++) {
     __m512i u[C][8];
-    for (int c = 0; c < C; c++) {
-      const int64_t bg = (b + c) * G + g;
-      // 16 groups ahead in this block's stream, past its end in the next call's block c
-      P::prefetch(w, g + 16 < G ? bg + 16 : (b + c + C) * G + g + 16 - G);
-      P::unpack(w, bg, u[c]);
-    }
+    unpack_group<BITS, C>(w, b, g, u);
     for (int h = 0; h < H; h++) {
       __m512i s[C][R];
       for (int c = 0; c < C; c++)
@@ -180,9 +192,7 @@ void blocks(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int
       }
     }
   }
-  for (int c = 0; c < C; c++)
-    for (int i = 0; i < R; i++)
-      _mm256_storeu_si256((__m256i*)(Y + (r0 + i) * w.ld + (b + c) * 16), (__m256i)_mm512_cvtneps_pbh(acc[c][i]));
+  store_rows<R, C>(w, acc, Y, r0, b);
 }
 
 // The same for K-quants (integer sub-scales sc, mn under one D, M a superblock of 8 groups), with activations
@@ -190,7 +200,6 @@ void blocks(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int
 // (they fit int32), then two float steps, where legacy formats take them per group.
 template <int BITS, int H, bool MINS, int R, int C>
 void super_blocks(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int64_t b) {
-  using P = Plane<BITS>;
   const int64_t G = w.G, S = w.S, off = w.offset, n_super = G / S;
   const int8_t* X = x.p + r0 * w.K;
   __m512 acc[C][R];
@@ -202,11 +211,7 @@ void super_blocks(const Weights& w, const Activations& x, uint16_t* Y, int64_t r
       for (int i = 0; i < R; i++) scaled[c][i] = minimum[c][i] = _mm512_setzero_si512();
     for (int64_t g = sb * S; g < (sb + 1) * S; g++) {
       __m512i u[C][8];
-      for (int c = 0; c < C; c++) {
-        const int64_t bg = (b + c) * G + g;
-        P::prefetch(w, g + 16 < G ? bg + 16 : (b + c + C) * G + g + 16 - G);
-        P::unpack(w, bg, u[c]);
-      }
+      unpack_group<BITS, C>(w, b, g, u);
       for (int h = 0; h < H; h++) {
         __m512i s[C][R];
         for (int c = 0; c < C; c++)
@@ -248,9 +253,7 @@ void super_blocks(const Weights& w, const Activations& x, uint16_t* Y, int64_t r
       }
     }
   }
-  for (int c = 0; c < C; c++)
-    for (int i = 0; i < R; i++)
-      _mm256_storeu_si256((__m256i*)(Y + (r0 + i) * w.ld + (b + c) * 16), (__m256i)_mm512_cvtneps_pbh(acc[c][i]));
+  store_rows<R, C>(w, acc, Y, r0, b);
 }
 
 template <int BITS, int H, bool MINS, bool UNIT, int R>
