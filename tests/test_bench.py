@@ -207,3 +207,21 @@ def test_advise_end_to_end(tiny_pair, tmp_path, capsys, one_thread):
     advice = json.loads(details.read_text())["advice"]
     assert [a["batch_size"] for a in advice] == [1, 2]
     assert set(json.loads(details.read_text())["fits"]) == {"ngram", "draft_model"}
+
+
+@pytest.mark.parametrize("config", [
+    {"method": "ngram", "num_speculative_tokens": 2, "corpus": "table.safetensors"},
+    {"method": "draft_model", "num_speculative_tokens": 3, "model": "draft", "lookup_first": True},
+])
+def test_advise_prints_a_config_the_cli_takes_as_it_is(config):
+    """advise names proposers as reports do (ngram+corpus, draft_model+lookup); its flag must be a config
+    that --speculative-config parses back to the measured proposer at the advised k."""
+    from speculant.bench.advise import Advice, speculative_config_line
+    from speculant.config import SpeculativeConfig
+
+    measured = SpeculativeConfig.parse(config)
+    line = speculative_config_line(Advice(1, measured.proposer, 5, 1.3), {measured.proposer: measured})
+    flag = json.loads(line.removeprefix("--speculative-config '").removesuffix("'"))
+    parsed = SpeculativeConfig.parse(flag)
+    assert parsed.proposer == measured.proposer and parsed.num_speculative_tokens == 5
+    assert parsed == SpeculativeConfig.parse({**config, "num_speculative_tokens": 5})

@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -22,6 +22,7 @@ from speculant.bench.regime import AcceptanceFit, regime_verdict
 from speculant.bench.runner import engine_runner, run_jobs, warm_up
 from speculant.bench.suite import BenchPlan, Progress, machine_facts, make_jobs, proposer_configs, try_runner
 from speculant.bench.summary import ALL, summarize
+from speculant.config import SpeculativeConfig
 from speculant.errors import SpeculantError
 from speculant.models.loader import load_model, resolve_model_path
 from speculant.models.quantize import QUANTIZATIONS
@@ -84,12 +85,15 @@ def advise(curve: CostCurve, fits: dict[str, AcceptanceFit], batch_sizes: list[i
     return out
 
 
-def speculative_config_line(advice: Advice, paths: dict[str, str]) -> str:
+def speculative_config_line(advice: Advice, configs: dict[str, SpeculativeConfig]) -> str:
+    """The flag `generate` and `serve` take as it is: the measured configuration (by its report name,
+    e.g. ngram+corpus) at the advised k, its fields that differ from the defaults."""
     if advice.method is None:
         return f"no speculation at batch {advice.batch_size}: leave --speculative-config out"
-    config = {"method": advice.method, "num_speculative_tokens": advice.k}
-    if advice.method in paths:
-        config["model"] = paths[advice.method]
+    chosen = replace(configs[advice.method], num_speculative_tokens=advice.k)
+    defaults = SpeculativeConfig(chosen.method, chosen.num_speculative_tokens)
+    config = {name: value for name, value in asdict(chosen).items()
+              if name in ("method", "num_speculative_tokens") or value != getattr(defaults, name)}
     return f"--speculative-config '{json.dumps(config)}'"
 
 
@@ -124,7 +128,7 @@ def run(args: argparse.Namespace) -> None:
             if r.prompt_class == ALL and r.method and r.fit]
     fits = {r.method: AcceptanceFit(**r.fit) for r in rows}
     advice = advise(curve, fits, args.batch_sizes)
-    paths = {c.method: c.model for c in configs if c.model}
+    by_name = {c.proposer: c for c in configs}
 
     facts = machine_facts()
     threads = facts["torch_threads"]
@@ -141,7 +145,7 @@ def run(args: argparse.Namespace) -> None:
     lines += notes
     lines.append(_advice_table(advice))
     serve = min(advice, key=lambda a: abs(a.batch_size - args.batch_size))
-    lines.append(f"at batch {serve.batch_size}: {speculative_config_line(serve, paths)}")
+    lines.append(f"at batch {serve.batch_size}: {speculative_config_line(serve, by_name)}")
     print("\n".join(lines))
     if args.json:
         Path(args.json).write_text(json.dumps({
