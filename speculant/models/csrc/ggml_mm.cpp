@@ -150,12 +150,32 @@ inline void store_rows(const Weights& w, const __m512 (*acc)[R], uint16_t* Y, in
       _mm256_storeu_si256((__m256i*)(Y + (r0 + i) * w.ld + (b + c) * 16), (__m256i)_mm512_cvtneps_pbh(acc[c][i]));
 }
 
-// Blocks b .. b + C of 16 outputs for rows r0 .. r0 + R: R·C independent chains of dpbusd per half group.
+// Rows r0 .. r0 + R's sums Σ (u − offset)·p over half group h of group g (the whole group where H = 1), for
+// blocks b .. b + C: R·C independent chains of dpbusd, then offset·Σp taken off (exact integers).
+template <int H, int R, int C>
+inline void half_sums(const Weights& w, const Activations& x, int64_t r0, int64_t g, int h, const __m512i (*u)[8],
+                      __m512i (*exact)[R]) {
+  const int8_t* X = x.p + r0 * w.K + g * 32;
+  for (int c = 0; c < C; c++)
+    for (int i = 0; i < R; i++) exact[c][i] = _mm512_setzero_si512();
+  for (int v = h * 8 / H; v < (h + 1) * 8 / H; v++)
+    for (int i = 0; i < R; i++) {
+      const __m512i p = _mm512_set1_epi32(((const int32_t*)(X + i * w.K))[v]);  // inputs 4v .. 4v+3
+      for (int c = 0; c < C; c++) exact[c][i] = _mm512_dpbusd_epi32(exact[c][i], u[c][v], p);
+    }
+  if (!w.offset) return;
+  for (int i = 0; i < R; i++) {
+    const int32_t* half = x.half + ((r0 + i) * w.G + g) * 2;
+    const __m512i lift = _mm512_set1_epi32((int32_t)w.offset * (H == 2 ? half[h] : half[0] + half[1]));
+    for (int c = 0; c < C; c++) exact[c][i] = _mm512_sub_epi32(exact[c][i], lift);
+  }
+}
+
+// Blocks b .. b + C of 16 outputs for rows r0 .. r0 + R, a float step per group.
 // UNIT: the format's scales and minimums are D and M alone (sc = mn = 1: Q4_0, Q4_1, Q5_0, Q8_0), not stored.
 template <int BITS, int H, bool MINS, bool UNIT, int R, int C>
 void blocks(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int64_t b) {
-  const int64_t G = w.G, S = w.S, off = w.offset;
-  const int8_t* X = x.p + r0 * w.K;
+  const int64_t G = w.G, S = w.S;
   __m512 acc[C][R];
   for (int c = 0; c < C; c++)
     for (int i = 0; i < R; i++) acc[c][i] = _mm512_setzero_ps();
@@ -163,23 +183,14 @@ void blocks(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int
     __m512i u[C][8];
     unpack_group<BITS, C>(w, b, g, u);
     for (int h = 0; h < H; h++) {
-      __m512i s[C][R];
-      for (int c = 0; c < C; c++)
-        for (int i = 0; i < R; i++) s[c][i] = _mm512_setzero_si512();
-      for (int v = h * 8 / H; v < (h + 1) * 8 / H; v++)
-        for (int i = 0; i < R; i++) {
-          const __m512i p = _mm512_set1_epi32(((const int32_t*)(X + (i * G + g) * 32))[v]);  // inputs 4v .. 4v+3
-          for (int c = 0; c < C; c++) s[c][i] = _mm512_dpbusd_epi32(s[c][i], u[c][v], p);
-        }
+      __m512i exact[C][R];
+      half_sums<H, R, C>(w, x, r0, g, h, u, exact);
       for (int c = 0; c < C; c++) {
         const int64_t bg = (b + c) * G + g, sb = ((b + c) * (G / S) + g / S) * 16;
         const __m512 scale = UNIT ? fp16x16(w.d + sb) : _mm512_mul_ps(fp16x16(w.d + sb), int8x16(w.sc + (bg * H + h) * 16));
         for (int i = 0; i < R; i++) {
-          const int32_t* half = x.half + ((r0 + i) * G + g) * 2;
-          const int32_t sum = H == 2 ? half[h] : half[0] + half[1];
-          const __m512i exact = off ? _mm512_sub_epi32(s[c][i], _mm512_set1_epi32((int32_t)off * sum)) : s[c][i];
           const __m512 dx = _mm512_set1_ps(x.dx[(r0 + i) * G + g]);
-          acc[c][i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(exact), scale), dx, acc[c][i]);
+          acc[c][i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(exact[c][i]), scale), dx, acc[c][i]);
         }
       }
     }
@@ -200,8 +211,7 @@ void blocks(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int
 // (they fit int32), then two float steps, where legacy formats take them per group.
 template <int BITS, int H, bool MINS, int R, int C>
 void super_blocks(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int64_t b) {
-  const int64_t G = w.G, S = w.S, off = w.offset, n_super = G / S;
-  const int8_t* X = x.p + r0 * w.K;
+  const int64_t G = w.G, S = w.S, n_super = G / S;
   __m512 acc[C][R];
   for (int c = 0; c < C; c++)
     for (int i = 0; i < R; i++) acc[c][i] = _mm512_setzero_ps();
@@ -213,23 +223,12 @@ void super_blocks(const Weights& w, const Activations& x, uint16_t* Y, int64_t r
       __m512i u[C][8];
       unpack_group<BITS, C>(w, b, g, u);
       for (int h = 0; h < H; h++) {
-        __m512i s[C][R];
-        for (int c = 0; c < C; c++)
-          for (int i = 0; i < R; i++) s[c][i] = _mm512_setzero_si512();
-        for (int v = h * 8 / H; v < (h + 1) * 8 / H; v++)
-          for (int i = 0; i < R; i++) {
-            const __m512i p = _mm512_set1_epi32(((const int32_t*)(X + i * w.K + g * 32))[v]);
-            for (int c = 0; c < C; c++) s[c][i] = _mm512_dpbusd_epi32(s[c][i], u[c][v], p);
-          }
+        __m512i exact[C][R];
+        half_sums<H, R, C>(w, x, r0, g, h, u, exact);
         for (int c = 0; c < C; c++) {
           const int64_t bg = (b + c) * G + g;
           const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w.sc + (bg * H + h) * 16)));
-          for (int i = 0; i < R; i++) {
-            const int32_t* half = x.half + ((r0 + i) * G + g) * 2;
-            __m512i e = s[c][i];
-            if (off) e = _mm512_sub_epi32(e, _mm512_set1_epi32((int32_t)off * (H == 2 ? half[h] : half[0] + half[1])));
-            scaled[c][i] = _mm512_add_epi32(scaled[c][i], _mm512_mullo_epi32(e, sc));
-          }
+          for (int i = 0; i < R; i++) scaled[c][i] = _mm512_add_epi32(scaled[c][i], _mm512_mullo_epi32(exact[c][i], sc));
         }
       }
       if constexpr (MINS) {
