@@ -101,16 +101,14 @@ def build_cache(src: Path, folder: Path) -> None:
     publish(folder, "packed.json", write)
 
 
-def component_shapes(fmt: ggml.Format, n_out: int, n_in: int) -> list[tuple[tuple[int, ...], np.dtype]]:
-    """The 7 tensors' shapes and dtypes of ggml.layout for an [n_out, n_in] matrix."""
-    B, G = n_out // 16, n_in // 32
-    low = 512 if fmt.bits == 8 else 256
-    high = {5: 64, 6: 128}.get(fmt.bits, 0)
-    unit = fmt.superblock == 1  # sc and mn not stored (ggml.layout)
-    mins = (B, G // fmt.superblock, 16) if fmt.mins else (0,)
-    return [((B, G, low), np.uint8), ((B, G, high) if high else (0,), np.uint8),
-            ((0,) if unit else (B, G, fmt.halves, 16), np.int8), ((B, G // fmt.superblock, 16), np.float16),
-            ((B, G, 16) if fmt.mins and not unit else (0,), np.uint8), (mins, np.float16), ((4,), np.int64)]
+def component_shapes(t, n_in: int) -> list[tuple[tuple[int, ...], np.dtype]]:
+    """The shapes and dtypes of ggml.layout's 7 tensors for tensor t, its outputs padded to 16: a block's
+    from the layout of its first 16 outputs, times the blocks (1-D ones, the format and the empty
+    tensors, as they are)."""
+    n_out = int(t.shape[1])
+    first = ggml.layout(ggml.decode(t.tensor_type, t.data[:min(16, n_out)], min(16, n_out), n_in).padded())
+    blocks = (n_out + 15) // 16
+    return [((blocks, *x.shape[1:]) if x.dim() > 1 else tuple(x.shape), x.numpy().dtype) for x in first]
 
 
 def write_packed(reader: gguf.GGUFReader, config: dict, arch: str, src: Path, out: Path) -> None:
@@ -127,7 +125,7 @@ def write_packed(reader: gguf.GGUFReader, config: dict, arch: str, src: Path, ou
                                  f"kernels do not take. Supported: {', '.join(q.name for q in ggml.FORMATS)}.")
         n_in, n_out = int(t.shape[0]), int(t.shape[1])
         parts = []
-        for shape, dt in component_shapes(ggml.FORMATS[t.tensor_type], n_out + -n_out % 16, n_in):
+        for shape, dt in component_shapes(t, n_in):
             parts.append({"shape": list(shape), "dtype": np.dtype(dt).str, "offset": offset})
             offset += int(np.prod(shape)) * np.dtype(dt).itemsize
             offset = (offset + 63) // 64 * 64
