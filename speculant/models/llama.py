@@ -379,7 +379,7 @@ class Block(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
         qkv_bias = attn.qkv_proj.bias if isinstance(attn.qkv_proj, GGMLLinear) else None
-        projections = [amx_weights(p, bias_ok=p is attn.qkv_proj) for p in
+        projections = [native_projection(p, bias_ok=p is attn.qkv_proj) for p in
                        (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         if attn.cfg.qk_norm or any(n.dtype != torch.bfloat16 for n in norms) or None in projections:
             return None
@@ -394,9 +394,10 @@ class Block(nn.Module):
                                     fwd.n_keys, cfg.n_heads, cfg.n_kv_heads, fwd.tree)
 
 
-def amx_weights(linear: nn.Module, bias_ok: bool = False) -> list[torch.Tensor] | None:
-    """A projection's weights as the native layer takes them: (q, scale, minimum) for the AMX int4
-    kernel, (w) for the AMX bf16 one; None for any other kernel, or a bias."""
+def native_projection(linear: nn.Module, bias_ok: bool = False) -> list[torch.Tensor] | None:
+    """A projection's weights as the native layer takes them: ggml_mm's 7 tensors a part (GGUF blocks),
+    (q, scale, minimum) for the int4 kernel, (w) for the AMX bf16 one; None for any other kernel, or a
+    bias (but the qkv projection's, `bias_ok`, which decoder.cpp adds for GGUF blocks)."""
     if isinstance(linear, GGMLLinear) and (linear.bias is None or bias_ok):
         return linear.weights
     if isinstance(linear, Int4Linear) and linear.native and linear.bias is None:

@@ -130,11 +130,17 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float
             info["huge_pages_bytes"] = move_to_huge_pages(model)
         if torch_device.type == "cuda":
             model.narrow_passes = "static" if os.environ.get(CUDA_GRAPHS_ENV, "on") == "off" else "graphs"
+    tokenizer = _tokenizer(folder, eos_ids)
+    info["load_s"] = time.perf_counter() - t0
+    return LoadedModel(model, tokenizer, eos_ids, str(path), info, quantization)
+
+
+def _tokenizer(folder: Path, eos_ids: list[int]) -> Tokenizer | None:
+    """The folder's tokenizer; its eos token joins eos_ids (in place) where the configs did not name it."""
     tokenizer = Tokenizer.from_folder(folder)
     if tokenizer is not None and tokenizer.eos_id is not None and tokenizer.eos_id not in eos_ids:
         eos_ids.append(tokenizer.eos_id)
-    info["load_s"] = time.perf_counter() - t0
-    return LoadedModel(model, tokenizer, eos_ids, str(path), info, quantization)
+    return tokenizer
 
 
 def _native_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> bool:
@@ -150,9 +156,7 @@ def _load_gguf_native(path: Path, dtype: torch.dtype, t0: float) -> LoadedModel:
 
     model, folder, cached = load_gguf_native(path, dtype)
     eos_ids = _eos_ids(folder, _read_json(folder / "config.json"))
-    tokenizer = Tokenizer.from_folder(folder)
-    if tokenizer is not None and tokenizer.eos_id is not None and tokenizer.eos_id not in eos_ids:
-        eos_ids.append(tokenizer.eos_id)
+    tokenizer = _tokenizer(folder, eos_ids)
     info = {"gguf_cached": cached, "weights": "gguf blocks", "params": stored_params(model),
             "load_s": time.perf_counter() - t0}
     return LoadedModel(model, tokenizer, eos_ids, str(path), info, NATIVE_GGUF)
