@@ -61,6 +61,15 @@ def smollm_path() -> Path:
     return path
 
 
+def server_engine(model: Path, max_model_len: int):
+    """The engine the server tests serve: the bundled model with prompt lookup, k = 4, 32 rows (one per
+    test module: tests patch its methods)."""
+    from speculant.llm import build_engine
+
+    return build_engine(str(model), speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+                        max_batch_size=32, max_model_len=max_model_len)
+
+
 @pytest.fixture(scope="session")
 def transformers_smollm(smollm_path):
     """The reference: transformers' own loading of the same GGUF (model, tokenizer)."""

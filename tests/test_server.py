@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 import uvicorn
-from conftest import save_tiny
+from conftest import save_tiny, server_engine
 
 openai = pytest.importorskip("openai")
 prom_parser = pytest.importorskip("prometheus_client.parser")
@@ -73,10 +73,7 @@ def slow_steps(monkeypatch, engine, seconds: float = 0.05) -> None:
 
 @pytest.fixture(scope="module")
 def engine(smollm_path):
-    from speculant.llm import build_engine
-
-    return build_engine(str(smollm_path), speculative_config={"method": "ngram", "num_speculative_tokens": 4},
-                        max_batch_size=32, max_model_len=MAX_MODEL_LEN)
+    return server_engine(smollm_path, MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="module")

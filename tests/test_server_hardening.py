@@ -16,6 +16,7 @@ import time
 
 import httpx
 import pytest
+from conftest import server_engine
 from test_server import GREEDY, live_server, slow_steps
 
 openai = pytest.importorskip("openai")
@@ -27,10 +28,7 @@ POISON = "Poison pill: this request makes the engine raise."
 
 @pytest.fixture(scope="module")
 def engine(smollm_path):
-    from speculant.llm import build_engine
-
-    return build_engine(str(smollm_path), speculative_config={"method": "ngram", "num_speculative_tokens": 4},
-                        max_batch_size=32, max_model_len=MAX_MODEL_LEN)
+    return server_engine(smollm_path, MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="module")
