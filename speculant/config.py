@@ -91,13 +91,21 @@ class SpeculativeConfig:
     # greedy rows, draft what followed a sequence's last 8 tokens in the latest answer that has them
     # (proposers/history.py). 0: off. Opt-in: a request's speed then depends on the requests served before it.
     history_tokens: int = 0
+    # Our extension, for draft_model: the draft scores only the tokens of ids below draft_vocab_size and the
+    # added tokens (proposers/draft_vocab.py), a cheaper head. 0: the whole vocabulary.
+    draft_vocab_size: int = 0
+    # Our extension, for draft_model (llama.cpp's --draft-p-min): a draft stops where its likeliest token has
+    # a probability below draft_p_min (proposers/draft_model.py). 0: always k drafts.
+    draft_p_min: float = 0.0
 
     @property
     def proposer(self) -> str:
         """The proposer as reports name it: ngram, eagle, eagle+lookup (lookup first), eagle+tree (a draft
-        tree), ngram+corpus (a corpus table behind lookup) …"""
+        tree), ngram+corpus (a corpus table behind lookup), draft_model+vocab32768+pmin0.6 …"""
         return (self.method + "+lookup" * self.lookup_first + "+corpus" * (self.corpus is not None)
-                + "+history" * (self.history_tokens > 0) + "+tree" * (self.tree_width > 1))
+                + "+history" * (self.history_tokens > 0) + "+tree" * (self.tree_width > 1)
+                + f"+vocab{self.draft_vocab_size}" * bool(self.draft_vocab_size)
+                + f"+pmin{self.draft_p_min:g}" * bool(self.draft_p_min))
 
     @classmethod
     def parse(cls, value: str | dict | None) -> SpeculativeConfig | None:
@@ -162,6 +170,13 @@ CHECKS: tuple[tuple[Callable[[SpeculativeConfig], bool], Callable[[SpeculativeCo
                "lookup_first"),
     (lambda c: not c.corpus or _uses_lookup(c),
      lambda c: "corpus drafts where prompt lookup finds little; it needs method ngram or lookup_first"),
+    (lambda c: _is_int(c.draft_vocab_size) and c.draft_vocab_size >= 0,
+     lambda c: f"draft_vocab_size={c.draft_vocab_size!r} must be an integer >= 0 (0: the whole vocabulary)"),
+    (lambda c: isinstance(c.draft_p_min, (int, float)) and not isinstance(c.draft_p_min, bool)
+     and 0 <= c.draft_p_min < 1,
+     lambda c: f"draft_p_min={c.draft_p_min!r} is out of range [0, 1)"),
+    (lambda c: c.method == "draft_model" or not (c.draft_vocab_size or c.draft_p_min),
+     lambda c: "draft_vocab_size and draft_p_min shape a draft model's drafts; they need method draft_model"),
     (lambda c: c.method == "ngram" or bool(c.model),
      lambda c: f"method {c.method!r} needs \"model\" (the draft's path)"),
     (lambda c: not _uses_lookup(c) or (isinstance(c.prompt_lookup_min, int) and isinstance(c.prompt_lookup_max, int)

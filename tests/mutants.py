@@ -85,3 +85,44 @@ def patch_coupling(name: str, monkeypatch) -> None:
         monkeypatch.setattr(verify_module, "follow_tree", tree)
     else:
         raise ValueError(name)
+
+
+class ReducedVocabFullQ(DraftModelProposer):
+    """Draws from the reduced vocabulary's distribution but reports the whole vocabulary's as q."""
+
+    def draw(self, logits, sb):
+        token, _ = super().draw(logits, sb)
+        head, self.head = self.head, None
+        q = probabilities(self._logits(self._last_hidden), sb)[:, 0]
+        self.head = head
+        return token, q
+
+    def _logits(self, hidden):
+        self._last_hidden = hidden
+        return super()._logits(hidden)
+
+
+class StopsOnTheDrawnToken(DraftModelProposer):
+    """Decides p_min on the token it drew: a draft is kept only where q gave it at least p_min."""
+
+    def stop_unsure(self, logits, n_draft, i):
+        self._stop_at = i
+        return n_draft
+
+    def draw(self, logits, sb):
+        token, q = super().draw(logits, sb)
+        unsure = (q.gather(-1, token[:, None]).squeeze(-1) < self.p_min).tolist()
+        self._n_draft = [n if not u else min(n, self._stop_at) for n, u in zip(self._n_draft, unsure)]
+        return token, q
+
+    def propose(self, seqs, ks, sb):
+        self._n_draft = list(ks)
+        proposal = super().propose(seqs, ks, sb)
+        # The kept drafts are those before the first unlikely one drawn.
+        proposal.n_draft = torch.minimum(proposal.n_draft, torch.tensor(self._n_draft))
+        return proposal
+
+
+# name → (proposer class, its rule settings)
+DRAFT_RULE_MUTANTS = {"reduced_vocab_full_q": (ReducedVocabFullQ, {"vocab_size": 5}),
+                      "p_min_on_the_drawn_token": (StopsOnTheDrawnToken, {"p_min": 0.45})}

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from speculant.bench.prompts import PROMPT_CLASSES
-from speculant.bench.suite import DEFAULT_PROPOSERS, PEERS, PROPOSERS, BenchPlan
+from speculant.bench.suite import DEFAULT_PROPOSERS, PEERS, PROPOSERS, BenchPlan, without_draft_options
 from speculant.cli import add_target_arguments
 from speculant.defaults import TREE_WIDTH
 from speculant.errors import SpeculantError
@@ -40,7 +40,7 @@ def float_list(text: str) -> list[float]:
 def name_list(choices: tuple[str, ...]):
     def parse(text: str) -> list[str]:
         names = [] if text == "none" else [x.strip() for x in text.split(",") if x.strip()]
-        bad = [n for n in names if n not in choices]
+        bad = [n for n in names if without_draft_options(n) not in choices]
         if bad:
             raise argparse.ArgumentTypeError(f"unknown {', '.join(bad)}; choose from {', '.join(choices)} "
                                              "or none")
@@ -68,7 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "draft_model, eagle, and draft_model+lookup, eagle+lookup (prompt lookup first, the model's "
                    "drafts where it finds nothing), eagle+tree, eagle+lookup+tree (a draft tree, --tree-width), "
                    "eagle+lookup+corpus+tree, ngram+history, ngram+corpus+history (drafts from earlier answers: "
-                   "see --repeat); default: ngram, ngram+corpus, draft_model, eagle, those available")
+                   "see --repeat); a draft_model's name may add +vocabN (draft_vocab_size) and +pminX (draft_p_min), "
+                   "e.g. draft_model+vocab32768+pmin0.6; default: ngram, ngram+corpus, draft_model, eagle, those "
+                   "available")
     s.add_argument("--tree-width", type=int, default=TREE_WIDTH,
                    help="the +tree proposers' tree width: k + N - 1 drafts a step (default: the shipped "
                         f"EAGLE head's best, {TREE_WIDTH})")

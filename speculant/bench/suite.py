@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -200,8 +201,27 @@ def proposer_configs(plan: BenchPlan, k: int) -> tuple[list[SpeculativeConfig], 
         if method != "ngram":
             config |= {"model": str(paths[method]), "lookup_first": "lookup" in options,
                        "tree_width": plan.tree_width if "tree" in options else 1}
+        config |= draft_options(options)
         configs.append(SpeculativeConfig.parse(config))
     return configs, notes
+
+
+def draft_options(options: list[str]) -> dict:
+    """A proposer name's numeric options: vocabN (draft_vocab_size), pminX (draft_p_min)."""
+    out = {}
+    for option in options:
+        for prefix, key, kind in (("vocab", "draft_vocab_size", int), ("pmin", "draft_p_min", float)):
+            if option.startswith(prefix) and option != prefix:
+                try:
+                    out[key] = kind(option[len(prefix):])
+                except ValueError:
+                    raise SpeculantError(f"proposer option {option!r}: {prefix} takes a number") from None
+    return out
+
+
+def without_draft_options(name: str) -> str:
+    """draft_model+lookup+vocab32768+pmin0.6 → draft_model+lookup."""
+    return "+".join(o for o in name.split("+") if not re.fullmatch(r"(vocab\d+|pmin[0-9.]+)", o))
 
 
 def adaptive_configs(plan: BenchPlan) -> list[SpeculativeConfig]:

@@ -26,7 +26,8 @@ def build_proposer(cfg: SpeculativeConfig, target: LoadedModel, max_batch_size: 
         draft = load_model(cfg.model, dtype=target.model.dtype, device=target.model.device,
                            quantization=target.quantization)
         check_vocab(target, draft)
-        return DraftModelProposer(draft, target.config.vocab_size, max_batch_size, max_len)
+        return DraftModelProposer(draft, target.config.vocab_size, max_batch_size, max_len, cfg.draft_vocab_size,
+                                  cfg.draft_p_min)
     if cfg.method == "eagle":
         from speculant.proposers.eagle import EagleProposer, load_eagle
 

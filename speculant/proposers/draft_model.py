@@ -1,5 +1,11 @@
 """A smaller model of the same family drafts k tokens autoregressively, sampling each under the
-request's own transforms, and reports q, the distribution it really drew from."""
+request's own transforms, and reports q, the distribution it really drew from.
+
+Two rules make the draft cheaper and keep the output exact: a reduced vocabulary (draft_vocab.py: q is zero
+where the draft cannot propose) and stopping where the draft is unsure (p_min, as llama.cpp's --draft-p-min):
+whether position i is drafted is decided from the draft's distribution there, before its token is drawn, so
+the token the target verifies is still drawn from q, and a position left undrafted is the target's own draw.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ import torch
 from speculant.errors import SpeculantError
 from speculant.models.loader import LoadedModel
 from speculant.proposers.base import Proposal, Proposer, TargetHidden, pad_rows
+from speculant.proposers.draft_vocab import HeadRows, draft_vocab_ids
 from speculant.sampling import SamplingBatch
 from speculant.sequence import Sequence
 
@@ -39,9 +46,21 @@ def check_vocab(target: LoadedModel, draft: LoadedModel) -> None:
 class DraftModelProposer(Proposer):
     name = "draft_model"
 
-    def __init__(self, draft: LoadedModel, target_vocab_size: int, max_batch_size: int, max_len: int):
+    def __init__(self, draft: LoadedModel, target_vocab_size: int, max_batch_size: int, max_len: int,
+                 vocab_size: int = 0, p_min: float = 0.0):
         self.model = draft.model
         self.vocab = target_vocab_size
+        self.p_min = p_min
+        self.head: HeadRows | None = None  # the reduced vocabulary's head; None: the whole vocabulary
+        if vocab_size:
+            added = list(draft.eos_token_ids)
+            if draft.tokenizer is not None:
+                added += [i for i in draft.tokenizer.hf.get_added_tokens_decoder()]
+            ids = draft_vocab_ids(vocab_size, min(target_vocab_size, draft.config.vocab_size), added)
+            self.head = HeadRows(self.model.lm_head, ids)
+            kept = self.head.ids < target_vocab_size  # block-aligned rows may pass the target's vocabulary
+            self.kept = None if bool(kept.all()) else kept
+            self.draft_ids = self.head.ids[kept]
         self.cache = self.model.new_cache(max_batch_size, max_len)
         self.free = list(range(max_batch_size))
         self.slot: dict[str, int] = {}
@@ -85,20 +104,41 @@ class DraftModelProposer(Proposer):
         hidden = self._feed(seqs, unseen)
         last = torch.tensor([len(u) - 1 for u in unseen], device=device)
         hidden = hidden[torch.arange(len(seqs), device=device), last][:, None]  # [B, 1, D]
-        k = max(ks)
-        drafts, qs = [], []
-        for i in range(k):
-            token, q = self.draw(self._logits(hidden), sb.ahead(i))
+        n_draft = list(ks)
+        drafts, qs, fed = [], [], 0
+        for i in range(max(ks)):
+            logits = self._logits(hidden)
+            if self.p_min:
+                n_draft = self.stop_unsure(logits, n_draft, i)
+            if max(n_draft) <= i:
+                break
+            token, q = self.draw(logits, sb.ahead(i))
             drafts.append(token)
             qs.append(q)
-            if i < k - 1:
+            if max(n_draft) > i + 1:
                 hidden = self.model(drafts[-1][:, None], self.cache, slots)
+                fed += 1
         for s in seqs:
-            self.fed[s.request_id] += k - 1
+            self.fed[s.request_id] += fed
+        if not drafts:
+            return Proposal.empty(len(seqs), device)
         q = None if sb.all_greedy else torch.stack(qs, dim=1)  # greedy q is one-hot: deterministic
-        return Proposal(torch.stack(drafts, dim=1), torch.tensor(ks, device=device), q)
+        return Proposal(torch.stack(drafts, dim=1), torch.tensor(n_draft, device=device), q)
+
+    def stop_unsure(self, logits: torch.Tensor, n_draft: list[int], i: int) -> list[int]:
+        """Rows whose draft gives its likeliest token at position i less than p_min draft i tokens at most.
+        The draft's own distribution (temperature 1) decides, whatever the request's transforms: a function
+        of what was drafted before i, never of the token drawn at i."""
+        sure = torch.softmax(logits[:, 0], dim=-1).amax(dim=-1) >= self.p_min
+        return [n if ok else min(n, i) for n, ok in zip(n_draft, sure.tolist())]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head is not None:
+            scores = self.head(hidden).float()
+            if self.kept is not None:
+                scores = scores[..., self.kept]
+            out = scores.new_full((*scores.shape[:-1], self.vocab), float("-inf"))
+            return out.index_copy_(-1, self.draft_ids, scores)
         # Draft and target may pad their vocabularies differently: compare on the target's ids.
         logits = self.model.logits(hidden)
         V = logits.shape[-1]

@@ -1,0 +1,137 @@
+"""A draft model's cheaper drafting rules keep the output exact: a reduced draft vocabulary and stopping where
+the draft is unsure (p_min). Greedy output equals plain greedy output; sampled output follows the target's
+distribution (the G-test of test_distribution.py at the same significance); a mutant of each rule is caught."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mutants import DRAFT_RULE_MUTANTS
+from test_distribution import (
+    ALPHA,
+    BATCH,
+    N_SAMPLES,
+    N_TOKENS,
+    SETTINGS,
+    exact_joint,
+    g_test,
+    sampled_joint,
+)
+from test_greedy_lossless import PROMPTS, run
+
+from speculant.config import SpeculativeConfig
+from speculant.engine import Engine
+from speculant.errors import SpeculantError
+from speculant.models.loader import load_model
+from speculant.proposers.draft_model import DraftModelProposer
+from speculant.proposers.draft_vocab import HeadRows, draft_vocab_ids
+
+# Where the small-vocabulary draft stops at about half its positions (its likeliest token's probability there).
+P_MIN = 0.45
+SMALL_VOCAB = 5  # of 8
+
+
+@pytest.fixture(scope="module")
+def target(tiny_pair):
+    return load_model(tiny_pair[0])
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    return run(target, None, PROMPTS)[0]
+
+
+@pytest.mark.parametrize("k", [2, 5])
+@pytest.mark.parametrize("rule", [{"draft_vocab_size": 40}, {"draft_p_min": 0.0137},
+                                  {"draft_vocab_size": 64, "draft_p_min": 0.0135, "lookup_first": True}])
+def test_greedy_equals_plain(target, tiny_pair, plain, rule, k):
+    spec = {"method": "draft_model", "num_speculative_tokens": k, "model": str(tiny_pair[1]), **rule}
+    one_by_one = [run(target, spec, [p], max_batch_size=1)[0][0] for p in PROMPTS]
+    batched, engine = run(target, spec, PROMPTS)
+    assert one_by_one == plain
+    assert batched == plain
+    assert engine.stats.num_draft_tokens > 0
+
+
+def test_the_target_as_its_own_draft_with_every_rule_still_accepts(target, tiny_pair):
+    # Its own argmax lies in the reduced vocabulary at most steps: drafts there are all accepted.
+    spec = {"method": "draft_model", "num_speculative_tokens": 4, "model": str(tiny_pair[0]),
+            "draft_vocab_size": 90, "draft_p_min": 0.0137}
+    _, engine = run(target, spec, PROMPTS)
+    assert engine.stats.num_accepted_tokens > 0.5 * engine.stats.num_draft_tokens
+
+
+def test_p_min_stops_drafts_short(target, tiny_pair):
+    spec = {"method": "draft_model", "num_speculative_tokens": 5, "model": str(tiny_pair[1])}
+    _, full = run(target, spec, PROMPTS)
+    _, short = run(target, {**spec, "draft_p_min": 0.0137}, PROMPTS)
+    assert 0 < short.stats.num_draft_tokens < full.stats.num_draft_tokens
+
+
+def test_head_rows_are_the_heads_logits_at_those_ids(target, smollm_path):
+    bundled = load_model(smollm_path, dtype="auto", quantization="auto")
+    # The ggml kernel computes each output alone: exact; a dense matmul's blocking may move the last bit.
+    for model, tol in ((target.model, 1e-6), (bundled.model, 0.0)):
+        ids = draft_vocab_ids(50, model.cfg.vocab_size, [model.cfg.vocab_size - 1])
+        rows = HeadRows(model.lm_head, ids)
+        assert set(ids.tolist()) <= set(rows.ids.tolist())
+        hidden = torch.randn(3, 1, model.cfg.dim, dtype=model.dtype)
+        full = model.lm_head(hidden).float()
+        torch.testing.assert_close(rows(hidden).float(), full.index_select(-1, rows.ids), rtol=tol, atol=tol)
+
+
+@pytest.fixture(scope="module")
+def small(small_vocab_pair):
+    target, draft = small_vocab_pair
+    return load_model(target), load_model(draft)
+
+
+def rule_engine(models, proposer_cls=DraftModelProposer, **rule) -> Engine:
+    target, draft = models
+    proposer = proposer_cls(draft, target.config.vocab_size, BATCH, 64, **rule)
+    return Engine(target, proposer, 3, max_batch_size=BATCH, max_model_len=32)
+
+
+RULES = {"vocab": {"vocab_size": SMALL_VOCAB}, "p_min": {"p_min": P_MIN},
+         "both": {"vocab_size": SMALL_VOCAB, "p_min": P_MIN}}
+
+
+@pytest.mark.parametrize("rule, setting", [("vocab", "t1"), ("p_min", "t1"), ("both", "t0.7_topk")])
+def test_sampling_matches_target(small, rule, setting):
+    engine = rule_engine(small, **RULES[rule])
+    params = SETTINGS[setting]
+    p = g_test(sampled_joint(engine, params, N_SAMPLES), exact_joint(small[0].model, params, N_TOKENS))
+    drafted = engine.stats.num_draft_tokens / (N_SAMPLES * N_TOKENS)
+    print(f"{rule}, {setting}: G-test p = {p:.4f}, {drafted:.2f} drafts a token")
+    assert engine.stats.num_accepted_tokens > 0
+    assert p > ALPHA
+
+
+def test_p_min_leaves_positions_undrafted(small):
+    engine = rule_engine(small, p_min=P_MIN)
+    sampled_joint(engine, SETTINGS["t1"], BATCH)
+    full = rule_engine(small)
+    sampled_joint(full, SETTINGS["t1"], BATCH)
+    # Fewer drafts, yet some: the rule is active, and not on every position.
+    assert 0.2 * full.stats.num_draft_tokens < engine.stats.num_draft_tokens < 0.8 * full.stats.num_draft_tokens
+
+
+@pytest.mark.parametrize("mutant", list(DRAFT_RULE_MUTANTS))
+def test_draft_rule_mutant_is_caught(small, mutant):
+    cls, rule = DRAFT_RULE_MUTANTS[mutant]
+    engine = rule_engine(small, cls, **rule)
+    params = SETTINGS["t1"]
+    p = g_test(sampled_joint(engine, params, N_SAMPLES), exact_joint(small[0].model, params, N_TOKENS))
+    print(f"{mutant}: G-test p = {p:.2e}")
+    assert p < ALPHA
+
+
+@pytest.mark.parametrize("bad, why", [
+    ({"draft_vocab_size": -1}, "draft_vocab_size"), ({"draft_vocab_size": 1.5}, "draft_vocab_size"),
+    ({"draft_p_min": 1.0}, "draft_p_min"), ({"draft_p_min": "high"}, "draft_p_min"),
+    ({"method": "ngram", "draft_p_min": 0.5}, "need method draft_model"),
+])
+def test_invalid_rule_settings_are_refused(bad, why):
+    config = {"method": "draft_model", "model": "x", "num_speculative_tokens": 4, **bad}
+    with pytest.raises(SpeculantError, match=why):
+        SpeculativeConfig.parse(config)
