@@ -93,6 +93,37 @@ def test_bad_replica_counts_fail_with_one_line_before_loading(replicas, says):
     assert lines[0].startswith("error: ") and says in lines[0]
 
 
+# -- health --------------------------------------------------------------------------------------
+
+
+class EngineThatDies:
+    def has_unfinished(self) -> bool:
+        raise RuntimeError("the engine thread's bug")
+
+
+def dead_worker():
+    from speculant.metrics import ServerMetrics
+    from speculant.server.worker import EngineWorker
+
+    worker = EngineWorker(EngineThatDies(), ServerMetrics("m"))
+    worker.start()
+    worker._thread.join(5)
+    return worker
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_rays_health_check_fails_once_the_engine_thread_died():
+    pytest.importorskip("ray.serve", reason="ray is not installed")
+    from types import SimpleNamespace
+
+    from speculant.server.ray_serve import EngineReplica
+
+    worker = dead_worker()
+    assert not worker.alive
+    with pytest.raises(RuntimeError, match="the engine thread has died"):
+        EngineReplica.check_health(SimpleNamespace(server=SimpleNamespace(worker=worker)))
+
+
 # -- session affinity ---------------------------------------------------------------------------
 
 
