@@ -396,21 +396,31 @@ def test_a_killed_replica_fails_its_requests_cleanly_and_comes_back(cluster):
     pids = replica_pids()
     assert len(pids) == 2, pids
 
+    async def served(client: httpx.AsyncClient, prompt: str) -> str | None:
+        """A request sent after the kill; one retry, as the error says, for one Ray routed to the dead
+        replica before it noticed."""
+        for _ in range(2):
+            _, _, error = await stream_completion(client, url, prompt, 8)
+            if error is None or error.get("code") != "replica_lost":
+                return error
+        return error
+
     async def run():
         async with httpx.AsyncClient(timeout=120) as client:
-            streams = [asyncio.ensure_future(stream_completion(client, url, PROMPTS[i % 8], 300)) for i in range(8)]
+            # 12 streams over 2 replicas of 8 slots: each replica holds at least 4 of them.
+            streams = [asyncio.ensure_future(stream_completion(client, url, PROMPTS[i % 8], 200)) for i in range(12)]
             await asyncio.sleep(3)  # every stream running
             os.kill(pids[0], signal.SIGKILL)
-            after_kill = await asyncio.gather(*(stream_completion(client, url, p, 8) for p in PROMPTS[:4]))
+            after_kill = await asyncio.gather(*(served(client, p) for p in PROMPTS[:4]))
             return await asyncio.gather(*streams), after_kill
 
     results, after_kill = asyncio.run(run())
-    print("errors of the killed replica's requests:", [e for _, _, e in results if e])
     failed = [error for _, _, error in results if error is not None]
+    print(f"{len(failed)} of the {len(results)} streams were on the killed replica; their errors: {failed[:1]}")
     assert failed, "no in-flight request was on the killed replica"
     assert len(failed) < len(results), "the surviving replica's requests failed too"
     assert all(error.get("code") == "replica_lost" for error in failed), failed
-    assert all(error is None for _, _, error in after_kill), "the surviving replica stopped serving"
+    assert after_kill == [None] * 4, "the surviving replica stopped serving"
     wait_until(lambda: len(replicas_reporting(url) - before) == 1 and len(replica_pids()) == 2, 120,
                "Ray to bring the replica back")
 

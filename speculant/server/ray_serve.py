@@ -27,16 +27,12 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter  # Ray's default
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RunningReplica
 
 from speculant.server.guard import RequestGuard, allowed_host_names, error_body
 from speculant.server.replicas import REPLICA_HEADER, merge_metrics, session_replica
-
-try:
-    from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
-except ImportError:  # where Ray exports it publicly
-    from ray.serve.request_router import PowerOfTwoChoicesRequestRouter
 
 log = logging.getLogger("speculant.server")
 
@@ -230,11 +226,12 @@ def hub_deployment(args: argparse.Namespace):
                             ray_actor_options={"num_cpus": 0}).bind(args)
 
 
-def wait_for_signal() -> None:
+def stop_on_signal() -> threading.Event:
+    """Set on SIGINT/SIGTERM, also while the replicas start: then they drain as soon as they are up."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    return stop
 
 
 def drain(timeout_s: float) -> None:
@@ -253,13 +250,14 @@ def serve_replicas(args: argparse.Namespace, replicas: int, threads: int) -> Non
     import ray
 
     start_ray(replicas, threads)
+    stop = stop_on_signal()
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(hub_deployment(args), name=HUB_APP, route_prefix="/metrics")
         serve.run(engine_deployment(args, replicas, threads), name=ENGINE_APP, route_prefix="/")
         log.info("serving on http://%s:%d: %d replicas on Ray Serve, %d thread(s) each", args.host, args.port,
                  replicas, threads)
-        wait_for_signal()
+        stop.wait()
         log.info("shutting down: draining %d replicas for up to %.0fs", replicas, args.shutdown_timeout)
         drain(args.shutdown_timeout)
         serve.delete(ENGINE_APP)
