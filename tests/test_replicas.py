@@ -407,7 +407,7 @@ def test_a_killed_replica_fails_its_requests_cleanly_and_comes_back(cluster):
 
     async def run():
         async with httpx.AsyncClient(timeout=120) as client:
-            # 12 streams over 2 replicas of 8 slots: each replica holds at least 4 of them.
+            # More streams than one replica has slots (8): both replicas hold some.
             streams = [asyncio.ensure_future(stream_completion(client, url, PROMPTS[i % 8], 200)) for i in range(12)]
             await asyncio.sleep(3)  # every stream running
             os.kill(pids[0], signal.SIGKILL)
