@@ -11,6 +11,7 @@ import socket
 from speculant.cli import add_model_arguments, engine_from_args, speculative_config_from_args
 from speculant.errors import SpeculantError
 from speculant.server.guard import ServerLimits
+from speculant.server.replicas import check_replicas, cpu_count
 
 log = logging.getLogger("speculant.server")
 
@@ -32,6 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Host names served besides localhost, 127.0.0.1, ::1 and --host; '*' for any (default none)")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients send; the first is used in responses (default: MODEL)")
+    g.add_argument("--replicas", type=int, default=1,
+                   help="whole engines serving together behind Ray Serve's proxy, each on its share of the CPUs "
+                        "(--threads, default: CPUs / N); above 1 needs `pip install 'speculant[ray]'` "
+                        "(docs/scale-out.md; default 1: this process serves alone)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default 30)")
     d = ServerLimits()
@@ -84,7 +89,12 @@ def run(args: argparse.Namespace) -> None:
         args.model = args.model_tag
     speculative_config_from_args(args)  # a bad config fails here, before anything touches the port
     limits = limits_from_args(args)
+    threads = check_replicas(args.replicas, args.threads, None if os.environ.get("RAY_ADDRESS") else cpu_count())
     check_port_free(args.host, args.port)
+    if args.replicas > 1:
+        from speculant.server.ray_serve import serve_replicas
+
+        return serve_replicas(args, args.replicas, threads)
     engine = engine_from_args(args)
     # The periodic "SpecDecoding metrics" line is INFO: a server shows it unless asked to be quieter.
     speculant_log = logging.getLogger("speculant")

@@ -139,6 +139,11 @@ class EngineWorker:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """False once the engine thread has died: nothing would ever answer this server's requests."""
+        return self._thread.is_alive()
+
     def stop(self, timeout_s: float = 10.0) -> None:
         self._send("stop", None)
         self._thread.join(timeout_s)
