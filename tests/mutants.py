@@ -126,3 +126,15 @@ class StopsOnTheDrawnToken(DraftModelProposer):
 # name → (proposer class, its rule settings)
 DRAFT_RULE_MUTANTS = {"reduced_vocab_full_q": (ReducedVocabFullQ, {"vocab_size": 5}),
                       "p_min_on_the_drawn_token": (StopsOnTheDrawnToken, {"p_min": 0.45})}
+
+
+def patch_rule_error(name: str, size: float, monkeypatch) -> None:
+    """The rule off by `size`: acceptance probabilities scaled by 1 − size, or the residual mixed with size·p."""
+    if name == "acceptance_scaled":
+        exact = verify_module.acceptance_probability
+        monkeypatch.setattr(verify_module, "acceptance_probability", lambda p_d, q_d: (1 - size) * exact(p_d, q_d))
+    elif name == "residual_mixed_with_p":
+        exact_residual = verify_module.residual
+        monkeypatch.setattr(verify_module, "residual", lambda p, q: (1 - size) * exact_residual(p, q) + size * p)
+    else:
+        raise ValueError(name)
