@@ -180,8 +180,20 @@ def report_run(m: dict, engine, load_s: float) -> None:
                      f"mean acceptance length {m['mean_acceptance_length'] or 0:.2f} | "
                      f"target passes {m['target_passes']} | per-position {per_pos}")
     t = engine.timing
-    lines.append(f"time: draft {t.draft_s:.2f}s, target {t.target_s:.2f}s, rest {t.other_s:.2f}s")
+    lines.append(f"time: draft {t.draft_s:.2f}s, target {t.target_s:.2f}s, rest {t.other_s:.2f}s"
+                 + (f" | {cost_split(t, m['num_draft_tokens'])}" if engine.k else ""))
     print("\n".join(lines), file=sys.stderr)
+
+
+def cost_split(t, draft_tokens: int) -> str:
+    """Draft ms a drafted token and the target's pass at each width against its one-token pass, as run."""
+    parts = [f"draft {1e3 * t.draft_s / draft_tokens:.1f} ms a token"] if draft_tokens else []
+    one = t.pass_ms(1)
+    for width in sorted(t.passes):
+        ms = t.pass_ms(width)
+        ratio = f" ({ms / one:.2f}x C(1))" if one and width > 1 else ""
+        parts.append(f"C({width}) {ms:.1f} ms{ratio} x{t.passes[width][0]}")
+    return ", ".join(parts)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -67,9 +67,15 @@ class EngineTiming:
     other_s: float = 0.0
     steps: int = 0
     tokens: int = 0
+    # Target passes by width (tokens a row verifies: its drafts + 1) → [passes, seconds]: C(k+1)/C(1) as run.
+    passes: dict[int, list[float]] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        return dict(self.__dict__)
+        return {**self.__dict__, "passes": {w: list(v) for w, v in self.passes.items()}}
+
+    def pass_ms(self, width: int) -> float | None:
+        n, s = self.passes.get(width, (0, 0.0))
+        return 1e3 * s / n if n else None
 
 
 @dataclass
@@ -212,6 +218,9 @@ class Engine:
         self.timing.target_s += t2 - t1
         self.timing.other_s += t3 - t2
         self.timing.steps += 1
+        width = self.timing.passes.setdefault(proposal.tokens.shape[1] + 1, [0, 0.0])
+        width[0] += 1
+        width[1] += t2 - t1
         self.timing.tokens += sum(len(o.new_token_ids) for o in outputs)
         self._maybe_log()
         return outputs

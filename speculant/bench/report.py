@@ -178,12 +178,20 @@ def _config_rows(rows: list[Row], with_peers: bool = False) -> list[list[str]]:
             continue
         body.append([r.prompt_class, r.runner, _num(r.tokens_per_s), _speedup_cell(r),
                      _x(r.predicted_speedup), _pct(r.acceptance_rate), _num(r.mean_acceptance_length, 2),
-                     _pct(r.coverage), _pct(r.identical), _ms(r.ttft_s), _split(r)])
+                     _pct(r.coverage), _pct(r.identical), _ms(r.ttft_s), _split(r), _cost(r)])
     return body
 
 
+def _cost(r: Row) -> str:
+    if r.draft_ms is None and r.pass_ratio is None:
+        return "–"
+    draft = "–" if r.draft_ms is None else f"{r.draft_ms:.1f}"
+    return f"{draft} · {_x(r.pass_ratio)}"
+
+
 CONFIG_HEADER = ["prompts", "configuration", "tok/s", "speed-up", "predicted", "acceptance",
-                 "mean acc. length", "drafting steps", "identical", "TTFT ms", "draft / target / other"]
+                 "mean acc. length", "drafting steps", "identical", "TTFT ms", "draft / target / other",
+                 "draft ms/token · pass/plain pass"]
 
 
 def k_section(result: BenchResult) -> list[str]:
@@ -264,6 +272,8 @@ def method_section(result: BenchResult) -> list[str]:
             "(1 − α); α fitted so that E equals the measured mean acceptance length, C from the cost curve "
             "above, c_draft from the measured draft time; steps without a draft count as plain steps. "
             "The model leaves out the engine's own per-step work (verify, commit: the \"other\" share).\n"
+            "- **draft ms/token · pass/plain pass**: engine time proposing per drafted token; the target's mean "
+            "pass over the plain run's (C(k+1)/C(1) as this run met it, steps without drafts included).\n"
             "- **draft / target / other**: shares of engine time proposing, in the target's forward pass, "
             "and verifying/committing.\n"]
 

@@ -38,6 +38,8 @@ class Row:
     time_split: dict | None = None  # draft / target / other shares of engine time
     fit: dict | None = None
     predicted_speedup: float | None = None
+    draft_ms: float | None = None  # engine time proposing, per drafted token
+    pass_ratio: float | None = None  # the target's mean pass over the plain run's: C(k+1)/C(1) as run
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -118,9 +120,14 @@ def _row(runner: Runner, b: int, temp: float, cls: str, ms: list[Measurement], r
     row.per_position_acceptance = stats["per_position_acceptance"]
     row.coverage = stats["num_drafts"] / stats["target_passes"] if stats["target_passes"] else None
     base_steps = sum(m.steps or 0 for m in paired)
+    steps = sum(m.steps or 0 for m in ms)
+    if stats["num_draft_tokens"]:
+        row.draft_ms = 1e3 * split["draft"] / stats["num_draft_tokens"]
+    if base_steps and steps:
+        c1 = sum(m.target_s or 0 for m in paired) / base_steps
+        row.pass_ratio = split["target"] / steps / c1 if c1 else None
     if curve is not None and base_steps:
         c1 = sum(m.target_s or 0 for m in paired) / base_steps
-        steps = sum(m.steps or 0 for m in ms)
         fit = AcceptanceFit.from_stats(stats, runner.k, split["draft"], steps, c1, runner.extra_nodes)
         row.fit = fit.as_dict()
         row.predicted_speedup = fit.predict(curve, b)
