@@ -65,6 +65,7 @@ class EngineTiming:
     draft_s: float = 0.0
     target_s: float = 0.0
     other_s: float = 0.0
+    grammar_s: float = 0.0  # the grammar masks on the target's logits (part of other_s)
     steps: int = 0
     tokens: int = 0
 
@@ -209,6 +210,7 @@ class Engine:
         hidden, raw_logits = self.score(batch, slots, proposal)
         t2 = time.perf_counter()
         logits = self.constrain(batch, proposal, raw_logits) if constrained else raw_logits
+        self.timing.grammar_s += time.perf_counter() - t2
         accepted, next_tokens = self.verify(proposal, logits, sb)
         n_accepted = [len(a) for a in accepted]
         drafted = proposal.depths()
