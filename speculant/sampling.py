@@ -114,10 +114,9 @@ class SamplingBatch:
 
 def constrain(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """The grammar's transform, the first of a request's: logits [..., V] with every token `allowed`
-    [..., V] forbids at -inf. A row where nothing is allowed lies past a draft the grammar forbids (never
-    accepted, never read): it stays as it is rather than become a distribution of NaNs."""
-    allowed = allowed | ~allowed.any(dim=-1, keepdim=True)
-    return logits.masked_fill(~allowed, float("-inf"))
+    [..., V] forbids at -inf (each row of `allowed` allows some token: structured.grammar.unpack). One
+    operation: at a vocabulary's width each costs a thread pool's wake-up."""
+    return torch.where(allowed, logits, float("-inf"))
 
 
 def probabilities(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:

@@ -211,7 +211,11 @@ class Proposer:
         V = next(g for g in sb.grammars if g is not None).vocab_size
         free = free_bitmask(V)
         allowed = unpack([free if g is None else g.bitmask() for g in sb.grammars], V).to(device)
-        return (allowed if vocab is None else allowed[:, vocab])[:, None]
+        if vocab is not None:
+            allowed = allowed[:, vocab]
+            # No allowed token among the draft's: its q stays unmasked, and its draft is cut (drop_forbidden).
+            allowed |= ~allowed.any(dim=-1, keepdim=True)
+        return allowed[:, None]
 
     def commit(self, seqs: list[Sequence], target: TargetHidden) -> None:
         """The sequences' tokens were extended by the verifier: drop state past the agreed prefix."""

@@ -15,6 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import llguidance
+import numpy
 import torch
 
 from speculant.config import StructuredOutputsParams
@@ -25,7 +26,6 @@ from speculant.models.tokenizer import Tokenizer
 # colon and the space after it are then forced, so they cost no model pass.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 256
-_SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:
@@ -93,10 +93,15 @@ def free_bitmask(vocab_size: int) -> bytes:
 
 def unpack(bitmasks: list[bytes], vocab_size: int) -> torch.Tensor:
     """Bitmasks (bit i % 8 of byte i // 8: token i allowed; llguidance's may run a word past the
-    vocabulary) → bool [N, vocab_size]."""
+    vocabulary) → bool [N, vocab_size]. A row where nothing is allowed lies past the answer's end or past
+    a draft the grammar forbids (never accepted, never read): it allows everything, rather than become a
+    distribution of NaNs."""
     n = (vocab_size + 7) // 8
-    packed = torch.frombuffer(bytearray(b"".join(m[:n] for m in bitmasks)), dtype=torch.uint8).view(len(bitmasks), n)
-    return ((packed[..., None] >> _SHIFTS) & 1).bool().flatten(1)[:, :vocab_size]
+    packed = numpy.frombuffer(b"".join(m[:n] for m in bitmasks), dtype=numpy.uint8).reshape(len(bitmasks), n)
+    # numpy's unpackbits, one vectorized pass on one thread: torch's shifts over a vocabulary cost 10x more.
+    bits = numpy.unpackbits(packed, axis=1, count=vocab_size, bitorder="little")
+    bits[~packed.any(axis=1)] = 1
+    return torch.from_numpy(bits.view(numpy.bool_))
 
 
 class GrammarState:
