@@ -306,7 +306,8 @@ class EagleProposer(Proposer):
     def draw_from_vocab(self, logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A draft token per row from logits over the draft vocabulary [B, 1, N] → full-vocabulary
         ids [B] and, when sampling, q over the full vocabulary [B, V] (0 outside the draft's)."""
-        return self.draw(logits, sb, self.head.vocab)
+        vocab = self.head.vocab
+        return self.draw(logits, sb) if vocab is None else self.draw(logits, sb, vocab)
 
     def _unread(self, seq: Sequence) -> int:
         """Head entries still to build: one per token of the sequence but the newest."""
