@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from speculant.errors import SpeculantError
 from speculant.models.limits import MAX_SPECULATIVE_TOKENS, MAX_VERIFY_WIDTH  # noqa: F401 (kernels.py imports it here)
@@ -22,6 +23,42 @@ MIN_TEMPERATURE = 1e-5
 MAX_TOP_K = 2**31 - 1
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What a constrained answer must match, one of: a JSON schema (`json`, a dict or its JSON text), any
+    JSON object (`json_object`), a regular expression, one of the strings of `choice`, or a Lark grammar
+    (llguidance's dialect). vLLM's field of the same name; compiled by speculant/structured/grammar.py."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] * bool(self.json_object)
+        if len(given) != 1:
+            raise SpeculantError("structured_outputs needs exactly one of json, json_object, regex, choice, grammar; "
+                                 f"got {', '.join(given) or 'none'}")
+        if self.choice is not None and not (self.choice and all(isinstance(c, str) and c for c in self.choice)):
+            raise SpeculantError("structured_outputs.choice must be a non-empty list of non-empty strings")
+
+    def key(self) -> tuple[str, Any]:
+        """(kind, text): what identifies the compiled grammar (its cache key)."""
+        if self.json_object:
+            return "json_object", ""
+        if self.json is not None:
+            # Unsorted: the schema's order of properties is the order the answer writes them in.
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json)
+            return "json", text
+        if self.choice is not None:
+            return "choice", json.dumps(list(self.choice))
+        return ("regex", self.regex) if self.regex is not None else ("grammar", self.grammar)
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0  # 0 (or below MIN_TEMPERATURE) means greedy
@@ -35,6 +72,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: none; n: the chosen token's log-probability and the top n
+    structured_outputs: StructuredOutputsParams | None = None  # None: free text
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -60,6 +98,8 @@ class SamplingParams:
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"must be in [0, {MAX_LOGPROBS}]"),
+            ("structured_outputs", self.structured_outputs is None
+             or isinstance(self.structured_outputs, StructuredOutputsParams), "must be a StructuredOutputsParams"),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -22,8 +22,8 @@ from speculant.models.llama import ModelConfig
 from speculant.models.loader import LoadedModel
 from speculant.models.tokenizer import Detokenizer
 from speculant.proposers import Proposal, Proposer, TargetHidden
-from speculant.proposers.base import chain_padded, pad_rows
-from speculant.sampling import SamplingBatch, request_key
+from speculant.proposers.base import chain_padded, merged, pad_rows
+from speculant.sampling import SamplingBatch, constrain, request_key
 from speculant.sequence import Sequence, SpecStats, TokenLogprob
 from speculant.verify import verify_logits, verify_tree_logits
 
@@ -65,6 +65,7 @@ class EngineTiming:
     draft_s: float = 0.0
     target_s: float = 0.0
     other_s: float = 0.0
+    grammar_s: float = 0.0  # the grammar masks on the target's logits (part of other_s)
     steps: int = 0
     tokens: int = 0
     # Target passes by width (tokens a row verifies: its drafts + 1) → [passes, seconds]: C(k+1)/C(1) as run.
@@ -109,6 +110,18 @@ class Engine:
         self.device = self.model.device
         self._batch: list[Sequence] = []  # the rows _batch_tensors last built for
         self._failed: list[StepOutput] = []  # sequences whose prefill raised, reported by the next step
+        self._grammars = None  # the structured-output compiler, built at the first constrained request
+
+    @property
+    def grammars(self):
+        """The GrammarCompiler for this model's tokenizer (structured/grammar.py)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise SpeculantError("structured output needs the model's tokenizer (tokenizer.json)")
+            from speculant.structured.grammar import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.model.cfg.vocab_size, sorted(self.eos_ids))
+        return self._grammars
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -135,6 +148,8 @@ class Engine:
             key=None if params.greedy else request_key(params.seed),
             detokenizer=Detokenizer(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None,
         )
+        if params.structured_outputs is not None:
+            seq.grammar = self.grammars.state(params.structured_outputs)
         self.waiting.append(seq)
         return seq
 
@@ -190,10 +205,18 @@ class Engine:
         """propose → score → verify → commit for `batch`; raises only before commit changed a sequence."""
         t0 = time.perf_counter()
         sb, slots = self._batch_tensors(batch)
+        constrained = sb.grammars is not None
+        if constrained:
+            self.settle_grammars(batch)  # a step that raised may have left drafts pushed
         proposal = self.propose(batch, sb)
+        if constrained:
+            self.settle_grammars(batch)
+            proposal = self.drop_forbidden(batch, proposal)
         t1 = time.perf_counter()
-        hidden, logits = self.score(batch, slots, proposal)
+        hidden, raw_logits = self.score(batch, slots, proposal)
         t2 = time.perf_counter()
+        logits = self.constrain(batch, proposal, raw_logits) if constrained else raw_logits
+        self.timing.grammar_s += time.perf_counter() - t2
         accepted, next_tokens = self.verify(proposal, logits, sb)
         n_accepted = [len(a) for a in accepted]
         drafted = proposal.depths()
@@ -204,7 +227,7 @@ class Engine:
         n_valid = [len(s.tokens) - s.num_cached + n for s, n in zip(batch, n_accepted)]
         if proposal.parents is not None:
             hidden = self.keep_branches(batch, accepted, hidden)
-        outputs = self.commit(batch, proposal, accepted, drafted, next_tokens, logits)
+        outputs = self.commit(batch, proposal, accepted, drafted, next_tokens, raw_logits)
         if self.proposer is not None:
             try:
                 self.proposer.commit(batch, TargetHidden(hidden, start, n_valid))
@@ -230,6 +253,13 @@ class Engine:
         if self.proposer is None:
             return Proposal.empty(len(batch), self.device)
         limits = [self._k_for(s, self.k) for s in batch]
+        forced = self.forced_drafts(batch, limits) if sb.grammars is not None else None
+        if forced is not None:
+            limits = [0 if f else n for f, n in zip(forced, limits)]
+        proposal = self._proposer_drafts(batch, limits, sb)
+        return proposal if forced is None else merged(proposal, Proposal.from_lists(forced, self.device))
+
+    def _proposer_drafts(self, batch: list[Sequence], limits: list[int], sb: SamplingBatch) -> Proposal:
         if self.adaptive:
             # With no request waiting for a slot the batch is done when its last row is (adaptive.batch_progress).
             remaining = None if self.waiting else [s.max_tokens - s.num_generated for s in batch]
@@ -238,11 +268,59 @@ class Engine:
             return Proposal.empty(len(batch), self.device)
         return self.proposer.propose(batch, limits, sb)
 
+    # -- structured output --------------------------------------------------------------------
+
+    def forced_drafts(self, batch: list[Sequence], limits: list[int]) -> list[list[int]] | None:
+        """The tokens each constrained row's grammar forces next (a key, its quotes, a brace), up to its
+        draft limit: drafts that cost no model pass, verified like any other (the proposer drafts the
+        rows that have none). None when no row has any."""
+        forced = [s.grammar.forced(n) if s.grammar is not None else [] for s, n in zip(batch, limits)]
+        return forced if any(forced) else None
+
+    @staticmethod
+    def settle_grammars(batch: list[Sequence]) -> None:
+        for seq in batch:
+            if seq.grammar is not None:
+                seq.grammar.settle()
+
+    def drop_forbidden(self, batch: list[Sequence], proposal: Proposal) -> Proposal:
+        """A chain's drafts up to the first one its row's grammar forbids: the target's masked p gives it
+        no mass, so it could never be accepted, and the masks past it mean nothing. (A tree's forbidden
+        nodes stay: `constrain` leaves them unreachable.)"""
+        if proposal.parents is not None:
+            return proposal
+        drafts, n_draft = proposal.tokens.tolist(), proposal.n_draft.tolist()
+        kept = [n if s.grammar is None else s.grammar.valid_prefix(d[:n]) for s, d, n in zip(batch, drafts, n_draft)]
+        if kept == n_draft:
+            return proposal
+        return replace(proposal, n_draft=torch.tensor(kept, device=proposal.n_draft.device))
+
+    def constrain(self, batch: list[Sequence], proposal: Proposal, logits: torch.Tensor) -> torch.Tensor:
+        """The target's logits [B, k+1, V] under each constrained row's grammar: column 0 masked at the
+        committed state, column j + 1 at the state after draft j and its ancestors. The same mask the
+        proposer drew its drafts under, so p and q see the same transform."""
+        from speculant.structured.grammar import free_bitmask, unpack
+
+        B, T, V = logits.shape
+        free = free_bitmask(V)
+        drafts, n_draft = proposal.tokens.tolist(), proposal.n_draft.tolist()
+        masks: list[bytes] = []
+        for b, seq in enumerate(batch):
+            if seq.grammar is None:
+                masks += [free] * T
+                continue
+            parents = None if proposal.parents is None else proposal.parents[b][:n_draft[b]]
+            row = seq.grammar.masks_along(drafts[b][:n_draft[b]], parents)
+            masks += row + [free] * (T - len(row))
+        allowed = unpack(masks, V).view(B, T, V).to(logits.device)
+        return constrain(logits, allowed)
+
     def _batch_tensors(self, batch: list[Sequence]) -> tuple[SamplingBatch, torch.Tensor]:
         """The batch's sampling transforms and cache slots [B], built again only when its rows change."""
         if len(batch) != len(self._batch) or any(a is not b for a, b in zip(batch, self._batch)):
             self._batch = []  # until both are built: a build that raises leaves nothing stale behind
-            self._sb = SamplingBatch.build([s.params for s in batch], [s.key for s in batch], self.device)
+            self._sb = SamplingBatch.build([s.params for s in batch], [s.key for s in batch], self.device,
+                                           grammars=[s.grammar for s in batch])
             self._slots = torch.tensor([s.slot for s in batch], device=self.device)
             self._batch = list(batch)
         self._sb.positions = [s.num_generated for s in batch]
@@ -389,6 +467,8 @@ class Engine:
         kept = []
         stop_ids = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_ids)
         for tok in new_ids:
+            if seq.grammar is not None:
+                seq.grammar.commit(tok)
             seq.tokens.append(tok)
             kept.append(tok)
             if seq.first_token_time is None:
@@ -398,7 +478,8 @@ class Engine:
                 seq.text += seq.detokenizer.push([tok])
                 if seq.params.stop and self._cut_at_stop_string(seq, searched):
                     break
-            if tok in stop_ids:
+            if tok in stop_ids or (seq.grammar is not None and seq.grammar.stopped):
+                # A grammar that allows nothing more: the answer is complete (its only next token is EOS).
                 self._finish(seq, "stop")
                 break
             if seq.num_generated >= seq.max_tokens:

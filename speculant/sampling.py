@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from speculant.config import SamplingParams
 from speculant.models import native
+
+if TYPE_CHECKING:
+    from speculant.structured.grammar import GrammarState
 
 # The purposes of a request's draws at one position: the token there (plain decoding's draw, and the
 # target's under speculation), the acceptance test of a draft model's draft, the draft model's own draw.
@@ -62,10 +66,13 @@ class SamplingBatch:
     # arguments (verify.TargetTokens).
     transforms: list[tuple[float, int, float, float]]
     positions: list[int]
+    # Row b's grammar state (structured output), None for a free row; None for a batch without grammars.
+    grammars: list[GrammarState | None] | None = None
 
     @classmethod
     def build(cls, params: list[SamplingParams], keys: list[int | None], device: torch.device,
-              positions: list[int] | None = None) -> SamplingBatch:
+              positions: list[int] | None = None,
+              grammars: list[GrammarState | None] | None = None) -> SamplingBatch:
         def t(values, dtype=torch.float32):
             return torch.tensor(values, dtype=dtype, device=device)
 
@@ -79,6 +86,7 @@ class SamplingBatch:
             all_greedy=all(p.greedy for p in params),
             transforms=[(0.0 if p.greedy else p.temperature, max(p.top_k, 0), p.top_p, p.min_p) for p in params],
             positions=positions or [0] * len(params),
+            grammars=grammars if grammars and any(g is not None for g in grammars) else None,
         )
 
     def select(self, rows: list[int]) -> SamplingBatch:
@@ -89,7 +97,8 @@ class SamplingBatch:
         at = torch.tensor(rows, device=self.temperature.device)
         return SamplingBatch(self.temperature[at], self.top_k[at], self.top_p[at], self.min_p[at], self.greedy[at],
                              [self.keys[b] for b in rows], self.all_greedy, [self.transforms[b] for b in rows],
-                             [self.positions[b] for b in rows])
+                             [self.positions[b] for b in rows],
+                             None if self.grammars is None else [self.grammars[b] for b in rows])
 
     def ahead(self, offset: int) -> SamplingBatch:
         """The batch `offset` positions further on: a draft model's draws for its later drafts."""
@@ -101,6 +110,13 @@ class SamplingBatch:
         offsets = offset if isinstance(offset, list) else [offset] * len(self.keys)
         return [None if key is None else uniform(key, position + at, purpose)
                 for key, position, at in zip(self.keys, self.positions, offsets)]
+
+
+def constrain(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """The grammar's transform, the first of a request's: logits [..., V] with every token `allowed`
+    [..., V] forbids at -inf (each row of `allowed` allows some token: structured.grammar.unpack). One
+    operation: at a vocabulary's width each costs a thread pool's wake-up."""
+    return torch.where(allowed, logits, float("-inf"))
 
 
 def probabilities(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:

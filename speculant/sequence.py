@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from speculant.config import SamplingParams
 from speculant.models.tokenizer import Detokenizer
+
+if TYPE_CHECKING:
+    from speculant.structured.grammar import GrammarState
 
 
 @dataclass
@@ -108,6 +112,7 @@ class Sequence:
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+    grammar: GrammarState | None = None  # structured output: the grammar after the committed tokens
 
     def __post_init__(self):
         self.tokens = list(self.prompt_ids)

@@ -40,6 +40,26 @@ def inverse_cdf_sample(probs, draws):
     return out
 
 
+class GrammarOnTargetOnly(DraftModelProposer):
+    """Samples its drafts under the grammar but reports q from the logits without it: the grammar masks
+    the target's p alone."""
+
+    def draw(self, logits, sb, vocab=None):
+        token, _ = super().draw(logits, sb, vocab)
+        return token, probabilities(logits, sb)[:, 0]
+
+
+def patch_grammar(name: str, monkeypatch) -> None:
+    """Break the target's grammar masks (engine.Engine.constrain, GrammarState.masks_along)."""
+    from speculant.structured.grammar import GrammarState
+
+    if name == "mask_at_committed_state":  # every draft position masked as if no draft came before it
+        monkeypatch.setattr(GrammarState, "masks_along",
+                            lambda self, tokens, parents=None: [self.bitmask()] * (len(tokens) + 1))
+    else:
+        raise ValueError(name)
+
+
 PROPOSER_MUTANTS = {"greedy_draft_softmax_q": GreedyDraftSoftmaxQ,
                     "transforms_on_target_only": TransformsOnTargetOnly}
 

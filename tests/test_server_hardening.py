@@ -352,8 +352,8 @@ def test_models_show_no_path(url, engine):
 
 
 @pytest.mark.parametrize("path, field, value", [
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
-    ("/v1/chat/completions", "tool_choice", "required"),
+    ("/v1/completions", "response_format", {"type": "json_object"}),
+    ("/v1/chat/completions", "tool_choice", "required"),  # without tools
     ("/v1/chat/completions", "repetition_penalty", 1.2),
     ("/v1/completions", "guided_json", {"type": "object"}),
     ("/v1/completions", "store", True),

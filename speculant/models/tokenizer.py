@@ -77,8 +77,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render the chat template in a sandbox, with the variables transformers provides."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Render the chat template in a sandbox, with the variables transformers provides (`tools`: OpenAI
+        tool objects, for the templates that render them)."""
         if not self.chat_template:
             raise SpeculantError("this model has no chat template; use a raw prompt (--no-chat)")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -89,7 +91,7 @@ class Tokenizer:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
             return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except TemplateError as e:
             raise SpeculantError(f"chat template error: {e}") from None
@@ -100,9 +102,10 @@ class Tokenizer:
         # server tokenizing in a worker thread keeps its event loop answering.
         return hf.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The chat template's prompt, with special tokens only where the template writes them: one typed
-        in a message's content is tokenized as its text, so a user cannot open a turn of their own."""
+        in a message (its content, a tool call's arguments) or a tool's description is tokenized as its
+        text, so a user cannot open a turn of their own."""
         nonce = secrets.token_hex(8)
         typed: list[str] = []  # the special tokens found in contents, each replaced by a placeholder
 
@@ -111,11 +114,20 @@ class Tokenizer:
             return f"\ue000{nonce}:{len(typed) - 1}\ue001"
 
         pattern = re.compile("|".join(map(re.escape, self.special_tokens))) if self.special_tokens else None
+
+        def hide(value):
+            if isinstance(value, str):
+                return pattern.sub(placeholder, value)
+            if isinstance(value, list):
+                return [hide(v) for v in value]
+            if isinstance(value, dict):
+                return {k: v if k == "role" else hide(v) for k, v in value.items()}
+            return value
+
         if pattern is not None:
-            messages = [{**m, "content": pattern.sub(placeholder, m["content"])}
-                        if isinstance(m.get("content"), str) else m for m in messages]
+            messages, tools = hide(messages), hide(tools)
         # The template already writes the BOS token where the model wants one.
-        prompt = self.apply_chat_template(messages)
+        prompt = self.apply_chat_template(messages, tools=tools)
         if not typed:
             return self._encode(self.hf, prompt, False)
         ids: list[int] = []

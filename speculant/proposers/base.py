@@ -6,9 +6,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch.nn.functional import one_hot, pad
 
 from speculant.models.llama import tree_layout
-from speculant.sampling import DRAFT, SamplingBatch, argmax, probabilities, sample
+from speculant.sampling import DRAFT, SamplingBatch, argmax, constrain, probabilities, sample
 
 if TYPE_CHECKING:
     from speculant.adaptive import AdaptiveK
@@ -90,6 +91,37 @@ class Proposal:
 _EMPTY: dict[tuple[int, torch.device], Proposal] = {}
 
 
+def merged(a: Proposal, b: Proposal) -> Proposal:
+    """Row by row, b's drafts where b has any, a's elsewhere. Where one side carries q and the other does
+    not, the deterministic drafts get a one-hot q (the rule then accepts each with probability p(token));
+    where one side is a tree, the other's rows are chains."""
+    width = max(a.tokens.shape[1], b.tokens.shape[1])
+    take_b = b.n_draft > 0  # [B]
+    a_tokens, b_tokens = (pad(p.tokens, (0, width - p.tokens.shape[1])) for p in (a, b))
+    tokens = torch.where(take_b[:, None], b_tokens, a_tokens)
+    n_draft = torch.where(take_b, b.n_draft, a.n_draft)
+    q = None
+    if a.q is not None or b.q is not None:
+        V = (a.q if a.q is not None else b.q).shape[-1]
+        dtype = (a.q if a.q is not None else b.q).dtype
+
+        def q_of(p: Proposal, tokens: torch.Tensor) -> torch.Tensor:
+            if p.q is None:
+                return one_hot(tokens, V).to(dtype)
+            return pad(p.q, (0, 0, 0, width - p.q.shape[1]))
+
+        q = torch.where(take_b[:, None, None], q_of(b, b_tokens), q_of(a, a_tokens))
+    rows = take_b.tolist()
+    buckets = [kb if t else ka for t, ka, kb in zip(rows, a.bucket_list(), b.bucket_list())]
+    parents = None
+    if a.parents is not None or b.parents is not None:
+        def tree(p: Proposal, row: int) -> list[int]:
+            return chain_padded(p.parents[row] if p.parents is not None else [], width)
+
+        parents = [tree(b, i) if t else tree(a, i) for i, t in enumerate(rows)]
+    return Proposal(tokens, n_draft, q, buckets, parents)
+
+
 @dataclass
 class TargetHidden:
     """The target's final hidden states from a verify pass, for proposers that draft from them
@@ -144,14 +176,46 @@ class Proposer:
         adaptive k they are trimmed to the policy's plan before they become the step's tensors."""
         raise NotImplementedError
 
-    def draw(self, logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """For proposers with a model: logits [B, 1, V] → a token per row [B] and q [B, V], the
-        distribution it was drawn from: the request's transforms applied exactly as to the target's
-        (None for an all-greedy batch: its drafts are deterministic)."""
+    def draw(self, logits: torch.Tensor, sb: SamplingBatch,
+             vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """For proposers with a model: logits [B, 1, N] → a token per row [B] and q [B, V], the
+        distribution it was drawn from: the request's transforms applied exactly as to the target's,
+        its grammar first (None for an all-greedy batch: its drafts are deterministic). `vocab`: the
+        target ids of the N logits (a draft vocabulary), None when N is the whole vocabulary. Each
+        constrained row's draft is pushed onto its grammar state, so its next draft is masked after it."""
+        if sb.grammars is not None:
+            logits = constrain(logits, self.grammar_masks(sb, vocab, logits.device))
         if sb.all_greedy:
-            return argmax(logits[:, 0]), None
-        q = probabilities(logits, sb)[:, 0]
-        return sample(q, sb.draws(DRAFT)), q
+            token, q = argmax(logits[:, 0]), None
+        else:
+            q = probabilities(logits, sb)[:, 0]
+            token = sample(q, sb.draws(DRAFT))
+        if vocab is not None:
+            token = vocab[token]
+            if q is not None:
+                q = torch.zeros(q.shape[0], self.vocab_size, device=q.device, dtype=q.dtype).index_copy_(1, vocab, q)
+        if sb.grammars is not None:
+            for grammar, t in zip(sb.grammars, token.tolist()):
+                if grammar is not None:
+                    grammar.push(t)
+        return token, q
+
+    # The target's vocabulary size, for a draw over a draft vocabulary.
+    vocab_size = 0
+
+    @staticmethod
+    def grammar_masks(sb: SamplingBatch, vocab: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        """[B, 1, N]: the tokens each row's grammar allows next (all of them in a free row)."""
+        from speculant.structured.grammar import free_bitmask, unpack
+
+        V = next(g for g in sb.grammars if g is not None).vocab_size
+        free = free_bitmask(V)
+        allowed = unpack([free if g is None else g.bitmask() for g in sb.grammars], V).to(device)
+        if vocab is not None:
+            allowed = allowed[:, vocab]
+            # No allowed token among the draft's: its q stays unmasked, and its draft is cut (drop_forbidden).
+            allowed |= ~allowed.any(dim=-1, keepdim=True)
+        return allowed[:, None]
 
     def commit(self, seqs: list[Sequence], target: TargetHidden) -> None:
         """The sequences' tokens were extended by the verifier: drop state past the agreed prefix."""

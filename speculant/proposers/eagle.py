@@ -180,6 +180,7 @@ class EagleProposer(Proposer):
         self.extra_nodes = tree_width - 1
         self.name = "eagle+tree" if tree_width > 1 else "eagle"
         self.lm_head = draft_lm_head(target, head.vocab)
+        self.vocab_size = target.cfg.vocab_size
         # A tree's head pass holds the branches of tree_width nodes of the depth before the deepest.
         self.cache = head.new_cache(max_batch_size, max_len + tree_width * max_depth)
         self.free = list(range(max_batch_size))
@@ -306,13 +307,7 @@ class EagleProposer(Proposer):
         """A draft token per row from logits over the draft vocabulary [B, 1, N] → full-vocabulary
         ids [B] and, when sampling, q over the full vocabulary [B, V] (0 outside the draft's)."""
         vocab = self.head.vocab
-        if vocab is None:
-            return self.draw(logits, sb)
-        token, q = self.draw(logits, sb)
-        if q is not None:
-            q = torch.zeros(q.shape[0], self.target.cfg.vocab_size, device=q.device,
-                            dtype=q.dtype).index_copy_(1, vocab, q)
-        return self._vocab_ids(token), q
+        return self.draw(logits, sb) if vocab is None else self.draw(logits, sb, vocab)
 
     def _unread(self, seq: Sequence) -> int:
         """Head entries still to build: one per token of the sequence but the newest."""

@@ -13,10 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-from torch.nn.functional import one_hot, pad
-
-from speculant.proposers.base import MODEL_BUCKET, Proposal, Proposer, TargetHidden, chain_padded
+from speculant.proposers.base import Proposal, Proposer, TargetHidden, merged
 from speculant.proposers.ngram import NgramProposer, planned_lookup
 from speculant.sampling import SamplingBatch
 from speculant.sequence import Sequence
@@ -66,24 +63,4 @@ class LookupFirstProposer(Proposer):
         the lookup left empty)."""
         if not any(ks):
             return found
-        drafted = self.model.propose(seqs, ks, sb)
-        width = max(found.tokens.shape[1], drafted.tokens.shape[1])
-        by_model = drafted.n_draft > 0  # [B]
-        found_tokens = pad(found.tokens, (0, width - found.tokens.shape[1]))  # [B, width]
-        tokens = torch.where(by_model[:, None], pad(drafted.tokens, (0, width - drafted.tokens.shape[1])),
-                             found_tokens)
-        n_draft = torch.where(by_model, drafted.n_draft, found.n_draft)
-        q = None
-        if drafted.q is not None:
-            # A lookup draft is deterministic: its q is one-hot, which the acceptance rule reads as
-            # "accept with probability p(token)".
-            lookup_q = one_hot(found_tokens, drafted.q.shape[-1]).to(drafted.q.dtype)  # [B, width, V]
-            model_q = pad(drafted.q, (0, 0, 0, width - drafted.q.shape[1]))
-            q = torch.where(by_model[:, None, None], model_q, lookup_q)
-        model_rows = by_model.tolist()
-        buckets = [MODEL_BUCKET if m else key for m, key in zip(model_rows, found.bucket_list())]
-        parents = None
-        if drafted.parents is not None:
-            # A lookup row is a chain.
-            parents = [chain_padded(tree if m else [], width) for m, tree in zip(model_rows, drafted.parents)]
-        return Proposal(tokens, n_draft, q, buckets, parents)
+        return merged(found, self.model.propose(seqs, ks, sb))

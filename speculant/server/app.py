@@ -27,6 +27,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from speculant.config import StructuredOutputsParams
 from speculant.engine import Engine
 from speculant.errors import SpeculantError
 from speculant.metrics import ServerMetrics
@@ -47,11 +48,14 @@ from speculant.server.protocol import (
     DeltaMessage,
     ErrorInfo,
     ErrorResponse,
+    FunctionCallDelta,
     ModelCard,
     ModelList,
     SamplingRequest,
     SpeculativeStats,
     TokenLogprobInfo,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
     UsageInfo,
 )
@@ -63,6 +67,7 @@ from speculant.server.worker import (
     RequestTimedOut,
     ShuttingDown,
 )
+from speculant.structured.tools import ToolCallStream, ToolFormat, tool_format
 
 log = logging.getLogger("speculant.server")
 
@@ -170,10 +175,15 @@ class CompletionFormat:
 
 
 class ChatFormat:
+    """Chat's shapes. With `tools` (the tool format of a request whose tools are in play) an answer's calls
+    leave as tool_calls, finish_reason "tool_calls"; a stream holds the text from where a call may begin."""
+
     id_prefix = "chatcmpl"
 
-    def __init__(self, token_text: Callable[[int], str]):
+    def __init__(self, token_text: Callable[[int], str], tools: ToolFormat | None = None):
         self.token_text = token_text
+        self.tools = tools
+        self.streams: dict[int, ToolCallStream] = {}
 
     def logprobs(self, d: Delta) -> ChatLogprobs | None:
         if d.logprobs is None:
@@ -188,9 +198,16 @@ class ChatFormat:
             for t, lp in zip(d.token_ids, d.logprobs, strict=True)])
 
     def response(self, rid: str, model: str, choices: list[Delta], with_ids: bool, **extra) -> BaseModel:
-        out = [ChatChoice(index=d.index, message=AssistantMessage(content=d.text), finish_reason=d.finish_reason,
-                          logprobs=self.logprobs(d), token_ids=d.token_ids if with_ids else None)
-               for d in choices]
+        out = []
+        for d in choices:
+            message, finish = AssistantMessage(content=d.text), d.finish_reason
+            parsed = self.tools.parse(d.text) if self.tools is not None else None
+            if parsed is not None:
+                content, calls = parsed
+                message = AssistantMessage(content=content, tool_calls=[ToolCall(**c) for c in calls])
+                finish = calls_finish(finish)
+            out.append(ChatChoice(index=d.index, message=message, finish_reason=finish, logprobs=self.logprobs(d),
+                                  token_ids=d.token_ids if with_ids else None))
         return ChatCompletionResponse(id=rid, model=model, choices=out, **extra)
 
     def opening(self, rid: str, created: int, model: str, n: int) -> list[BaseModel]:
@@ -200,10 +217,28 @@ class ChatFormat:
 
     def chunk(self, rid: str, created: int, model: str, deltas: list[Delta], with_ids: bool,
               **extra) -> BaseModel:
-        choices = [ChatStreamChoice(index=d.index, delta=DeltaMessage(content=d.text or None),
-                                    finish_reason=d.finish_reason, logprobs=self.logprobs(d),
-                                    token_ids=d.token_ids if with_ids else None) for d in deltas]
+        choices = [ChatStreamChoice(index=d.index, delta=delta, finish_reason=finish, logprobs=self.logprobs(d),
+                                    token_ids=d.token_ids if with_ids else None)
+                   for d in deltas for delta, finish in [self.delta(d)]]
         return ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, **extra)
+
+    def delta(self, d: Delta) -> tuple[DeltaMessage, str | None]:
+        if self.tools is None:
+            return DeltaMessage(content=d.text or None), d.finish_reason
+        stream = self.streams.setdefault(d.index, ToolCallStream(self.tools))
+        content, calls = stream.push(d.text), []
+        if d.finish_reason is not None:
+            rest, calls = stream.finish()
+            content += rest
+        tool_calls = [ToolCallDelta(index=i, id=c["id"], type="function",
+                                    function=FunctionCallDelta(**c["function"])) for i, c in enumerate(calls)]
+        finish = calls_finish(d.finish_reason) if calls else d.finish_reason
+        return DeltaMessage(content=content or None, tool_calls=tool_calls or None), finish
+
+
+def calls_finish(reason: str | None) -> str | None:
+    """An answer that ended by itself with calls finishes as "tool_calls"; one cut short keeps its reason."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 # -- the server -------------------------------------------------------------------------------
@@ -243,12 +278,46 @@ class OpenAIServer:
         self.need_tokenizer("messages")
         self.check_sequences(1, req.n, "n")
         try:
-            ids = await self.off_loop(self.tokenizer.encode_chat, [m.for_template() for m in req.messages])
+            mode = req.tool_mode()
+        except ValueError as e:
+            raise APIError(400, str(e), param="tool_choice") from None
+        tools = tool_format(self.tokenizer.chat_template)
+        structured = await self.structured_output(req, mode, tools)
+        functions = req.functions() if mode else None
+        messages = tools.messages_for_template([m.for_template() for m in req.messages], functions)
+        rendered = [t.model_dump(exclude_none=True) for t in req.tools] if mode and tools.template_renders_tools \
+            else None
+        try:
+            ids = await self.off_loop(self.tokenizer.encode_chat, messages, rendered)
         except SpeculantError as e:
             raise APIError(400, str(e), param="messages") from None
         self.check_context(ids, req.max_new_tokens(), "messages")
         self.check_work([ids], req)
-        return await self.generate(request, req, [ids], ChatFormat(self.token_text))
+        return await self.generate(request, req, [ids], ChatFormat(self.token_text, tools if mode else None),
+                                   structured)
+
+    async def structured_output(self, req: ChatCompletionRequest, mode: str | None,
+                                tools: ToolFormat) -> StructuredOutputsParams | None:
+        """The grammar the answer must follow: response_format's, or a call for tool_choice "required" or a
+        named function; compiled here (a bad schema is this request's 400, and the engine finds it cached)."""
+        wanted = req.response_format.structured() if req.response_format is not None else None
+        param = "response_format"
+        if wanted is not None and mode is not None:
+            raise APIError(400, "response_format (json_object, json_schema) with tools is not supported: the "
+                                "answer could not be both; send tool_choice 'none' or no response_format",
+                           param="response_format")
+        if mode == "required":
+            wanted, param = tools.constraint(req.functions(), req.parallel_tool_calls), "tools"
+        elif mode not in (None, "auto"):
+            named = [f for f in req.functions() if f["name"] == mode]
+            wanted, param = tools.constraint(named, False), "tools"
+        if wanted is None:
+            return None
+        try:
+            await self.off_loop(self.engine.grammars.compile, wanted)
+        except SpeculantError as e:
+            raise APIError(400, str(e), param=param) from None
+        return wanted
 
     def models(self) -> ModelList:
         # The name clients send, never the path the weights were loaded from.
@@ -325,10 +394,11 @@ class OpenAIServer:
     # -- generation -------------------------------------------------------------------------
 
     async def generate(self, request: Request, req: SamplingRequest, prompts: list[list[int]],
-                       fmt: CompletionFormat | ChatFormat) -> Response:
+                       fmt: CompletionFormat | ChatFormat,
+                       structured: StructuredOutputsParams | None = None) -> Response:
         rid = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
         # Choice index = prompt index × n + j, as the OpenAI API numbers them.
-        seqs = [(ids, req.sampling_params(j)) for ids in prompts for j in range(req.n)]
+        seqs = [(ids, req.sampling_params(j, structured)) for ids in prompts for j in range(req.n)]
         try:
             stream = self.worker.submit(rid, seqs)
         except ShuttingDown as e:

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from speculant.config import MAX_LOGPROBS, MAX_TOP_K, SamplingParams
+from speculant.config import MAX_LOGPROBS, MAX_TOP_K, SamplingParams, StructuredOutputsParams
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 
@@ -84,13 +84,13 @@ class SamplingRequest(BaseModel):
         """None: no logprobs; n: the chosen token's and the n most likely alternatives'."""
         return None
 
-    def sampling_params(self, choice: int) -> SamplingParams:
+    def sampling_params(self, choice: int, structured: StructuredOutputsParams | None = None) -> SamplingParams:
         # n choices with one seed must differ yet stay reproducible: choice i uses seed + i.
         return SamplingParams(
             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
             seed=None if self.seed is None else self.seed + choice, max_tokens=self.max_new_tokens(),
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            logprobs=self.top_logprobs_wanted())
+            logprobs=self.top_logprobs_wanted(), structured_outputs=structured)
 
     @property
     def include_usage(self) -> bool:
@@ -105,9 +105,6 @@ IGNORED_FIELDS: dict[str, tuple | None] = {
     "service_tier": ANY,
     "prompt_cache_key": ANY,
     "safety_identifier": ANY,
-    "parallel_tool_calls": (None, True, False),
-    "tool_choice": (None, "none", "auto"),  # with no tools, both mean plain text
-    "response_format": (None, {"type": "text"}),
     "modalities": (None, ["text"]),
 }
 
@@ -143,18 +140,88 @@ class TextPart(BaseModel):
     text: str
 
 
+# OpenAI's rule for function names.
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True)
+    name: FunctionName
+    arguments: str  # JSON text, as the API sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
     def for_template(self) -> dict:
         # "developer" is the OpenAI API's newer name for "system"; chat templates know only the latter.
         role = "system" if self.role == "developer" else self.role
         content = self.content if isinstance(self.content, str) or self.content is None \
             else "".join(part.text for part in self.content)
-        return {"role": role, "content": content or ""}
+        message = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, populate_by_name=True)
+    name: FunctionName
+    description: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema":
+            return StructuredOutputsParams(json=self.json_schema.schema_)
+        return None
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(strict=True)
+    name: FunctionName
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(strict=True)
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(strict=True)
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True)
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -162,7 +229,10 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -170,10 +240,26 @@ class ChatCompletionRequest(SamplingRequest):
     def top_logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def unsupported(self) -> str | None:
-        if self.tools:
-            return "tools"
-        return super().unsupported()
+    def functions(self) -> list[dict]:
+        """The tools' functions as OpenAI function objects (name, description, parameters)."""
+        return [t.function.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def tool_mode(self) -> str | None:
+        """None (no tools in play), "auto", "required" or the name of the function that must be called;
+        raises ValueError naming a tool_choice that cannot be honoured."""
+        choice = self.tool_choice
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) < len(names):
+            raise ValueError("tools: two tools share a function name")
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise ValueError(f"tool_choice names the function '{choice.function.name}', which is not in tools")
+            return choice.function.name
+        if not names or choice == "none":
+            if choice == "required":
+                raise ValueError("tool_choice 'required' needs tools")
+            return None
+        return choice or "auto"
 
 
 # -- responses --------------------------------------------------------------------------------
@@ -242,7 +328,15 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _calls_if_any(self, handler) -> dict:
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -263,9 +357,22 @@ class ChatCompletionResponse(BaseModel):
     speculative_stats: SpeculativeStats | None = None
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _only_set(self, handler) -> dict:
