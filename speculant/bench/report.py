@@ -273,7 +273,7 @@ def method_section(result: BenchResult) -> list[str]:
             "above, c_draft from the measured draft time; steps without a draft count as plain steps. "
             "The model leaves out the engine's own per-step work (verify, commit: the \"other\" share).\n"
             "- **draft ms/token · pass/plain pass**: engine time proposing per drafted token; the target's mean "
-            "pass over the plain run's (C(k+1)/C(1) as this run met it, steps without drafts included).\n"
+            "verify pass (steps with drafts) over the plain run's one-token pass: C(k+1)/C(1) as this run met it.\n"
             "- **draft / target / other**: shares of engine time proposing, in the target's forward pass, "
             "and verifying/committing.\n"]
 

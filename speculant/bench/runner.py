@@ -37,6 +37,7 @@ class Measurement:
     other_s: float | None = None
     steps: int | None = None  # engine steps (target passes over the batch)
     stats: dict | None = None  # SpecStats of the run's sequences, summed
+    passes: dict | None = None  # the steps' target passes by width → [passes, seconds] (EngineTiming.passes)
 
     @property
     def output_tokens(self) -> int:
@@ -123,7 +124,12 @@ class EngineRunner(Runner):
             decode_tokens=sum(s.num_generated for s in seqs) - sum(len(o.new_token_ids) for o in first),
             draft_s=after["draft_s"] - before["draft_s"], target_s=after["target_s"] - before["target_s"],
             other_s=after["other_s"] - before["other_s"], steps=after["steps"] - before["steps"],
-            stats=stats_as_dict(stats))
+            stats=stats_as_dict(stats), passes=passes_between(before["passes"], after["passes"]))
+
+
+def passes_between(before: dict, after: dict) -> dict:
+    return {w: [n - before.get(w, [0, 0.0])[0], s - before.get(w, [0, 0.0])[1]] for w, (n, s) in after.items()
+            if n > before.get(w, [0, 0.0])[0]}
 
 
 def stats_as_dict(s: SpecStats) -> dict:

@@ -58,6 +58,16 @@ def _sum_stats(ms: list[Measurement]) -> dict | None:
     return total.as_dict() if total.target_passes else None
 
 
+def _pass_means(ms: list[Measurement], narrow: bool) -> float | None:
+    """Mean seconds of the steps' one-token target passes (narrow), or of their wider ones (verify passes)."""
+    n = s = 0.0
+    for m in ms:
+        for width, (count, seconds) in (m.passes or {}).items():
+            if (int(width) == 1) == narrow:
+                n, s = n + count, s + seconds
+    return s / n if n else None
+
+
 def _job_key(m: Measurement) -> tuple:
     return tuple(m.prompt_ids), m.rep, m.batch_size, m.temperature
 
@@ -123,9 +133,9 @@ def _row(runner: Runner, b: int, temp: float, cls: str, ms: list[Measurement], r
     steps = sum(m.steps or 0 for m in ms)
     if stats["num_draft_tokens"]:
         row.draft_ms = 1e3 * split["draft"] / stats["num_draft_tokens"]
-    if base_steps and steps:
-        c1 = sum(m.target_s or 0 for m in paired) / base_steps
-        row.pass_ratio = split["target"] / steps / c1 if c1 else None
+    one, wide = _pass_means(paired, narrow=True), _pass_means(ms, narrow=False)
+    if one and wide:
+        row.pass_ratio = wide / one
     if curve is not None and base_steps:
         c1 = sum(m.target_s or 0 for m in paired) / base_steps
         fit = AcceptanceFit.from_stats(stats, runner.k, split["draft"], steps, c1, runner.extra_nodes)
