@@ -283,17 +283,37 @@ class LlamaServerRunner(Runner):
         self.server.close()
 
 
-def llama_server_peers(model_path: Path, n_ctx: int, threads: int | None = None,
-                       binary: Path | None = None) -> tuple[list[Runner], list[str]]:
-    """llama.cpp's server, plain greedy decoding, on the GGUF file itself with `threads` threads."""
+# llama.cpp's draft-model settings the bench tries: (--spec-draft-n-max, --spec-draft-p-min). Its own default p-min is
+# 0.75; longer drafts need a surer draft.
+LLAMA_SERVER_DRAFTS = ((8, 0.6), (16, 0.8))
+
+
+def llama_server_peers(model_path: Path, n_ctx: int, threads: int | None = None, binary: Path | None = None,
+                       draft_path: Path | None = None) -> tuple[list[Runner], list[str]]:
+    """llama.cpp's server on the GGUF file itself with `threads` threads: plain greedy decoding, and with
+    `draft_path` (a GGUF) its draft-model speculation at each of LLAMA_SERVER_DRAFTS."""
     binary = binary or llama_server_binary()
     if binary is None:
         return [], [LLAMA_SERVER_MISSING]
     if not (model_path.is_file() and model_path.suffix.lower() == ".gguf"):
         return [], [f"llama-server peer skipped: it needs a .gguf model, got {model_path}"]
-    try:
-        server = LlamaServer(binary, model_path, threads or torch.get_num_threads(), n_ctx)
-    except (OSError, RuntimeError) as e:
-        return [], [f"llama-server peer skipped: {e}"]
-    name = "llama-server plain"
-    return [LlamaServerRunner(name, "llama-server", None, 0, name, server=server)], []
+    plain = "llama-server plain"
+    setups = [(plain, None, 0, ())]
+    notes = []
+    if draft_path is not None and draft_path.suffix.lower() == ".gguf":
+        setups += [(f"llama-server -md n-max {n} p-min {p_min:g}", "draft_model", n,
+                    ("--spec-type", "draft-simple", "-md", str(draft_path), "--spec-draft-n-max", str(n),
+                     "--spec-draft-n-min", "0", "--spec-draft-p-min", str(p_min),
+                     "-td", str(threads or torch.get_num_threads())))
+                   for n, p_min in LLAMA_SERVER_DRAFTS]
+    elif draft_path is not None:
+        notes.append(f"llama-server -md skipped: it needs a .gguf draft, got {draft_path}")
+    runners = []
+    for name, method, k, extra in setups:
+        try:
+            server = LlamaServer(binary, model_path, threads or torch.get_num_threads(), n_ctx, extra)
+        except (OSError, RuntimeError) as e:
+            notes.append(f"{name} skipped: {e}")
+            continue
+        runners.append(LlamaServerRunner(name, "llama-server", method, k, plain, server=server))
+    return runners, notes

@@ -356,7 +356,8 @@ def peer_runners(plan: BenchPlan, target: LoadedModel, model_path: Path, max_len
         runners += found
         notes += skipped
     if "llama-server" in plan.peers:
-        found, skipped = llama_server_peers(model_path, max_len + 8, plan.threads)
+        found, skipped = llama_server_peers(model_path, max_len + 8, plan.threads,
+                                            draft_path=draft_paths(plan)["draft_model"])
         runners += found
         notes += skipped
     return runners

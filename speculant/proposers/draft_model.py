@@ -108,7 +108,7 @@ class DraftModelProposer(Proposer):
         drafts, qs, fed = [], [], 0
         for i in range(max(ks)):
             logits = self._logits(hidden)
-            if self.p_min:
+            if self.p_min and i:
                 n_draft = self.stop_unsure(logits, n_draft, i)
             if max(n_draft) <= i:
                 break
@@ -128,7 +128,8 @@ class DraftModelProposer(Proposer):
     def stop_unsure(self, logits: torch.Tensor, n_draft: list[int], i: int) -> list[int]:
         """Rows whose draft gives its likeliest token at position i less than p_min draft i tokens at most.
         The draft's own distribution (temperature 1) decides, whatever the request's transforms: a function
-        of what was drafted before i, never of the token drawn at i."""
+        of what was drafted before i, never of the token drawn at i. Position 0 is always drafted: its pass
+        is paid anyway (the draft reads the verifier's last token), and verifying one more token is ~free."""
         sure = torch.softmax(logits[:, 0], dim=-1).amax(dim=-1) >= self.p_min
         return [n if ok else min(n, i) for n, ok in zip(n_draft, sure.tolist())]
 
