@@ -60,7 +60,14 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help='JSON object or a JSON/YAML file, as vLLM: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\'; methods: draft_model, ngram, eagle')
     s.add_argument("--draft-model", default=None, help="shortcut: a draft model path or a name from "
-                   "`speculant models` (method draft_model)")
+                   "`speculant models` (method draft_model), with prompt lookup first, --draft-p-min 0.6 and "
+                   "--draft-vocab-size 65536 unless given")
+    s.add_argument("--draft-p-min", type=float, default=None,
+                   help="with --draft-model: stop a draft where the draft's likeliest token is below P "
+                        "(\"draft_p_min\"; 0: always k drafts)")
+    s.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="with --draft-model: the draft scores only the first N token ids and the special tokens "
+                        "(\"draft_vocab_size\"; 0: the whole vocabulary)")
     s.add_argument("--eagle", default=None, help="shortcut: an EAGLE head folder (method eagle)")
     s.add_argument("--ngram", action="store_true", help="shortcut: prompt-lookup proposer (method ngram)")
     s.add_argument("--lookup-first", action="store_true",
@@ -80,7 +87,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "the requests before it")
     s.add_argument("--no-speculation", action="store_true",
                    help="plain decoding (k = 0); without any speculation flag the bundled model uses "
-                        "its best measured proposer (n-gram lookup, k up to 4), adaptively")
+                        "its best measured proposer (n-gram lookup, k up to 4), adaptively, and a named model "
+                        "with a sibling drafts with it as --draft-model does")
 
 
 def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
@@ -107,11 +115,21 @@ def _speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
                                            "tree_width": width})
         return cfg
     k = args.num_speculative_tokens if args.num_speculative_tokens is not None else 4
-    for method, model in (("draft_model", args.draft_model), ("eagle", args.eagle)):
-        if model:
-            return SpeculativeConfig.parse({"method": method, "model": model, "num_speculative_tokens": k,
-                                            "adaptive": args.adaptive, "lookup_first": args.lookup_first,
-                                            "tree_width": 1 if args.tree_width is None else args.tree_width})
+    if (args.draft_p_min is not None or args.draft_vocab_size is not None) and not args.draft_model:
+        raise SpeculantError("--draft-p-min and --draft-vocab-size shape a draft model's drafts: give --draft-model "
+                             "PATH with them")
+    if args.draft_model:
+        from speculant.defaults import draft_model_config
+
+        rules = {key: v for key, v in (("draft_p_min", args.draft_p_min), ("draft_vocab_size", args.draft_vocab_size))
+                 if v is not None}
+        return SpeculativeConfig.parse(draft_model_config(args.draft_model, k, adaptive=args.adaptive,
+                                                          tree_width=1 if args.tree_width is None else args.tree_width,
+                                                          **rules))
+    if args.eagle:
+        return SpeculativeConfig.parse({"method": "eagle", "model": args.eagle, "num_speculative_tokens": k,
+                                        "adaptive": args.adaptive, "lookup_first": args.lookup_first,
+                                        "tree_width": 1 if args.tree_width is None else args.tree_width})
     if args.lookup_first:
         raise SpeculantError("--lookup-first puts prompt lookup ahead of a model's drafts: give --draft-model "
                              "PATH or --eagle PATH with it")

@@ -16,15 +16,33 @@ CORPUS = SHIPPED / "corpus" / "corpus.safetensors"
 # The bundled model's speculation: prompt lookup, the corpus table where lookup matches little, and adaptive k,
 # which switches speculation off where it would lose (large batches).
 SPECULATION = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": True}
+# A draft model's drafting rules when the user names only the draft (--draft-model, a named model's default
+# draft): prompt lookup first where the text repeats, drafts stopped where the draft is unsure, and a draft
+# head over the 65,536 first ids of the vocabulary (most of a BPE's text; no effect on smaller vocabularies).
+DRAFT_RULES = {"lookup_first": True, "draft_p_min": 0.6, "draft_vocab_size": 65536}
+DRAFT_K = 4
 # The shipped EAGLE head's draft tree width (the bench's +tree proposers).
 TREE_WIDTH = 2
 REQUIRED_FILES = {"eagle": ("eagle.safetensors", "eagle_config.json"),
                   "draft_model": ("config.json", "model.safetensors", "tokenizer.json")}
 
 
+def draft_model_config(draft: str, k: int = DRAFT_K, **overrides) -> dict:
+    """The speculative config of a draft model named alone: DRAFT_RULES, then `overrides`."""
+    return {"method": "draft_model", "model": draft, "num_speculative_tokens": k, **DRAFT_RULES, **overrides}
+
+
 def default_speculative_config(model_path: str | Path | None) -> dict | None:
-    """The default speculative config when `model_path` is the bundled default model (None: the default),
-    else None: a draft only helps the target it was trained for."""
+    """The default speculative config: the bundled default model's (None: the default), a named model's own
+    draft where it has one, else None: a draft only helps the target it was trained for."""
+    from speculant.models.registry import MODELS, find, model_file
+
+    named = None
+    if model_path is not None:
+        named = find(str(model_path)) or next(
+            (m for m in MODELS.values() if Path(model_path).expanduser().resolve() == model_file(m).resolve()), None)
+    if named is not None:
+        return draft_model_config(named.draft) if named.draft else None
     try:
         default = default_model_path()
     except SpeculantError:

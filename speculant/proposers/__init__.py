@@ -21,11 +21,12 @@ def build_proposer(cfg: SpeculativeConfig, target: LoadedModel, max_batch_size: 
     if cfg.method == "ngram":
         return prompt_lookup(cfg, target)
     if cfg.method == "draft_model":
-        from speculant.proposers.draft_model import DraftModelProposer, check_vocab
+        from speculant.proposers.draft_model import DraftModelProposer, check_vocab, warn_if_not_cheaper
 
         draft = load_model(cfg.model, dtype=target.model.dtype, device=target.model.device,
                            quantization=target.quantization)
         check_vocab(target, draft)
+        warn_if_not_cheaper(target, draft)
         return DraftModelProposer(draft, target.config.vocab_size, max_batch_size, max_len, cfg.draft_vocab_size,
                                   cfg.draft_p_min)
     if cfg.method == "eagle":

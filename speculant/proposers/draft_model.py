@@ -9,14 +9,29 @@ the token the target verifies is still drawn from q, and a position left undraft
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from speculant.errors import SpeculantError
-from speculant.models.loader import LoadedModel
+from speculant.models.loader import LoadedModel, stored_params
 from speculant.proposers.base import Proposal, Proposer, TargetHidden, pad_rows
 from speculant.proposers.draft_vocab import HeadRows, draft_vocab_ids
 from speculant.sampling import SamplingBatch
 from speculant.sequence import Sequence
+
+
+def warn_if_not_cheaper(target: LoadedModel, draft: LoadedModel) -> str | None:
+    """A draft at least as large as its target costs as much a token as the target itself: every draft token
+    then costs more than the pass that verifies it, and speculation is slower than plain decoding."""
+    t, d = stored_params(target.model), stored_params(draft.model)
+    if d < t:
+        return None
+    message = (f"the draft model ({d / 1e6:.0f}M parameters) is not smaller than the target ({t / 1e6:.0f}M): each "
+               "draft token costs about a target pass, so speculation with it is slower than plain decoding; use a "
+               "smaller model of the same family, or --ngram")
+    warnings.warn(message, stacklevel=2)
+    return message
 
 
 def check_vocab(target: LoadedModel, draft: LoadedModel) -> None:
