@@ -206,12 +206,14 @@ def test_advise_end_to_end(tiny_pair, tmp_path, capsys, one_thread):
     assert "--speculative-config '{" in printed or "no speculation at batch 1" in printed
     advice = json.loads(details.read_text())["advice"]
     assert [a["batch_size"] for a in advice] == [1, 2]
-    assert set(json.loads(details.read_text())["fits"]) == {"ngram", "draft_model"}
+    assert set(json.loads(details.read_text())["fits"]) == {"ngram", "draft_model+lookup+vocab65536+pmin0.6"}
 
 
 @pytest.mark.parametrize("config", [
     {"method": "ngram", "num_speculative_tokens": 2, "corpus": "table.safetensors"},
     {"method": "draft_model", "num_speculative_tokens": 3, "model": "draft", "lookup_first": True},
+    {"method": "draft_model", "num_speculative_tokens": 4, "model": "draft", "lookup_first": True,
+     "draft_vocab_size": 65536, "draft_p_min": 0.6},
 ])
 def test_advise_prints_a_config_the_cli_takes_as_it_is(config):
     """advise names proposers as reports do (ngram+corpus, draft_model+lookup); its flag must be a config

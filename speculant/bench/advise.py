@@ -20,9 +20,18 @@ from speculant.bench.cli import int_list
 from speculant.bench.prompts import PROMPT_CLASSES, load_prompts
 from speculant.bench.regime import AcceptanceFit, regime_verdict
 from speculant.bench.runner import engine_runner, run_jobs, warm_up
-from speculant.bench.suite import BenchPlan, Progress, machine_facts, make_jobs, proposer_configs, try_runner
+from speculant.bench.suite import (
+    DEFAULT_PROPOSERS,
+    BenchPlan,
+    Progress,
+    machine_facts,
+    make_jobs,
+    proposer_configs,
+    try_runner,
+)
 from speculant.bench.summary import ALL, summarize
 from speculant.config import SpeculativeConfig
+from speculant.defaults import DRAFT_RULES
 from speculant.errors import SpeculantError
 from speculant.models.loader import load_model, resolve_model_path
 from speculant.models.quantize import QUANTIZATIONS
@@ -72,6 +81,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
+def advised_proposers() -> list[str]:
+    """The bench's default proposers, a draft model with the drafting rules `--draft-model` applies."""
+    rules = DRAFT_RULES
+    draft = ("draft_model" + "+lookup" * rules["lookup_first"] + f"+vocab{rules['draft_vocab_size']}"
+             + f"+pmin{rules['draft_p_min']:g}")
+    return [draft if name == "draft_model" else name for name in DEFAULT_PROPOSERS]
+
+
 def advise(curve: CostCurve, fits: dict[str, AcceptanceFit], batch_sizes: list[int]) -> list[Advice]:
     """Per batch size, the proposer and k with the best predicted speed-up, or no speculation."""
     out = []
@@ -105,7 +122,7 @@ def run(args: argparse.Namespace) -> None:
     model_path = resolve_model_path(args.model)
     target = load_model(model_path, dtype=args.dtype, device=args.device, quantization=args.quantization)
     plan = BenchPlan(model=args.model, dtype=args.dtype, device=args.device, quantization=target.quantization,
-                     adaptive=False, draft_model=args.draft, eagle=args.eagle)
+                     adaptive=False, draft_model=args.draft, eagle=args.eagle, proposers=advised_proposers())
     prompts = load_prompts(args.prompts, target.tokenizer, target.config.vocab_size,
                            per_class=args.per_class, max_prompt_tokens=plan.max_prompt_tokens)
     if not prompts:
