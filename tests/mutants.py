@@ -123,20 +123,21 @@ class ReducedVocabFullQ(DraftModelProposer):
 
 
 class StopsOnTheDrawnToken(DraftModelProposer):
-    """Decides p_min on the token it drew: a draft is kept only where q gave it at least p_min."""
+    """Decides p_min on the token it drew: a later draft is kept only where q gave it at least p_min."""
 
     def stop_unsure(self, logits, n_draft, i):
-        self._stop_at = i
         return n_draft
 
     def draw(self, logits, sb):
         token, q = super().draw(logits, sb)
-        unsure = (q.gather(-1, token[:, None]).squeeze(-1) < self.p_min).tolist()
-        self._n_draft = [n if not u else min(n, self._stop_at) for n, u in zip(self._n_draft, unsure)]
+        i, self._position = self._position, self._position + 1
+        if i:
+            unsure = (q.gather(-1, token[:, None]).squeeze(-1) < self.p_min).tolist()
+            self._n_draft = [n if not u else min(n, i) for n, u in zip(self._n_draft, unsure)]
         return token, q
 
     def propose(self, seqs, ks, sb):
-        self._n_draft = list(ks)
+        self._n_draft, self._position = list(ks), 0
         proposal = super().propose(seqs, ks, sb)
         # The kept drafts are those before the first unlikely one drawn.
         proposal.n_draft = torch.minimum(proposal.n_draft, torch.tensor(self._n_draft))
