@@ -29,6 +29,24 @@ def test_a_server_that_exits_is_a_note(tmp_path, smollm_path):
     assert runners == [] and notes == ["llama-server peer skipped: llama-server exited with 3: error: cannot load"]
 
 
+def test_a_gguf_draft_adds_llama_servers_draft_model_setups(tmp_path, smollm_path, monkeypatch):
+    started = []
+
+    class Recorder:
+        def __init__(self, binary, model_path, threads, n_ctx, extra=()):
+            started.append(extra)
+
+    monkeypatch.setattr(peers, "LlamaServer", Recorder)
+    runners, notes = llama_server_peers(smollm_path, 256, 2, binary=tmp_path / "llama-server", draft_path=smollm_path)
+    assert notes == [] and [r.name for r in runners] == [
+        "llama-server plain", *(f"llama-server -md n-max {n} p-min {p:g}" for n, p in peers.LLAMA_SERVER_DRAFTS)]
+    assert all(r.reference == "llama-server plain" for r in runners)
+    assert started[0] == () and all(("-md", str(smollm_path)) == x[2:4] for x in started[1:])
+    assert "--spec-draft-n-max" in started[1] and "--spec-draft-p-min" in started[1]
+    _, notes = llama_server_peers(smollm_path, 256, 2, binary=tmp_path / "llama-server", draft_path=tmp_path)
+    assert notes == [f"llama-server -md skipped: it needs a .gguf draft, got {tmp_path}"]
+
+
 @pytest.fixture(scope="module")
 def server_runner(smollm_path):
     if llama_server_binary() is None:
@@ -84,7 +102,7 @@ def test_bench_reports_and_stops_the_server_peer(tiny_pair, tmp_path, monkeypatc
         def close(self):
             closed.append(self.name)
 
-    def stand_in(model_path, n_ctx, threads=None, binary=None):
+    def stand_in(model_path, n_ctx, threads=None, binary=None, draft_path=None):
         return [StandIn("llama-server plain", "llama-server", None, 0, "llama-server plain")], []
 
     monkeypatch.setattr(suite, "llama_server_peers", stand_in)

@@ -313,7 +313,7 @@ def llama_server_peers(model_path: Path, n_ctx: int, threads: int | None = None,
         try:
             server = LlamaServer(binary, model_path, threads or torch.get_num_threads(), n_ctx, extra)
         except (OSError, RuntimeError) as e:
-            notes.append(f"{name} skipped: {e}")
+            notes.append(f"{'llama-server peer' if method is None else name} skipped: {e}")
             continue
         runners.append(LlamaServerRunner(name, "llama-server", method, k, plain, server=server))
     return runners, notes

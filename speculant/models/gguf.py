@@ -8,6 +8,7 @@ transformers' own GGUF converter (the reference we must match id for id). The re
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -16,6 +17,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -343,7 +345,8 @@ def write_tokenizer(reader: gguf.GGUFReader, meta: dict, src: Path, out: Path) -
         scratch.rmdir()
         scratch = src.parent
     try:
-        tok = AutoTokenizer.from_pretrained(str(scratch), gguf_file=src.name, local_files_only=True)
+        with reader_reused(reader, src):
+            tok = AutoTokenizer.from_pretrained(str(scratch), gguf_file=src.name, local_files_only=True)
     except Exception as e:
         raise SpeculantError(f"{src}: cannot build its tokenizer: {e}") from None
     finally:
@@ -361,6 +364,24 @@ def write_tokenizer(reader: gguf.GGUFReader, meta: dict, src: Path, out: Path) -
         "chat_template": meta.get("tokenizer.chat_template"),
     }
     write_json(out / "tokenizer_config.json", tok_config)
+
+
+@contextlib.contextmanager
+def reader_reused(reader: gguf.GGUFReader, src: Path) -> Iterator[None]:
+    """transformers' converter parses the file again with gguf.GGUFReader (seconds for a 151k vocabulary):
+    while it runs, a GGUFReader of `src` is the one already parsed. Other files parse as usual."""
+    original = gguf.GGUFReader
+
+    def parsed(path, *args, **kwargs):
+        if Path(path).resolve() == src.resolve():
+            return reader
+        return original(path, *args, **kwargs)
+
+    gguf.GGUFReader = parsed
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
 
 
 def write_json(path: Path, obj: dict) -> None:
