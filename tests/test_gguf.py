@@ -459,3 +459,20 @@ def test_smollm2_second_call_cached(smollm_path, smol_converted):
     elapsed = time.perf_counter() - start
     print(f"\nSmolLM2 conversion {first:.1f}s, cached call {elapsed * 1000:.1f}ms")
     assert cached and again == folder and {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == written
+
+
+def test_the_tokenizer_converter_reuses_the_parsed_reader(smollm_path, tmp_path):
+    """transformers' converter would parse the file again: inside reader_reused it gets the parse at hand,
+    for that file alone, and gguf.GGUFReader is itself again afterwards."""
+    import gguf
+
+    from speculant.models.gguf import reader_reused
+
+    original = gguf.GGUFReader
+    parsed = object()
+    other = tmp_path / "other.gguf"
+    with reader_reused(parsed, smollm_path):
+        assert gguf.GGUFReader(str(smollm_path)) is parsed
+        with pytest.raises(Exception):  # any other path parses as usual: here, a missing file
+            gguf.GGUFReader(other)
+    assert gguf.GGUFReader is original
