@@ -18,8 +18,10 @@ def config(*flags):
 
 
 def test_draft_model_alone_gets_the_measured_rules():
+    assert config("--draft-model", "small.gguf").draft_quantization == "q4_0"
     cfg = config("--draft-model", "some/draft")
     assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == ("draft_model", "some/draft", 4)
+    assert cfg.draft_quantization is None  # a folder's weights are not GGUF blocks
     assert (cfg.lookup_first, cfg.draft_p_min, cfg.draft_vocab_size) == \
         (DRAFT_RULES["lookup_first"], DRAFT_RULES["draft_p_min"], DRAFT_RULES["draft_vocab_size"])
     cfg = config("--draft-model", "d", "--draft-p-min", "0", "--draft-vocab-size", "0", "-k", "6")
@@ -37,6 +39,7 @@ def test_a_named_model_with_a_sibling_drafts_with_it_by_default():
     cfg = default_speculative_config("qwen2.5-coder-1.5b-instruct")
     assert cfg["method"] == "draft_model" and cfg["model"] == "qwen2.5-coder-0.5b-instruct"
     assert {k: cfg[k] for k in DRAFT_RULES} == DRAFT_RULES
+    assert cfg["draft_quantization"] == "q4_0"  # a GGUF draft: its wider matrices as Q4_0
     assert default_speculative_config("qwen2.5-coder-0.5b-instruct") is None  # the family's smallest
     assert config("--model", "qwen2.5-coder-1.5b-instruct").model == "qwen2.5-coder-0.5b-instruct"
     assert config("--model", "qwen2.5-coder-1.5b-instruct", "--no-speculation") is None

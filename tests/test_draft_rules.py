@@ -140,3 +140,46 @@ def test_invalid_rule_settings_are_refused(bad, why):
     config = {"method": "draft_model", "model": "x", "num_speculative_tokens": 4, **bad}
     with pytest.raises(SpeculantError, match=why):
         SpeculativeConfig.parse(config)
+
+
+def test_a_requantized_gguf_draft_holds_gguf_s_q4_0_values_and_keeps_greedy_output(smollm_path, tmp_path,
+                                                                                   monkeypatch):
+    """A draft's wider matrices as Q4_0: each weight is gguf's Q4_0 of the file's value (its own quantizer,
+    dequantized), in a cache of its own; the target, the file as stored, decodes as without speculation."""
+    import gguf
+
+    from speculant.config import SamplingParams
+    from speculant.models import gguf_native
+
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    reader = gguf.GGUFReader(smollm_path)
+    t = next(t for t in reader.tensors if t.tensor_type in gguf_native.WIDER and len(t.shape) == 2)
+    qtype, raw = gguf_native.stored_rows(t, slice(0, 16), requantize=True)
+    assert qtype == gguf.GGMLQuantizationType.Q4_0
+    from speculant.models import ggml
+
+    expected = gguf.quants.dequantize(gguf.quants.quantize(gguf.quants.dequantize(t.data[:16], t.tensor_type),
+                                                           qtype), qtype)
+    assert (ggml.decode(qtype, raw, 16, int(t.shape[0])).dequantize() == expected).all()
+
+    target = load_model(smollm_path, dtype="auto", quantization="auto")
+    draft = load_model(smollm_path, dtype="auto", quantization="auto", requantize_q4_0=True)
+    assert gguf_native.cache_folder(smollm_path, True).name.endswith("-q4_0")
+    assert {m.weights[6][0].item() for m in draft.model.modules() if hasattr(m, "weights")} == {4}
+    prompt = target.tokenizer.encode_chat([{"role": "user", "content": "Name three prime numbers."}])
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    plain = Engine(target, max_batch_size=1, max_model_len=128)
+    expected_ids = plain.generate([plain.add_request(prompt, params)])[0].output_ids
+    engine = Engine(target, DraftModelProposer(draft, target.config.vocab_size, 1, 160, p_min=0.3), 4,
+                    max_batch_size=1, max_model_len=128)
+    assert engine.generate([engine.add_request(prompt, params)])[0].output_ids == expected_ids
+    assert engine.stats.num_accepted_tokens > 0
+
+
+def test_draft_quantization_needs_a_gguf_draft():
+    with pytest.raises(SpeculantError, match="draft_quantization requantizes a GGUF draft's blocks"):
+        SpeculativeConfig.parse({"method": "draft_model", "model": "a/folder", "num_speculative_tokens": 4,
+                                 "draft_quantization": "q4_0"})
+    with pytest.raises(SpeculantError, match="choose \"q4_0\""):
+        SpeculativeConfig.parse({"method": "draft_model", "model": "d.gguf", "num_speculative_tokens": 4,
+                                 "draft_quantization": "q2"})

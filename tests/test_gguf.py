@@ -473,6 +473,6 @@ def test_the_tokenizer_converter_reuses_the_parsed_reader(smollm_path, tmp_path)
     other = tmp_path / "other.gguf"
     with reader_reused(parsed, smollm_path):
         assert gguf.GGUFReader(str(smollm_path)) is parsed
-        with pytest.raises(Exception):  # any other path parses as usual: here, a missing file
+        with pytest.raises(FileNotFoundError):  # any other path parses as usual: here, a missing file
             gguf.GGUFReader(other)
     assert gguf.GGUFReader is original

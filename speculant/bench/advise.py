@@ -30,7 +30,7 @@ from speculant.bench.suite import (
     try_runner,
 )
 from speculant.bench.summary import ALL, summarize
-from speculant.config import SpeculativeConfig
+from speculant.config import SpeculativeConfig, gguf_draft
 from speculant.defaults import DRAFT_RULES
 from speculant.errors import SpeculantError
 from speculant.models.loader import load_model, resolve_model_path
@@ -83,11 +83,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-def advised_proposers() -> list[str]:
+def advised_proposers(gguf_draft: bool = False) -> list[str]:
     """The bench's default proposers, a draft model with the drafting rules `--draft-model` applies."""
     rules = DRAFT_RULES
     draft = ("draft_model" + "+lookup" * rules["lookup_first"] + f"+vocab{rules['draft_vocab_size']}"
-             + f"+pmin{rules['draft_p_min']:g}")
+             + f"+pmin{rules['draft_p_min']:g}" + "+q4_0" * gguf_draft)
     return [draft if name == "draft_model" else name for name in DEFAULT_PROPOSERS]
 
 
@@ -124,7 +124,8 @@ def run(args: argparse.Namespace) -> None:
     model_path = resolve_model_path(args.model)
     target = load_model(model_path, dtype=args.dtype, device=args.device, quantization=args.quantization)
     plan = BenchPlan(model=args.model, dtype=args.dtype, device=args.device, quantization=target.quantization,
-                     adaptive=False, draft_model=args.draft, eagle=args.eagle, proposers=advised_proposers())
+                     adaptive=False, draft_model=args.draft, eagle=args.eagle,
+                     proposers=advised_proposers(bool(args.draft) and gguf_draft(args.draft)))
     prompts = load_prompts(args.prompts, target.tokenizer, target.config.vocab_size,
                            per_class=args.per_class, max_prompt_tokens=plan.max_prompt_tokens)
     if not prompts:

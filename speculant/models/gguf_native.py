@@ -43,8 +43,14 @@ CHUNK_ROWS = 8192  # outputs repacked at a time: a vocabulary-sized head's tempo
 DENSE = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
 
 
-def cache_folder(src: Path) -> Path:
-    return cache_dir(None) / "gguf-native" / f"{cache_key(src)}-v{FORMAT_VERSION}"
+# A draft's matrices stored wider than Q4_0 may be requantized to it: a cheaper draft pass. The draft's drafts
+# are only proposals, so its precision never changes the output (the target's is the file's, always).
+REQUANTIZED = gguf.GGMLQuantizationType.Q4_0
+WIDER = {gguf.GGMLQuantizationType[n] for n in ("Q4_1", "Q5_0", "Q5_K", "Q6_K", "Q8_0")}
+
+
+def cache_folder(src: Path, requantize: bool = False) -> Path:
+    return cache_dir(None) / "gguf-native" / f"{cache_key(src)}-v{FORMAT_VERSION}{'-q4_0' * requantize}"
 
 
 @functools.lru_cache(maxsize=1)
@@ -71,12 +77,14 @@ def native_loadable(src: Path) -> bool:
     return arch in ARCHITECTURES
 
 
-def load_gguf_native(src: Path, dtype: torch.dtype = torch.bfloat16) -> tuple[Transformer, Path, bool]:
-    """→ (the model, the folder with its config and tokenizer, whether the packed cache was there)."""
-    folder = cache_folder(src)
+def load_gguf_native(src: Path, dtype: torch.dtype = torch.bfloat16,
+                     requantize: bool = False) -> tuple[Transformer, Path, bool]:
+    """→ (the model, the folder with its config and tokenizer, whether the packed cache was there);
+    `requantize`: the WIDER matrices as REQUANTIZED (drafts only)."""
+    folder = cache_folder(src, requantize)
     cached = (folder / "packed.json").is_file()
     if not cached:
-        build_cache(src, folder)
+        build_cache(src, folder, requantize)
     config = json.loads((folder / "config.json").read_text())
     cfg = ModelConfig.from_hf(config, source=str(src))
     return assemble(src, cfg, read_packed(folder), dtype), folder, cached
@@ -84,7 +92,7 @@ def load_gguf_native(src: Path, dtype: torch.dtype = torch.bfloat16) -> tuple[Tr
 
 # --- the packed cache ---------------------------------------------------------------------------------------
 
-def build_cache(src: Path, folder: Path) -> None:
+def build_cache(src: Path, folder: Path, requantize: bool = False) -> None:
     reader = _reader(src, cache_key(src))
     meta = read_metadata(reader)
     arch = meta.get("general.architecture")
@@ -93,7 +101,7 @@ def build_cache(src: Path, folder: Path) -> None:
     config = hf_config(reader, meta, arch, src)
 
     def write(tmp: Path) -> None:
-        write_packed(reader, config, arch, src, tmp)
+        write_packed(reader, config, arch, src, tmp, requantize)
         write_tokenizer(reader, meta, src, tmp)
         write_generation_config(meta, config, tmp)
         write_json(tmp / "config.json", config)
@@ -101,17 +109,27 @@ def build_cache(src: Path, folder: Path) -> None:
     publish(folder, "packed.json", write)
 
 
-def component_shapes(t, n_in: int) -> list[tuple[tuple[int, ...], np.dtype]]:
+def stored_rows(t, rows: np.ndarray | slice, requantize: bool) -> tuple[gguf.GGMLQuantizationType, np.ndarray]:
+    """(type, raw bytes) of tensor t's rows as the kernel will hold them: the file's, or requantized."""
+    raw = t.data[rows]
+    if not (requantize and t.tensor_type in WIDER):
+        return t.tensor_type, raw
+    return REQUANTIZED, gguf.quants.quantize(gguf.quants.dequantize(raw, t.tensor_type), REQUANTIZED)
+
+
+def component_shapes(t, n_in: int, requantize: bool = False) -> list[tuple[tuple[int, ...], np.dtype]]:
     """The shapes and dtypes of ggml.layout's 7 tensors for tensor t, its outputs padded to 16: a block's
     from the layout of its first 16 outputs, times the blocks (1-D ones, the format and the empty
     tensors, as they are)."""
     n_out = int(t.shape[1])
-    first = ggml.layout(ggml.decode(t.tensor_type, t.data[:min(16, n_out)], min(16, n_out), n_in).padded())
+    qtype, raw = stored_rows(t, slice(0, min(16, n_out)), requantize)
+    first = ggml.layout(ggml.decode(qtype, raw, min(16, n_out), n_in).padded())
     blocks = (n_out + 15) // 16
     return [((blocks, *x.shape[1:]) if x.dim() > 1 else tuple(x.shape), x.numpy().dtype) for x in first]
 
 
-def write_packed(reader: gguf.GGUFReader, config: dict, arch: str, src: Path, out: Path) -> None:
+def write_packed(reader: gguf.GGUFReader, config: dict, arch: str, src: Path, out: Path,
+                 requantize: bool = False) -> None:
     """Every quantized matrix (the token embedding only where it is the head too), repacked CHUNK_ROWS outputs
     at a time into one file, with the norms and biases; the embedding's place in the GGUF file."""
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
@@ -125,7 +143,7 @@ def write_packed(reader: gguf.GGUFReader, config: dict, arch: str, src: Path, ou
                                  f"kernels do not take. Supported: {', '.join(q.name for q in ggml.FORMATS)}.")
         n_in, n_out = int(t.shape[0]), int(t.shape[1])
         parts = []
-        for shape, dt in component_shapes(t, n_in):
+        for shape, dt in component_shapes(t, n_in, requantize):
             parts.append({"shape": list(shape), "dtype": np.dtype(dt).str, "offset": offset})
             offset += int(np.prod(shape)) * np.dtype(dt).itemsize
             offset = (offset + 63) // 64 * 64
@@ -151,8 +169,8 @@ def write_packed(reader: gguf.GGUFReader, config: dict, arch: str, src: Path, ou
             perm = unpermute_rows(n_out, heads[kind]) if arch in PERMUTED_QK and kind in heads else None
             for r0 in range(0, n_out, CHUNK_ROWS):
                 rows = np.arange(r0, min(n_out, r0 + CHUNK_ROWS))
-                raw = t.data[rows if perm is None else perm[rows]]
-                tensors = ggml.layout(ggml.decode(t.tensor_type, raw, len(rows), n_in).padded())
+                qtype, raw = stored_rows(t, rows if perm is None else perm[rows], requantize)
+                tensors = ggml.layout(ggml.decode(qtype, raw, len(rows), n_in).padded())
                 for p, tensor in zip(parts, tensors):
                     if tensor.numel() == 0:
                         continue

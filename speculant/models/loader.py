@@ -88,10 +88,12 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float32",
                device: str | torch.device = "cpu", quantization: str | None = None,
-               pack: bool = True) -> LoadedModel:
+               pack: bool = True, requantize_q4_0: bool = False) -> LoadedModel:
     """Load a Hugging Face folder or a GGUF file. `pack` lays the linear weights out for the fastest
     inference kernels (models/kernels.py) and, on CUDA, runs narrow passes as static passes replayed
-    from CUDA graphs (models/cuda_graphs.py); training, which needs the plain layers, turns it off."""
+    from CUDA graphs (models/cuda_graphs.py); training, which needs the plain layers, turns it off.
+    `requantize_q4_0`, for drafts: a GGUF file on its own blocks gets its wider matrices as Q4_0 (elsewhere,
+    without the native kernels, the file loads as it would without it)."""
     t0 = time.perf_counter()
     path = resolve_model_path(path)
     torch_device = resolve_device(device)
@@ -107,7 +109,7 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float
         if path.suffix.lower() != ".gguf":
             raise SpeculantError(f"{path}: expected a Hugging Face model folder or a .gguf file")
         if quantization == "auto" and _native_gguf(path, torch_dtype, torch_device):
-            return _load_gguf_native(path, torch_dtype, t0)
+            return _load_gguf_native(path, torch_dtype, t0, requantize_q4_0)
         from speculant.models.gguf import convert_gguf
 
         folder, cached = convert_gguf(path)
@@ -151,10 +153,10 @@ def _native_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype == torch.bfloat16 and native_loadable(path)
 
 
-def _load_gguf_native(path: Path, dtype: torch.dtype, t0: float) -> LoadedModel:
+def _load_gguf_native(path: Path, dtype: torch.dtype, t0: float, requantize: bool = False) -> LoadedModel:
     from speculant.models.gguf_native import load_gguf_native
 
-    model, folder, cached = load_gguf_native(path, dtype)
+    model, folder, cached = load_gguf_native(path, dtype, requantize)
     eos_ids = _eos_ids(folder, _read_json(folder / "config.json"))
     tokenizer = _tokenizer(folder, eos_ids)
     info = {"gguf_cached": cached, "weights": "gguf blocks", "params": stored_params(model),

@@ -24,7 +24,7 @@ def build_proposer(cfg: SpeculativeConfig, target: LoadedModel, max_batch_size: 
         from speculant.proposers.draft_model import DraftModelProposer, check_vocab, warn_if_not_cheaper
 
         draft = load_model(cfg.model, dtype=target.model.dtype, device=target.model.device,
-                           quantization=target.quantization)
+                           quantization=target.quantization, requantize_q4_0=cfg.draft_quantization == "q4_0")
         check_vocab(target, draft)
         warn_if_not_cheaper(target, draft)
         return DraftModelProposer(draft, target.config.vocab_size, max_batch_size, max_len, cfg.draft_vocab_size,
