@@ -60,8 +60,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help='JSON object or a JSON/YAML file, as vLLM: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\'; methods: draft_model, ngram, eagle')
     s.add_argument("--draft-model", default=None, help="shortcut: a draft model path or a name from "
-                   "`speculant models` (method draft_model), with prompt lookup first, --draft-p-min 0.6 and "
-                   "--draft-vocab-size 65536 unless given")
+                   "`speculant models` (method draft_model), k = 3, with prompt lookup first, --draft-p-min 0.6, "
+                   "--draft-vocab-size 65536 and a GGUF draft's wider matrices as Q4_0 unless given")
     s.add_argument("--draft-p-min", type=float, default=None,
                    help="with --draft-model: stop a draft where the draft's likeliest token is below P "
                         "(\"draft_p_min\"; 0: always k drafts)")
@@ -77,7 +77,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="with an EAGLE head: verify a draft tree of k + N - 1 nodes in one pass, N children for "
                         "each of the N likeliest nodes of a depth, the likeliest kept (\"tree_width\": N, "
                         "default 1)")
-    s.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="draft length k (default 4)")
+    s.add_argument("-k", "--num-speculative-tokens", type=int, default=None,
+                   help="draft length k (default 4; 3 with --draft-model)")
     s.add_argument("--adaptive", action="store_true",
                    help="choose k per step from the measured cost curve and acceptance (0 where it loses)")
     s.add_argument("--history-tokens", type=int, default=None,
@@ -119,10 +120,11 @@ def _speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
         raise SpeculantError("--draft-p-min and --draft-vocab-size shape a draft model's drafts: give --draft-model "
                              "PATH with them")
     if args.draft_model:
-        from speculant.defaults import draft_model_config
+        from speculant.defaults import DRAFT_K, draft_model_config
 
         rules = {key: v for key, v in (("draft_p_min", args.draft_p_min), ("draft_vocab_size", args.draft_vocab_size))
                  if v is not None}
+        k = DRAFT_K if args.num_speculative_tokens is None else args.num_speculative_tokens
         return SpeculativeConfig.parse(draft_model_config(args.draft_model, k, adaptive=args.adaptive,
                                                           tree_width=1 if args.tree_width is None else args.tree_width,
                                                           **rules))

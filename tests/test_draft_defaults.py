@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from speculant.cli import build_parser, speculative_config_from_args
-from speculant.defaults import DRAFT_RULES, default_speculative_config
+from speculant.defaults import DRAFT_K, DRAFT_RULES, default_speculative_config
 from speculant.errors import SpeculantError
 from speculant.models.loader import load_model
 from speculant.models.registry import MODELS, is_installed
@@ -20,7 +20,7 @@ def config(*flags):
 def test_draft_model_alone_gets_the_measured_rules():
     assert config("--draft-model", "small.gguf").draft_quantization == "q4_0"
     cfg = config("--draft-model", "some/draft")
-    assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == ("draft_model", "some/draft", 4)
+    assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == ("draft_model", "some/draft", DRAFT_K)
     assert cfg.draft_quantization is None  # a folder's weights are not GGUF blocks
     assert (cfg.lookup_first, cfg.draft_p_min, cfg.draft_vocab_size) == \
         (DRAFT_RULES["lookup_first"], DRAFT_RULES["draft_p_min"], DRAFT_RULES["draft_vocab_size"])
