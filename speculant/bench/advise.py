@@ -30,8 +30,8 @@ from speculant.bench.suite import (
     try_runner,
 )
 from speculant.bench.summary import ALL, summarize
-from speculant.config import SpeculativeConfig, gguf_draft
-from speculant.defaults import DRAFT_RULES
+from speculant.config import SpeculativeConfig
+from speculant.defaults import draft_model_config
 from speculant.errors import SpeculantError
 from speculant.models.loader import load_model, resolve_model_path
 from speculant.models.quantize import QUANTIZATIONS
@@ -83,12 +83,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-def advised_proposers(gguf_draft: bool = False) -> list[str]:
-    """The bench's default proposers, a draft model with the drafting rules `--draft-model` applies."""
-    rules = DRAFT_RULES
-    draft = ("draft_model" + "+lookup" * rules["lookup_first"] + f"+vocab{rules['draft_vocab_size']}"
-             + f"+pmin{rules['draft_p_min']:g}" + "+q4_0" * gguf_draft)
-    return [draft if name == "draft_model" else name for name in DEFAULT_PROPOSERS]
+def advised_proposers(draft: str | None) -> list[str]:
+    """The bench's default proposers, the draft model named as reports name it with the drafting rules
+    `--draft-model` applies (draft_model+lookup+vocab65536+…)."""
+    name = SpeculativeConfig.parse(draft_model_config(draft)).proposer if draft else "draft_model"
+    return [name if p == "draft_model" else p for p in DEFAULT_PROPOSERS]
 
 
 def advise(curve: CostCurve, fits: dict[str, AcceptanceFit], batch_sizes: list[int]) -> list[Advice]:
@@ -125,7 +124,7 @@ def run(args: argparse.Namespace) -> None:
     target = load_model(model_path, dtype=args.dtype, device=args.device, quantization=args.quantization)
     plan = BenchPlan(model=args.model, dtype=args.dtype, device=args.device, quantization=target.quantization,
                      adaptive=False, draft_model=args.draft, eagle=args.eagle,
-                     proposers=advised_proposers(bool(args.draft) and gguf_draft(args.draft)))
+                     proposers=advised_proposers(args.draft))
     prompts = load_prompts(args.prompts, target.tokenizer, target.config.vocab_size,
                            per_class=args.per_class, max_prompt_tokens=plan.max_prompt_tokens)
     if not prompts:

@@ -128,8 +128,13 @@ class EngineRunner(Runner):
 
 
 def passes_between(before: dict, after: dict) -> dict:
-    return {w: [n - before.get(w, [0, 0.0])[0], s - before.get(w, [0, 0.0])[1]] for w, (n, s) in after.items()
-            if n > before.get(w, [0, 0.0])[0]}
+    """EngineTiming.passes gained between two readings: width → [passes, seconds]."""
+    gained = {}
+    for width, (n, s) in after.items():
+        n0, s0 = before.get(width, (0, 0.0))
+        if n > n0:
+            gained[width] = [n - n0, s - s0]
+    return gained
 
 
 def stats_as_dict(s: SpecStats) -> dict:

@@ -129,15 +129,15 @@ def _row(runner: Runner, b: int, temp: float, cls: str, ms: list[Measurement], r
     row.mean_acceptance_length = stats["mean_acceptance_length"]
     row.per_position_acceptance = stats["per_position_acceptance"]
     row.coverage = stats["num_drafts"] / stats["target_passes"] if stats["target_passes"] else None
-    base_steps = sum(m.steps or 0 for m in paired)
-    steps = sum(m.steps or 0 for m in ms)
     if stats["num_draft_tokens"]:
         row.draft_ms = 1e3 * split["draft"] / stats["num_draft_tokens"]
     one, wide = _pass_means(paired, narrow=True), _pass_means(ms, narrow=False)
     if one and wide:
         row.pass_ratio = wide / one
+    base_steps = sum(m.steps or 0 for m in paired)
     if curve is not None and base_steps:
         c1 = sum(m.target_s or 0 for m in paired) / base_steps
+        steps = sum(m.steps or 0 for m in ms)
         fit = AcceptanceFit.from_stats(stats, runner.k, split["draft"], steps, c1, runner.extra_nodes)
         row.fit = fit.as_dict()
         row.predicted_speedup = fit.predict(curve, b)
