@@ -9,7 +9,7 @@ import torch
 from speculant.models import native
 
 pytestmark = pytest.mark.skipif(not native.attention_usable(64),
-                                reason="the native attention kernel does not run here (no AVX512-BF16, or no compiler)")
+                                reason="the native attention kernel does not run here (no AVX2, or no compiler)")
 
 KERNELS = [pytest.param(False, id="vector"),
            pytest.param(True, id="amx", marks=pytest.mark.skipif(not native.amx(), reason="this CPU has no AMX"))]

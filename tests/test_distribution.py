@@ -116,7 +116,7 @@ def test_ngram_sampling_matches_target(models, native_sampler, setting, monkeypa
     from speculant.models import native
 
     if native_sampler and not native.sampling_usable(torch.zeros(1)):
-        pytest.skip("the native sampler does not run here (no AVX512-BF16, or no compiler)")
+        pytest.skip("the native sampler does not run here (no AVX2, or no compiler)")
     if not native_sampler:
         monkeypatch.setattr(native, "sampling_usable", lambda x: False)
     engine = Engine(models[0], NgramProposer(1, 3), 3, max_batch_size=BATCH, max_model_len=32)
@@ -135,7 +135,7 @@ def test_seeded_lookup_sampling_writes_the_plain_tokens(models, native_sampler, 
     from speculant.models import native
 
     if native_sampler and not native.sampling_usable(torch.zeros(1)):
-        pytest.skip("the native sampler does not run here (no AVX512-BF16, or no compiler)")
+        pytest.skip("the native sampler does not run here (no AVX2, or no compiler)")
     if not native_sampler:
         monkeypatch.setattr(native, "sampling_usable", lambda x: False)
     requests = [replace(NGRAM_SETTINGS[setting], seed=i, max_tokens=12, ignore_eos=True) for i in range(BATCH)]

@@ -141,7 +141,7 @@ def test_bfloat16_batched_speculation_equals_plain_output(tmp_path):
     """With the native attention kernel (head size 64 here) a bf16 row scores the same bits in any
     batch: a ragged batch's speculative output equals plain output, and plain output alone."""
     if not native.attention_usable(64):
-        pytest.skip("the native attention kernel does not run here (no AVX512-BF16, or no compiler)")
+        pytest.skip("the native attention kernel does not run here (no AVX2, or no compiler)")
     # Small weights keep the logits close together: near-ties, where a differently summed row flips.
     folder = save_tiny(tmp_path, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
                        intermediate_size=256, init_std=0.02)

@@ -117,7 +117,7 @@ def test_bfloat16_verify_pass_equals_single_steps_bitwise(tmp_path, monkeypatch,
     from speculant.models import native
 
     if native_attention and not native.attention_usable(64):
-        pytest.skip("the native attention kernel does not run here (no AVX512-BF16, or no compiler)")
+        pytest.skip("the native attention kernel does not run here (no AVX2, or no compiler)")
     if not native_attention:
         monkeypatch.setattr(native, "attention_usable", lambda head_dim: False)
         monkeypatch.setattr(native, "layer_ops_usable", lambda x: False)
@@ -143,7 +143,7 @@ def test_bfloat16_batch_rows_equal_single_rows_bitwise(tmp_path):
     from speculant.models import native
 
     if not native.attention_usable(64):
-        pytest.skip("the native attention kernel does not run here (no AVX512-BF16, or no compiler)")
+        pytest.skip("the native attention kernel does not run here (no AVX2, or no compiler)")
     folder = save_tiny(tmp_path, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
                        intermediate_size=256, init_std=0.05)
     model = load_model(folder, dtype="bfloat16").model
@@ -176,7 +176,7 @@ def test_native_layer_ops_match_pytorch_in_fp32_and_give_a_row_the_same_bits_in_
     from speculant.models.llama import rope_tables
 
     if native.kernels() is None:
-        pytest.skip("the native layer operations do not run here (no AVX512-BF16, or no compiler)")
+        pytest.skip(native.off_reason())
     gen = torch.Generator().manual_seed(0)
 
     def close(got, ref):

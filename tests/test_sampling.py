@@ -192,7 +192,7 @@ def test_native_sampler_splits_the_unit_interval_by_probability(transforms, dtyp
     one draw each, and a few ulps), p what sampling.probabilities gives under the transforms; a row of
     700 tokens crosses the kernel's blocks of 256."""
     if not native.sampling_usable(torch.zeros(1, dtype=dtype)):
-        pytest.skip("the native sampler does not run here (no AVX512-BF16, or no compiler)")
+        pytest.skip("the native sampler does not run here (no AVX2, or no compiler)")
     temperature, top_k, top_p, min_p = transforms
     gen = torch.Generator().manual_seed(0)
     row = (torch.randn(700, generator=gen) * 3).to(dtype)

@@ -278,7 +278,7 @@ def test_lookup_drafts_under_a_grammar_follow_the_target(letters_pair, native_sa
     from speculant.models import native
 
     if native_sampler and not native.sampling_usable(torch.zeros(1)):
-        pytest.skip("the native sampler does not run here (no AVX512-BF16, or no compiler)")
+        pytest.skip("the native sampler does not run here (no AVX2, or no compiler)")
     if not native_sampler:
         monkeypatch.setattr(native, "sampling_usable", lambda x: False)
     params = SETTINGS["t1"]

@@ -46,7 +46,7 @@ def tree_and_branches(model, prompt: torch.Tensor) -> tuple[torch.Tensor, list[t
 @pytest.mark.parametrize("path", ["float32", "bfloat16 native", "bfloat16 row by row"])
 def test_tree_pass_scores_each_branch_as_decoded_alone(tmp_path, monkeypatch, path):
     if path == "bfloat16 native" and not native.attention_usable(64):
-        pytest.skip("the native attention kernel does not run here (no AVX512-BF16, or no compiler)")
+        pytest.skip("the native attention kernel does not run here (no AVX2, or no compiler)")
     if path == "bfloat16 row by row":
         monkeypatch.setattr(native, "attention_usable", lambda head_dim: False)
         monkeypatch.setattr(native, "layer_ops_usable", lambda x: False)

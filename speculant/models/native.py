@@ -1,6 +1,7 @@
-"""Compiled CPU kernels (csrc/), one extension module built on first use by PyTorch's extension loader
-where the CPU has AVX512-BF16 and a C++ compiler is installed; callers fall back to PyTorch's own kernels
-otherwise.
+"""Compiled CPU kernels (csrc/), one extension module per kernel level (LEVELS) built on first use by
+PyTorch's extension loader where the CPU has AVX2 and a C++ compiler is installed; callers fall back to
+PyTorch's own kernels otherwise. The vector kernels are written once on vec.h's 16-lane types and built for
+AVX512 or AVX2; quantized.cpp and the AMX files exist on AVX512 alone.
 
 - quantized.cpp: int4 (Q4_1) and int8 (Q8_0) weight × int8 activation products (the activations quantized
   per 32 as llama.cpp does), on VNNI up to 8 rows and AMX's int8 tiles above; integer sums, so every row
@@ -41,17 +42,25 @@ log = logging.getLogger("speculant")
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ["quantized.cpp", "ggml_mm.cpp", "bf16_amx.cpp", "attention.cpp", "attention_amx.cpp", "layer_ops.cpp",
            "argmax.cpp", "sampling.cpp", "decoder.cpp"]
-HEADERS = ["amx.h", "attention.h", "bf16.h", "kernels.h", "team.h"]
-CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi", "-mavx512vnni", "-mamx-tile",
-          "-mamx-bf16", "-mamx-int8", "-fopenmp"]
-# The compiler may use any instruction CFLAGS allow anywhere: the module loads only where all of them run;
-# AMX instructions appear in the *_amx.cpp kernels alone, called only where the CPU has AMX.
-NEEDED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi", "avx512_vnni")
-AMX_FLAGS = ("amx_tile", "amx_bf16", "amx_int8")
-# SPECULANT_NATIVE caps the kernel level: `on` (the best this CPU runs), `avx512` (no AMX tiles, as on AMD
-# Zen 4/5 or Ice Lake), or `off` (PyTorch's kernels everywhere): every level is testable on one machine.
+HEADERS = ["amx.h", "attention.h", "bf16.h", "kernels.h", "team.h", "vec.h"]
+# SPECULANT_NATIVE caps the kernel level: `on` (the best this CPU runs), `amx`, `avx512` (no AMX tiles, as on
+# AMD Zen 4/5 or Sapphire Rapids told not to), `avxvnni` and `avx2` (vec.h's two-register form: Intel's
+# consumer CPUs, AMD before Zen 4; with AVX-VNNI's dot products or without), or `off` (PyTorch's kernels
+# everywhere): every level at or below the CPU's is testable on one machine.
 SWITCH_ENV = "SPECULANT_NATIVE"
-LEVELS = ("off", "avx512", "amx")  # lowest first
+LEVELS = ("off", "avx2", "avxvnni", "avx512", "amx")  # lowest first
+AVX2_FLAGS = ("avx2", "fma", "f16c")
+AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi", "avx512_vnni")
+AMX_FLAGS = ("amx_tile", "amx_bf16", "amx_int8")
+# The flags each level needs of the CPU, and the compiler flags of its build. The compiler may use any
+# instruction a build allows anywhere: a module loads only where all of them run. The amx level runs the
+# avx512 build, whose AMX instructions appear in the *_amx.cpp kernels alone, called only where allowed.
+NEEDED = {"avx2": AVX2_FLAGS, "avxvnni": (*AVX2_FLAGS, "avx_vnni"), "avx512": AVX512_FLAGS,
+          "amx": (*AVX512_FLAGS, *AMX_FLAGS)}
+AVX2_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+CFLAGS = {"avx2": AVX2_CFLAGS, "avxvnni": [*AVX2_CFLAGS, "-mavxvnni"],
+          "avx512": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi", "-mavx512vnni",
+                     "-mamx-tile", "-mamx-bf16", "-mamx-int8", "-fopenmp"]}
 BUILD_ERRORS: list[str] = []  # why kernels() fell back, for the test that each supported level builds
 Transforms = tuple[float, int, float, float]  # a request's temperature, top_k, top_p, min_p
 
@@ -83,9 +92,13 @@ def requested_level() -> str:
 
 def cpu_level() -> str:
     """The highest level this CPU's flags run."""
-    if any(f not in cpu_flags() for f in NEEDED_FLAGS):
-        return "off"
-    return "amx" if all(f in cpu_flags() for f in AMX_FLAGS) else "avx512"
+    return max((lv for lv, needed in NEEDED.items() if all(f in cpu_flags() for f in needed)), key=LEVELS.index,
+               default="off")
+
+
+def build_of(level_: str) -> str:
+    """The compiled module a level runs (amx and avx512 share one)."""
+    return "avx512" if level_ == "amx" else level_
 
 
 @functools.cache
@@ -100,35 +113,39 @@ def _allowed_level() -> str:
 
 @functools.cache
 def kernels() -> ModuleType | None:
-    """The compiled module, or None where it cannot run or be built (then every caller uses PyTorch)."""
-    if requested_level() == "off":
+    """The compiled module of the level in use, or None where none can run or be built (then every caller
+    uses PyTorch)."""
+    allowed = _allowed_level()
+    if allowed == "off":
+        if requested_level() != "off":
+            log.info("native kernels: PyTorch's instead (this CPU lacks %s)", ", ".join(_missing("avx2")))
         return None
-    missing = [f for f in NEEDED_FLAGS if f not in cpu_flags()]
-    if missing:
-        log.info("native kernels: PyTorch's instead (this CPU lacks %s)", ", ".join(missing))
-        return None
+    build = build_of(allowed)
     try:
         from torch.utils.cpp_extension import load
 
-        log.info("native kernels: compiled on first use (~1 min), then cached by PyTorch")
+        log.info("native kernels (%s): compiled on first use (~1 min), then cached by PyTorch", build)
         # The name carries the sources' hash: checkouts of other sources never share (or race on) one build.
-        module = load(f"speculant_native_{source_digest()}", [str(CSRC / s) for s in SOURCES],
-                      extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"])
-    except Exception as e:  # no compiler, no ninja, a compiler without AMX: all mean the fallback
+        module = load(f"speculant_native_{build}_{source_digest()}", [str(CSRC / s) for s in SOURCES],
+                      extra_cflags=CFLAGS[build], extra_ldflags=["-fopenmp"])
+    except Exception as e:  # no compiler, no ninja, a compiler without these flags: all mean the fallback
         BUILD_ERRORS.append(str(e))
         log.warning("native kernels: PyTorch's instead (they did not build: %s)", str(e).splitlines()[0][:200])
         return None
-    module.set_amx(_allowed_level() == "amx")  # the C++ side asks CPUID; a lower level forced must reach it
+    module.set_amx(allowed == "amx")  # the C++ side asks CPUID; a lower level forced must reach it
     return module
+
+
+def _missing(level_: str) -> list[str]:
+    return [f for f in NEEDED[level_] if f not in cpu_flags()]
 
 
 def off_reason() -> str:
     """Why the native kernels do not run here, for a skipped test's message."""
     if requested_level() == "off":
         return f"{SWITCH_ENV}=off"
-    missing = [f for f in NEEDED_FLAGS if f not in cpu_flags()]
-    if missing:
-        return f"this CPU lacks {', '.join(missing)}"
+    if cpu_level() == "off":
+        return f"this CPU lacks {', '.join(_missing('avx2'))}"
     return "the native kernels did not build: " + (BUILD_ERRORS[-1].splitlines()[0][:200] if BUILD_ERRORS else "?")
 
 
@@ -139,8 +156,8 @@ def amx() -> bool:
 
 def quantized_usable(out_features: int, in_features: int) -> bool:
     """Whether the kernels for int4 (Q4_1) and int8 (Q8_0) weights take this shape here: VNNI on AVX512,
-    with AMX tiles above 8 rows where the CPU has them."""
-    return out_features % 16 == 0 and in_features % 64 == 0 and level() != "off"
+    with AMX tiles above 8 rows where the CPU has them (below AVX512: PyTorch's int4 kernel)."""
+    return out_features % 16 == 0 and in_features % 64 == 0 and level() in ("avx512", "amx")
 
 
 def int4_layout(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -20,6 +20,7 @@ inline void prefetch_ahead(const uint8_t* at, int64_t bytes) {
   for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
 }
 
+#if defined(__AMX_TILE__)
 struct TileConfig {
   uint8_t palette_id;
   uint8_t start_row;
@@ -36,6 +37,8 @@ inline void load_tile_config(const TileConfig& cfg) {
   _tile_loadconfig(&cfg);
 }
 
+#endif
+
 inline bool amx_permitted() {
   // Linux hands out the tile state on request only (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
   static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
@@ -50,6 +53,9 @@ inline bool& amx_allowed() {
 
 // Whether this CPU has AMX's bf16 tiles (CPUID leaf 7: AMX-BF16, AMX-TILE), Linux grants them, and they are allowed.
 inline bool amx_usable() {
+#if !defined(__AMX_TILE__)
+  return false;  // a build without the tile instructions (the avx2 levels)
+#endif
   static const bool ok = [] {
     unsigned a, b, c, d;
     return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1) && (d >> 24 & 1) && amx_permitted();

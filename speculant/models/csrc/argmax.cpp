@@ -14,17 +14,12 @@
 
 namespace {
 
-using speculant::lanes;
+namespace vec = speculant::vec;
 
-// Masked-off lanes read −inf: they never win.
-inline __m512 load_row(const float* p, __mmask16 m) {
-  return _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, p);
-}
+// Lanes from `left` on read −inf: they never win.
+inline vec::F load_row(const float* p, int64_t left) { return vec::load(p, left, -INFINITY); }
 
-inline __m512 load_row(const uint16_t* p, __mmask16 m) {
-  const __m512 v = _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, p));
-  return _mm512_mask_blend_ps(m, _mm512_set1_ps(-INFINITY), v);
-}
+inline vec::F load_row(const uint16_t* p, int64_t left) { return vec::load_bf16(p, left, -INFINITY); }
 
 inline float value(const float* x, int64_t i) { return x[i]; }
 
@@ -39,30 +34,28 @@ inline float value(const uint16_t* x, int64_t i) {
 // first value equal to it.
 template <typename T>
 int64_t first_maximum(const T* x, int64_t n) {
-  __m512 top[4];
-  for (auto& t : top) t = _mm512_set1_ps(-INFINITY);
-  __mmask16 nan = 0;
+  vec::F top[4];
+  for (auto& t : top) t = vec::set(-INFINITY);
+  uint32_t nan = 0;
   int64_t i = 0;
   for (; i + 64 <= n; i += 64)
     for (int u = 0; u < 4; u++) {
-      const __m512 v = load_row(x + i + 16 * u, 0xFFFF);
-      top[u] = _mm512_max_ps(top[u], v);
-      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      const vec::F v = load_row(x + i + 16 * u, 16);
+      top[u] = vec::max(top[u], v);
+      nan |= vec::nan(v);
     }
   for (; i < n; i += 16) {
-    const __m512 v = load_row(x + i, lanes(n - i));
-    top[0] = _mm512_max_ps(top[0], v);
-    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const vec::F v = load_row(x + i, n - i);
+    top[0] = vec::max(top[0], v);
+    nan |= vec::nan(v);
   }
   if (nan) {
     for (int64_t j = 0; j < n; j++)
       if (std::isnan(value(x, j))) return j;
   }
-  const __m512 best = _mm512_set1_ps(
-      _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(top[0], top[1]), _mm512_max_ps(top[2], top[3]))));
+  const vec::F best = vec::set(vec::top(vec::max(vec::max(top[0], top[1]), vec::max(top[2], top[3]))));
   for (i = 0; i < n; i += 16) {
-    const __mmask16 m = lanes(n - i);
-    const __mmask16 hit = _mm512_mask_cmp_ps_mask(m, load_row(x + i, m), best, _CMP_EQ_OQ);
+    const uint32_t hit = vec::eq(load_row(x + i, n - i), best);  // a fill lane lies past the row: a real maximum comes first
     if (hit) return i + __builtin_ctz(hit);
   }
   return 0;

@@ -20,34 +20,30 @@
 namespace {
 
 using speculant::AttentionArgs;
-using speculant::load_bf16;
+namespace vec = speculant::vec;
 using speculant::to_bf16;
 
 // One query row q [D] over n keys/values of k, v (row stride `stride` elements) → out [D]: rows 0 .. n-1, or
 // with `index` the rows index[0 .. n-1] (a draft tree's node sees the cache and its ancestors only).
 void attend_row(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t stride, int64_t n, int64_t D,
                 float scale, float* scores, uint16_t* out, const int64_t* index) {
-  const int64_t chunks = D / 32;
-  __m512i qv[8];
-  for (int64_t c = 0; c < chunks; c++) qv[c] = _mm512_loadu_si512(q + 32 * c);
   for (int64_t j = 0; j < n; j++) {
     const int64_t row = index ? index[j] : j;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t c = 0; c < chunks; c++)
-      acc = _mm512_dpbf16_ps(acc, (__m512bh)qv[c], (__m512bh)_mm512_loadu_si512(k + row * stride + 32 * c));
-    scores[j] = _mm512_reduce_add_ps(acc) * scale;
+    vec::F acc = vec::zero();
+    for (int64_t c = 0; c < D; c += 32) acc = vec::dot_bf16(acc, q + c, k + row * stride + c);
+    scores[j] = vec::sum(acc) * scale;
   }
   const float inv = 1.f / speculant::exponentiate(scores, n);
-  __m512 acc[8];
-  for (int64_t c = 0; c < D / 16; c++) acc[c] = _mm512_setzero_ps();
+  vec::F acc[16];
+  for (int64_t c = 0; c < D / 16; c++) acc[c] = vec::zero();
   for (int64_t j = 0; j < n; j++) {
-    const __m512 p = _mm512_set1_ps(scores[j]);
+    const vec::F p = vec::set(scores[j]);
     const int64_t row = index ? index[j] : j;
-    for (int64_t c = 0; c < D / 16; c++) acc[c] = _mm512_fmadd_ps(p, load_bf16(v + row * stride + 16 * c), acc[c]);
+    for (int64_t c = 0; c < D / 16; c++) acc[c] = vec::fmadd(p, vec::load_bf16(v + row * stride + 16 * c), acc[c]);
   }
   for (int64_t c = 0; c < D / 16; c++) {
     alignas(64) float o[16];
-    _mm512_store_ps(o, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
+    vec::store(o, acc[c] * vec::set(inv));
     for (int i = 0; i < 16; i++) out[16 * c + i] = to_bf16(o[i]);
   }
 }

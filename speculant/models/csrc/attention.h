@@ -32,20 +32,16 @@ inline std::pair<int64_t, int64_t> row_keys(const AttentionArgs& a, int64_t b, i
 
 // scores[0 .. n) → e^(score − max) in place, 16 at a time (the same lanes whoever calls); returns their sum.
 inline float exponentiate(float* scores, int64_t n) {
-  __m512 top = _mm512_set1_ps(-INFINITY);
+  vec::F top = vec::set(-INFINITY);
+  for (int64_t j = 0; j < n; j += 16) top = vec::max(top, vec::load(scores + j, n - j, -INFINITY));
+  const vec::F peak = vec::set(vec::top(top));
+  vec::F total = vec::zero();
   for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 live = lanes(n - j);
-    top = _mm512_mask_max_ps(top, live, top, _mm512_maskz_loadu_ps(live, scores + j));
+    const vec::F p = vec::keep(vec::exp(vec::load(scores + j, n - j, 0.f) - peak), n - j);
+    vec::store(scores + j, p, n - j);
+    total = total + p;
   }
-  const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-  __m512 total = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 live = lanes(n - j);
-    const __m512 p = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, scores + j), peak)));
-    _mm512_mask_storeu_ps(scores + j, live, p);
-    total = _mm512_add_ps(total, p);
-  }
-  return _mm512_reduce_add_ps(total);
+  return vec::sum(total);
 }
 
 // attention_amx.cpp: the whole call on AMX tiles.

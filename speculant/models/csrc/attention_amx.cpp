@@ -22,6 +22,8 @@
 #include "bf16.h"
 #include "team.h"
 
+#if defined(__AVX512F__)  // the avx2 levels build the stubs at the end instead
+
 namespace speculant {
 namespace {
 
@@ -259,3 +261,7 @@ void attention_amx(const AttentionArgs& a) {
 }
 
 }  // namespace speculant
+
+#else
+void speculant::attention_amx(const speculant::AttentionArgs&) { TORCH_CHECK(false, "attention_amx needs AMX"); }
+#endif

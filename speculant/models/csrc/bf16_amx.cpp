@@ -12,6 +12,8 @@
 #include "kernels.h"
 #include "team.h"
 
+#if defined(__AVX512F__)  // the avx2 levels build the stubs at the end instead
+
 // x [M, K] bf16; w bf16 [N/16, K/32, 16, 32]: block b, group g, input pair r, output j, member e holds
 // W[16 b + j, 32 g + 2 r + e] (see native.bf16_layout) → y [M, N] bf16.
 void bf16_mm_into(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& y) {
@@ -62,3 +64,8 @@ torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor w) {
   bf16_mm_into(x, w, y);
   return y;
 }
+
+#else
+void bf16_mm_into(const torch::Tensor&, const torch::Tensor&, torch::Tensor&) { TORCH_CHECK(false, "bf16_mm needs AMX"); }
+torch::Tensor bf16_mm(torch::Tensor, torch::Tensor) { TORCH_CHECK(false, "bf16_mm needs AMX"); }
+#endif

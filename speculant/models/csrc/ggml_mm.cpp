@@ -25,9 +25,13 @@
 
 namespace {
 
-using speculant::load_bf16;
+namespace vec = speculant::vec;
+using vec::F;
+using vec::I;
 
-constexpr int kRows = 8;  // rows a call takes at once (registers: 8 weight vectors, 8 sums, 8 accumulators)
+// Rows a call takes at once: 8 weight vectors, 8 sums and 8 accumulators fill AVX512's 32 registers; AVX2's
+// 16 (each vector a pair) take fewer.
+constexpr int kRows = vec::kAVX512 ? 8 : 4;
 
 template <class T>
 T* reused(std::vector<T>& buffer, int64_t n) {
@@ -54,15 +58,15 @@ struct Activations {
     half = reused(half_buffer[k], M * K / 16);
     for (int64_t i = 0; i < n; i++) {
       const uint16_t* x = X + span * i;
-      __m512 amax = _mm512_setzero_ps();
-      for (int64_t j = 0; j < span; j += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load_bf16(x + j)));
-      const float top = _mm512_reduce_max_ps(amax);
-      const __m512 inv = _mm512_set1_ps(top > 0 ? 127.f / top : 0.f);
+      F amax = vec::zero();
+      for (int64_t j = 0; j < span; j += 16) amax = vec::max(amax, vec::abs(vec::load_bf16(x + j)));
+      const float top = vec::top(amax);
+      const F inv = vec::set(top > 0 ? 127.f / top : 0.f);
       int32_t total = 0;
       for (int64_t j = 0; j < span; j += 16) {
-        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load_bf16(x + j), inv));
-        _mm_storeu_si128((__m128i*)(p + span * i + j), _mm512_cvtsepi32_epi8(q));
-        total += half[(span * i + j) / 16] = _mm512_reduce_add_epi32(q);
+        const I q = vec::to_i(vec::load_bf16(x + j) * inv);
+        vec::store_i8(p + span * i + j, q);
+        total += half[(span * i + j) / 16] = vec::sum_i(q);
       }
       dx[i] = top / 127.f;
       sx[i] = dx[i] * (float)total;
@@ -87,29 +91,25 @@ struct Plane {
   static constexpr int64_t kHigh = BITS == 8 ? 0 : (BITS - 4) * 64;
 
   // Group g of block b → 8 vectors of bytes, vector v holding for each output j its inputs 4v .. 4v+3.
-  static void unpack(const Weights& w, int64_t bg, __m512i* out) {
+  static void unpack(const Weights& w, int64_t bg, I* out) {
     const uint8_t* lo = w.low + bg * kLow;
     if constexpr (BITS == 8) {
-      for (int v = 0; v < 8; v++) out[v] = _mm512_loadu_si512(lo + 64 * v);
+      for (int v = 0; v < 8; v++) out[v] = vec::load_bytes(lo + 64 * v);
     } else {
-      const __m512i low4 = _mm512_set1_epi8(0x0F);
+      const I low4 = vec::set8(0x0F);
       for (int v = 0; v < 4; v++) {
-        const __m512i packed = _mm512_loadu_si512(lo + 64 * v);
-        out[v] = _mm512_and_si512(packed, low4);
-        out[v + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+        const I packed = vec::load_bytes(lo + 64 * v);
+        out[v] = packed & low4;
+        out[v + 4] = vec::shr16(packed, 4) & low4;
       }
       if constexpr (BITS == 5) {  // bit v of each byte: vector v's fifth bit
-        const __m512i hi = _mm512_loadu_si512(w.high + bg * kHigh), one = _mm512_set1_epi8(1);
-        for (int v = 0; v < 8; v++)
-          out[v] = _mm512_or_si512(out[v], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hi, v), one), 4));
+        const I hi = vec::load_bytes(w.high + bg * kHigh), one = vec::set8(1);
+        for (int v = 0; v < 8; v++) out[v] = out[v] | vec::shl16(vec::shr16(hi, v) & one, 4);
       } else if constexpr (BITS == 6) {  // bits 2(v mod 4), +1 of vector v / 4: the two top bits
-        const __m512i three = _mm512_set1_epi8(3);
+        const I three = vec::set8(3);
         for (int h = 0; h < 2; h++) {
-          const __m512i hi = _mm512_loadu_si512(w.high + bg * kHigh + 64 * h);
-          for (int s = 0; s < 4; s++) {
-            __m512i& o = out[4 * h + s];
-            o = _mm512_or_si512(o, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hi, 2 * s), three), 4));
-          }
+          const I hi = vec::load_bytes(w.high + bg * kHigh + 64 * h);
+          for (int s = 0; s < 4; s++) out[4 * h + s] = out[4 * h + s] | vec::shl16(vec::shr16(hi, 2 * s) & three, 4);
         }
       }
     }
@@ -122,20 +122,14 @@ struct Plane {
   }
 };
 
-inline __m512 fp16x16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+inline F int8x16(const int8_t* p) { return vec::to_f(vec::widen_i8(p)); }
 
-inline __m512 int8x16(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-}
-
-inline __m512 uint8x16(const uint8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)));
-}
+inline F uint8x16(const uint8_t* p) { return vec::to_f(vec::widen_u8(p)); }
 
 // Group g of blocks b .. b + C unpacked, and the stream 16 groups ahead requested (past a block's end: the
 // next call's block c).
 template <int BITS, int C>
-inline void unpack_group(const Weights& w, int64_t b, int64_t g, __m512i (*u)[8]) {
+inline void unpack_group(const Weights& w, int64_t b, int64_t g, I (*u)[8]) {
   for (int c = 0; c < C; c++) {
     const int64_t bg = (b + c) * w.G + g;
     Plane<BITS>::prefetch(w, g + 16 < w.G ? bg + 16 : (b + c + C) * w.G + g + 16 - w.G);
@@ -144,30 +138,29 @@ inline void unpack_group(const Weights& w, int64_t b, int64_t g, __m512i (*u)[8]
 }
 
 template <int R, int C>
-inline void store_rows(const Weights& w, const __m512 (*acc)[R], uint16_t* Y, int64_t r0, int64_t b) {
+inline void store_rows(const Weights& w, const F (*acc)[R], uint16_t* Y, int64_t r0, int64_t b) {
   for (int c = 0; c < C; c++)
-    for (int i = 0; i < R; i++)
-      _mm256_storeu_si256((__m256i*)(Y + (r0 + i) * w.ld + (b + c) * 16), (__m256i)_mm512_cvtneps_pbh(acc[c][i]));
+    for (int i = 0; i < R; i++) vec::store_bf16(Y + (r0 + i) * w.ld + (b + c) * 16, acc[c][i]);
 }
 
 // Rows r0 .. r0 + R's sums Σ (u − offset)·p over half group h of group g (the whole group where H = 1), for
 // blocks b .. b + C: R·C independent chains of dpbusd, then offset·Σp taken off (exact integers).
-template <int H, int R, int C>
-inline void half_sums(const Weights& w, const Activations& x, int64_t r0, int64_t g, int h, const __m512i (*u)[8],
-                      __m512i (*exact)[R]) {
+template <int BITS, int H, int R, int C>
+inline void half_sums(const Weights& w, const Activations& x, int64_t r0, int64_t g, int h, const I (*u)[8],
+                      I (*exact)[R]) {
   const int8_t* X = x.p + r0 * w.K + g * 32;
   for (int c = 0; c < C; c++)
-    for (int i = 0; i < R; i++) exact[c][i] = _mm512_setzero_si512();
+    for (int i = 0; i < R; i++) exact[c][i] = vec::zero_i();
   for (int v = h * 8 / H; v < (h + 1) * 8 / H; v++)
     for (int i = 0; i < R; i++) {
-      const __m512i p = _mm512_set1_epi32(((const int32_t*)(X + i * w.K))[v]);  // inputs 4v .. 4v+3
-      for (int c = 0; c < C; c++) exact[c][i] = _mm512_dpbusd_epi32(exact[c][i], u[c][v], p);
+      const I p = vec::set32(((const int32_t*)(X + i * w.K))[v]);  // inputs 4v .. 4v+3
+      for (int c = 0; c < C; c++) exact[c][i] = vec::dpbusd<BITS == 8>(exact[c][i], u[c][v], p);
     }
   if (!w.offset) return;
   for (int i = 0; i < R; i++) {
     const int32_t* half = x.half + ((r0 + i) * w.G + g) * 2;
-    const __m512i lift = _mm512_set1_epi32((int32_t)w.offset * (H == 2 ? half[h] : half[0] + half[1]));
-    for (int c = 0; c < C; c++) exact[c][i] = _mm512_sub_epi32(exact[c][i], lift);
+    const I lift = vec::set32((int32_t)w.offset * (H == 2 ? half[h] : half[0] + half[1]));
+    for (int c = 0; c < C; c++) exact[c][i] = vec::sub32(exact[c][i], lift);
   }
 }
 
@@ -176,30 +169,27 @@ inline void half_sums(const Weights& w, const Activations& x, int64_t r0, int64_
 template <int BITS, int H, bool MINS, bool UNIT, int R, int C>
 void blocks(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int64_t b) {
   const int64_t G = w.G, S = w.S;
-  __m512 acc[C][R];
+  F acc[C][R];
   for (int c = 0; c < C; c++)
-    for (int i = 0; i < R; i++) acc[c][i] = _mm512_setzero_ps();
+    for (int i = 0; i < R; i++) acc[c][i] = vec::zero();
   for (int64_t g = 0; g < G; g++) {
-    __m512i u[C][8];
+    I u[C][8];
     unpack_group<BITS, C>(w, b, g, u);
     for (int h = 0; h < H; h++) {
-      __m512i exact[C][R];
-      half_sums<H, R, C>(w, x, r0, g, h, u, exact);
+      I exact[C][R];
+      half_sums<BITS, H, R, C>(w, x, r0, g, h, u, exact);
       for (int c = 0; c < C; c++) {
         const int64_t bg = (b + c) * G + g, sb = ((b + c) * (G / S) + g / S) * 16;
-        const __m512 scale = UNIT ? fp16x16(w.d + sb) : _mm512_mul_ps(fp16x16(w.d + sb), int8x16(w.sc + (bg * H + h) * 16));
-        for (int i = 0; i < R; i++) {
-          const __m512 dx = _mm512_set1_ps(x.dx[(r0 + i) * G + g]);
-          acc[c][i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(exact[c][i]), scale), dx, acc[c][i]);
-        }
+        const F scale = UNIT ? vec::load_fp16(w.d + sb) : vec::load_fp16(w.d + sb) * int8x16(w.sc + (bg * H + h) * 16);
+        for (int i = 0; i < R; i++)
+          acc[c][i] = vec::fmadd(vec::to_f(exact[c][i]) * scale, vec::set(x.dx[(r0 + i) * G + g]), acc[c][i]);
       }
     }
     if constexpr (MINS) {
       for (int c = 0; c < C; c++) {
         const int64_t bg = (b + c) * G + g, sb = ((b + c) * (G / S) + g / S) * 16;
-        const __m512 minimum = UNIT ? fp16x16(w.m + sb) : _mm512_mul_ps(fp16x16(w.m + sb), uint8x16(w.mn + bg * 16));
-        for (int i = 0; i < R; i++)
-          acc[c][i] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(x.sx[(r0 + i) * G + g]), acc[c][i]);
+        const F minimum = UNIT ? vec::load_fp16(w.m + sb) : vec::load_fp16(w.m + sb) * uint8x16(w.mn + bg * 16);
+        for (int i = 0; i < R; i++) acc[c][i] = vec::fmadd(minimum, vec::set(x.sx[(r0 + i) * G + g]), acc[c][i]);
       }
     }
   }
@@ -212,43 +202,41 @@ void blocks(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int
 template <int BITS, int H, bool MINS, int R, int C>
 void super_blocks(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int64_t b) {
   const int64_t G = w.G, S = w.S, n_super = G / S;
-  __m512 acc[C][R];
+  F acc[C][R];
   for (int c = 0; c < C; c++)
-    for (int i = 0; i < R; i++) acc[c][i] = _mm512_setzero_ps();
+    for (int i = 0; i < R; i++) acc[c][i] = vec::zero();
   for (int64_t sb = 0; sb < n_super; sb++) {
-    __m512i scaled[C][R], minimum[C][R];
+    I scaled[C][R], minimum[C][R];
     for (int c = 0; c < C; c++)
-      for (int i = 0; i < R; i++) scaled[c][i] = minimum[c][i] = _mm512_setzero_si512();
+      for (int i = 0; i < R; i++) scaled[c][i] = minimum[c][i] = vec::zero_i();
     for (int64_t g = sb * S; g < (sb + 1) * S; g++) {
-      __m512i u[C][8];
+      I u[C][8];
       unpack_group<BITS, C>(w, b, g, u);
       for (int h = 0; h < H; h++) {
-        __m512i exact[C][R];
-        half_sums<H, R, C>(w, x, r0, g, h, u, exact);
+        I exact[C][R];
+        half_sums<BITS, H, R, C>(w, x, r0, g, h, u, exact);
         for (int c = 0; c < C; c++) {
-          const int64_t bg = (b + c) * G + g;
-          const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w.sc + (bg * H + h) * 16)));
-          for (int i = 0; i < R; i++) scaled[c][i] = _mm512_add_epi32(scaled[c][i], _mm512_mullo_epi32(exact[c][i], sc));
+          const I sc = vec::widen_i8(w.sc + (((b + c) * G + g) * H + h) * 16);
+          for (int i = 0; i < R; i++) scaled[c][i] = vec::add32(scaled[c][i], vec::mul32(exact[c][i], sc));
         }
       }
       if constexpr (MINS) {
         for (int c = 0; c < C; c++) {
-          const __m512i mn = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(w.mn + ((b + c) * G + g) * 16)));
+          const I mn = vec::widen_u8(w.mn + ((b + c) * G + g) * 16);
           for (int i = 0; i < R; i++) {
             const int32_t* half = x.half + ((r0 + i) * G + g) * 2;
-            minimum[c][i] = _mm512_add_epi32(minimum[c][i], _mm512_mullo_epi32(mn, _mm512_set1_epi32(half[0] + half[1])));
+            minimum[c][i] = vec::add32(minimum[c][i], vec::mul32(mn, vec::set32(half[0] + half[1])));
           }
         }
       }
     }
     for (int c = 0; c < C; c++) {
       const int64_t at = ((b + c) * n_super + sb) * 16;
-      const __m512 d = fp16x16(w.d + at);
+      const F d = vec::load_fp16(w.d + at);
       for (int i = 0; i < R; i++) {
-        const __m512 dx = _mm512_set1_ps(x.dx[(r0 + i) * n_super + sb]);
-        acc[c][i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(scaled[c][i]), d), dx, acc[c][i]);
-        if constexpr (MINS)
-          acc[c][i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(minimum[c][i]), fp16x16(w.m + at)), dx, acc[c][i]);
+        const F dx = vec::set(x.dx[(r0 + i) * n_super + sb]);
+        acc[c][i] = vec::fmadd(vec::to_f(scaled[c][i]) * d, dx, acc[c][i]);
+        if constexpr (MINS) acc[c][i] = vec::fmadd(vec::to_f(minimum[c][i]) * vec::load_fp16(w.m + at), dx, acc[c][i]);
       }
     }
   }
@@ -257,7 +245,7 @@ void super_blocks(const Weights& w, const Activations& x, uint16_t* Y, int64_t r
 
 template <int BITS, int H, bool MINS, bool UNIT, int R>
 void rows(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int64_t b0, int64_t b1) {
-  constexpr int C = R <= 6 ? 2 : 1;  // two blocks share each broadcast input while registers allow
+  constexpr int C = vec::kAVX512 && R <= 6 ? 2 : 1;  // two blocks share each broadcast input while registers allow
   int64_t b = b0;
   if constexpr (UNIT) {
     for (; b + C <= b1; b += C) blocks<BITS, H, MINS, UNIT, R, C>(w, x, Y, r0, b);

@@ -16,18 +16,14 @@
 
 namespace {
 
-using speculant::exp_ps;
-using speculant::lanes;
+namespace vec = speculant::vec;
 
 constexpr int64_t ROWS_PER_TASK = 64;  // decode rows are tiny: a thread per 64 of them, else one thread
 
-inline __m512 load(const uint16_t* p, __mmask16 m) {
-  return _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, p));
-}
+// Lanes from `left` on (a row's last, partial vector) read 0 and are not written.
+inline vec::F load(const uint16_t* p, int64_t left) { return vec::load_bf16(p, left, 0.f); }
 
-inline void store(uint16_t* p, __m512 x, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(x));
-}
+inline void store(uint16_t* p, vec::F x, int64_t left) { vec::store_bf16(p, x, left); }
 
 const uint16_t* bf16_data(const torch::Tensor& t) { return (const uint16_t*)t.data_ptr<at::BFloat16>(); }
 uint16_t* bf16_data_mut(torch::Tensor& t) { return (uint16_t*)t.data_ptr<at::BFloat16>(); }
@@ -38,16 +34,13 @@ void check_bf16(const torch::Tensor& t, const char* name) {
 
 // One row of D: y = x / rms(x) · w.
 void norm_row(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t D, double eps) {
-  __m512 squares = _mm512_setzero_ps();
+  vec::F squares = vec::zero();
   for (int64_t i = 0; i < D; i += 16) {
-    const __m512 v = load(x + i, lanes(D - i));
-    squares = _mm512_fmadd_ps(v, v, squares);
+    const vec::F v = load(x + i, D - i);
+    squares = vec::fmadd(v, v, squares);
   }
-  const __m512 scale = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(squares) / D + (float)eps));
-  for (int64_t i = 0; i < D; i += 16) {
-    const __mmask16 m = lanes(D - i);
-    store(y + i, _mm512_mul_ps(_mm512_mul_ps(load(x + i, m), scale), load(w + i, m)), m);
-  }
+  const vec::F scale = vec::set(1.f / std::sqrt(vec::sum(squares) / D + (float)eps));
+  for (int64_t i = 0; i < D; i += 16) store(y + i, load(x + i, D - i) * scale * load(w + i, D - i), D - i);
 }
 
 }  // namespace
@@ -86,10 +79,8 @@ void add_rms_norm_into(const torch::Tensor& x, const torch::Tensor& y, const tor
   uint16_t *S = bf16_data_mut(sum), *N = bf16_data_mut(normed);
   speculant::Team::parallel_for(0, xc.numel() / D, ROWS_PER_TASK, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++) {
-      for (int64_t i = 0; i < D; i += 16) {
-        const __mmask16 m = lanes(D - i);
-        store(S + r * D + i, _mm512_add_ps(load(X + r * D + i, m), load(Y + r * D + i, m)), m);
-      }
+      for (int64_t i = 0; i < D; i += 16)
+        store(S + r * D + i, load(X + r * D + i, D - i) + load(Y + r * D + i, D - i), D - i);
       norm_row(S + r * D, W, N + r * D, D, eps);
     }
   });
@@ -120,10 +111,10 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t n_head
       for (int64_t h = 0; h < n_heads; h++) {
         uint16_t* v = X + (r * H + h) * Dh;
         for (int64_t i = 0; i < half; i += 16) {
-          const __mmask16 m = lanes(half - i);
-          const __m512 a = load(v + i, m), b = load(v + half + i, m);
-          const __m512 ya = _mm512_fmadd_ps(b, load(s + i, m), _mm512_mul_ps(a, load(c + i, m)));
-          const __m512 yb = _mm512_fmadd_ps(a, load(s + half + i, m), _mm512_mul_ps(b, load(c + half + i, m)));
+          const int64_t m = half - i;
+          const vec::F a = load(v + i, m), b = load(v + half + i, m);
+          const vec::F ya = vec::fmadd(b, load(s + i, m), a * load(c + i, m));
+          const vec::F yb = vec::fmadd(a, load(s + half + i, m), b * load(c + half + i, m));
           store(v + i, ya, m);
           store(v + half + i, yb, m);
         }
@@ -145,11 +136,9 @@ void silu_mul_into(const torch::Tensor& gate_up, torch::Tensor& out) {
     for (int64_t r = r0; r < r1; r++) {
       const uint16_t *g = G + r * 2 * n, *u = g + n;
       for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 m = lanes(n - i);
-        const __m512 gv = load(g + i, m);
-        const __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f),
-                                                                             exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-        store(Y + r * n + i, _mm512_mul_ps(_mm512_mul_ps(gv, sig), load(u + i, m)), m);
+        const vec::F gv = load(g + i, n - i);
+        const vec::F sig = vec::set(1.f) / (vec::set(1.f) + vec::exp(vec::zero() - gv));
+        store(Y + r * n + i, gv * sig * load(u + i, n - i), n - i);
       }
     }
   });

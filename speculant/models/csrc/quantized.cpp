@@ -23,6 +23,8 @@
 #include "kernels.h"
 #include "team.h"
 
+#if defined(__AVX512F__)  // the avx2 levels build the stubs at the end instead
+
 namespace {
 
 using speculant::load_bf16;
@@ -346,3 +348,14 @@ torch::Tensor int8_mm(torch::Tensor x, torch::Tensor q, torch::Tensor d) {
   quantized_mm<Q8_0>(x, q, d, nullptr, y);
   return y;
 }
+
+#else
+// native.quantized_usable keeps the int4 and int8 layers off these kernels below AVX512.
+void int4_mm_into(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, torch::Tensor&) {
+  TORCH_CHECK(false, "the int4 kernel needs AVX512");
+}
+torch::Tensor int4_mm(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor) {
+  TORCH_CHECK(false, "the int4 kernel needs AVX512");
+}
+torch::Tensor int8_mm(torch::Tensor, torch::Tensor, torch::Tensor) { TORCH_CHECK(false, "the int8 kernel needs AVX512"); }
+#endif

@@ -27,8 +27,7 @@
 
 namespace {
 
-using speculant::exp_ps;
-using speculant::lanes;
+namespace vec = speculant::vec;
 
 constexpr int64_t kBlock = 256;
 
@@ -41,11 +40,10 @@ struct Transforms {
   bool any() const { return top_k > 0 || top_p < 1 || min_p > 0; }
 };
 
-inline __m512 load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+// Lanes from `left` on read `fill`.
+inline vec::F load(const float* p, int64_t left, float fill) { return vec::load(p, left, fill); }
 
-inline __m512 load(const uint16_t* p, __mmask16 m) {
-  return _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, p));
-}
+inline vec::F load(const uint16_t* p, int64_t left, float fill) { return vec::load_bf16(p, left, fill); }
 
 struct Exponentials {
   std::vector<float>& e;      // [V]: e_i
@@ -59,22 +57,18 @@ Exponentials exponentials(const T* x, int64_t V, float inv_temperature) {
   static thread_local std::vector<float> e, block;
   e.resize((V + 15) / 16 * 16);
   block.resize((V + kBlock - 1) / kBlock);
-  __m512 top = _mm512_set1_ps(-INFINITY);
-  for (int64_t i = 0; i < V; i += 16) {
-    const __mmask16 m = lanes(V - i);
-    top = _mm512_mask_max_ps(top, m, top, load(x + i, m));
-  }
-  const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top)), scale = _mm512_set1_ps(inv_temperature);
+  vec::F top = vec::set(-INFINITY);
+  for (int64_t i = 0; i < V; i += 16) top = vec::max(top, load(x + i, V - i, -INFINITY));
+  const vec::F peak = vec::set(vec::top(top)), scale = vec::set(inv_temperature);
   Exponentials out{e, block};
   for (int64_t b0 = 0; b0 < V; b0 += kBlock) {
-    __m512 sum = _mm512_setzero_ps();
+    vec::F sum = vec::zero();
     for (int64_t i = b0; i < std::min(b0 + kBlock, V); i += 16) {
-      const __mmask16 m = lanes(V - i);
-      const __m512 v = _mm512_maskz_mov_ps(m, exp_ps(_mm512_mul_ps(_mm512_sub_ps(load(x + i, m), peak), scale)));
-      _mm512_storeu_ps(e.data() + i, v);
-      sum = _mm512_add_ps(sum, v);
+      const vec::F v = vec::keep(vec::exp((load(x + i, V - i, 0.f) - peak) * scale), V - i);
+      vec::store(e.data() + i, v);
+      sum = sum + v;
     }
-    block[b0 / kBlock] = _mm512_reduce_add_ps(sum);
+    block[b0 / kBlock] = vec::sum(sum);
     out.total += block[b0 / kBlock];
   }
   return out;
@@ -83,15 +77,10 @@ Exponentials exponentials(const T* x, int64_t V, float inv_temperature) {
 // The tokens with e ≥ floor, in descending e (ties: the lower index first).
 std::vector<int32_t> likeliest(const std::vector<float>& e, int64_t V, float floor) {
   std::vector<int32_t> tokens;
-  alignas(64) int32_t hits[16];
-  const __m512 f = _mm512_set1_ps(floor);
+  const vec::F f = vec::set(floor);
   for (int64_t i = 0; i < V; i += 16) {
-    const __mmask16 m = _mm512_mask_cmp_ps_mask(lanes(V - i), _mm512_loadu_ps(e.data() + i), f, _CMP_GE_OQ);
-    if (!m) continue;
-    _mm512_mask_compressstoreu_epi32(hits, m, _mm512_add_epi32(_mm512_set1_epi32((int32_t)i),
-                                                               _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
-                                                                                 11, 12, 13, 14, 15)));
-    tokens.insert(tokens.end(), hits, hits + __builtin_popcount(m));
+    uint32_t m = vec::ge(vec::load(e.data() + i, V - i, -INFINITY), f);  // past the row: −inf, never kept
+    for (; m; m &= m - 1) tokens.push_back((int32_t)(i + __builtin_ctz(m)));
   }
   std::sort(tokens.begin(), tokens.end(), [&](int32_t a, int32_t b) { return e[a] > e[b] || (e[a] == e[b] && a < b); });
   return tokens;

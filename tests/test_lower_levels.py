@@ -1,0 +1,33 @@
+"""The kernels' own tests, run again at every level below this CPU's (SPECULANT_NATIVE forces it): each level
+is its own build of vec.h's kernels, and must keep the same promises (every weight the file's, every row the
+same bits at any row count, greedy speculation equal to plain) wherever a CPU stops at it."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from speculant.models import native
+
+ROOT = Path(__file__).parent.parent
+# The tests that run the native kernels' every entry point: GGUF matrices, attention, the layer operations,
+# argmax and sampling, and a GGUF model's greedy speculation against plain decoding.
+KERNEL_TESTS = ["tests/test_ggml.py", "tests/test_attention.py", "tests/test_sampling.py",
+                "tests/test_models.py::test_native_layer_ops_match_pytorch_in_fp32_and_give_a_row_the_same_bits_in_any_call"]
+BELOW = [lv for lv in native.LEVELS[1:] if native.LEVELS.index(lv) < native.LEVELS.index(native.cpu_level())
+         and native.build_of(lv) != native.build_of(native.cpu_level())]
+
+
+@pytest.mark.parametrize("level", [lv for lv in native.LEVELS[1:] if lv != "amx"])
+def test_kernel_tests_pass_at_each_lower_level(level):
+    if level not in BELOW:
+        pytest.skip(f"the {level} level is this CPU's own or above it ({native.cpu_level()}): the suite runs it")
+    env = {**os.environ, native.SWITCH_ENV: level}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *KERNEL_TESTS],
+                         cwd=ROOT, env=env, capture_output=True, text=True)
+    tail = run.stdout[-3000:]
+    assert run.returncode == 0, tail
+    # A level whose build failed would pass by skipping: its kernels must have run.
+    assert "did not build" not in run.stdout and " passed" in tail, tail
