@@ -60,8 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a draft model path or name: also consider method draft_model")
     p.add_argument("--eagle", default=None, help="an EAGLE head path: also consider method eagle")
     p.add_argument("--dtype", default="auto",
-                   help="auto | float32 | bfloat16 | float16 (default auto: bfloat16 where the CPU has AMX or "
-                        "AVX512-BF16, or on CUDA; float32 elsewhere)")
+                   help="auto | float32 | bfloat16 | float16 (default auto: bfloat16 on CUDA, for a GGUF "
+                        "file on the native kernels (any CPU with AVX2) and where the CPU has AMX or AVX512-BF16; "
+                        "float32 elsewhere)")
     p.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
     p.add_argument("--quantization", "-q", default="auto", choices=list(QUANTIZATIONS),
                    help="as for generate (default auto: a GGUF file at the precision it stores)")

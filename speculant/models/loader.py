@@ -108,8 +108,10 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise SpeculantError(f"{path}: expected a Hugging Face model folder or a .gguf file")
-        if quantization == "auto" and _native_gguf(path, torch_dtype, torch_device):
-            return _load_gguf_native(path, torch_dtype, t0, requantize_q4_0)
+        # The native kernels compute in bf16 at every level, AVX2 included: `auto` takes it for them.
+        native_dtype = torch.bfloat16 if dtype == "auto" else torch_dtype
+        if quantization == "auto" and _native_gguf(path, native_dtype, torch_device):
+            return _load_gguf_native(path, native_dtype, t0, requantize_q4_0)
         from speculant.models.gguf import convert_gguf
 
         folder, cached = convert_gguf(path)

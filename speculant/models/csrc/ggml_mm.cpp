@@ -151,11 +151,26 @@ inline void half_sums(const Weights& w, const Activations& x, int64_t r0, int64_
   const int8_t* X = x.p + r0 * w.K + g * 32;
   for (int c = 0; c < C; c++)
     for (int i = 0; i < R; i++) exact[c][i] = vec::zero_i();
-  for (int v = h * 8 / H; v < (h + 1) * 8 / H; v++)
-    for (int i = 0; i < R; i++) {
-      const I p = vec::set32(((const int32_t*)(X + i * w.K))[v]);  // inputs 4v .. 4v+3
-      for (int c = 0; c < C; c++) exact[c][i] = vec::dpbusd<BITS == 8>(exact[c][i], u[c][v], p);
-    }
+  const int v0 = h * 8 / H, v1 = (h + 1) * 8 / H;
+  if constexpr (vec::kPairSums && BITS < 8) {
+    // Runs of vectors whose 16-bit pair sums cannot overflow (each |pair| ≤ 2·(2^BITS − 1)·127) widen once.
+    constexpr int kRun = BITS == 4 ? 8 : BITS == 5 ? 4 : 2;
+    for (int r = v0; r < v1; r += kRun)
+      for (int i = 0; i < R; i++) {
+        I s[C];
+        for (int v = r; v < r + kRun; v++) {
+          const I p = vec::set32(((const int32_t*)(X + i * w.K))[v]);
+          for (int c = 0; c < C; c++) s[c] = v == r ? vec::pairs(u[c][v], p) : vec::add16(s[c], vec::pairs(u[c][v], p));
+        }
+        for (int c = 0; c < C; c++) exact[c][i] = vec::widen(exact[c][i], s[c]);
+      }
+  } else {
+    for (int v = v0; v < v1; v++)
+      for (int i = 0; i < R; i++) {
+        const I p = vec::set32(((const int32_t*)(X + i * w.K))[v]);  // inputs 4v .. 4v+3
+        for (int c = 0; c < C; c++) exact[c][i] = vec::dpbusd<BITS == 8>(exact[c][i], u[c][v], p);
+      }
+  }
   if (!w.offset) return;
   for (int i = 0; i < R; i++) {
     const int32_t* half = x.half + ((r0 + i) * w.G + g) * 2;

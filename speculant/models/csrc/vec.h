@@ -79,6 +79,12 @@ inline void store_i8(int8_t* p, I a) { _mm_storeu_si128((__m128i*)p, _mm512_cvts
 template <bool WIDE = false>
 inline I dpbusd(I acc, I u, I p) { return {_mm512_dpbusd_epi32(acc.v, u.v, p.v)}; }
 
+// AVX2 without VNNI sums product pairs to 16 bits first (pairs, add16, widen): never used here.
+constexpr bool kPairSums = false;
+inline I pairs(I, I) { return zero_i(); }
+inline I add16(I a, I) { return a; }
+inline I widen(I acc, I) { return acc; }
+
 // acc + each lane's pair q[2i]·k[2i] + q[2i+1]·k[2i+1] of 32 bf16 values.
 inline F dot_bf16(F acc, const uint16_t* q, const uint16_t* k) {
   return {_mm512_dpbf16_ps(acc.v, (__m512bh)_mm512_loadu_si512(q), (__m512bh)_mm512_loadu_si512(k))};
@@ -231,6 +237,21 @@ inline int32_t sum_i(I a) {
 inline void store_i8(int8_t* p, I a) {  // saturating, lanes in order
   const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(a.lo, a.hi), 0xD8);
   _mm_storeu_si128((__m128i*)p, _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1)));
+}
+
+// Without VNNI, each 16-bit lane of pairs(u, p) is u·p summed over a byte pair (exact while it stays within
+// ±32767), add16 sums such lanes, and widen adds them to acc's 32-bit lanes in pairs: ggml_mm sums several
+// vectors' pairs before one widening, where dpbusd widens each.
+#if defined(__AVXVNNI__)
+constexpr bool kPairSums = false;
+#else
+constexpr bool kPairSums = true;
+#endif
+inline I pairs(I u, I p) { return {_mm256_maddubs_epi16(u.lo, p.lo), _mm256_maddubs_epi16(u.hi, p.hi)}; }
+inline I add16(I a, I b) { return {_mm256_add_epi16(a.lo, b.lo), _mm256_add_epi16(a.hi, b.hi)}; }
+inline I widen(I acc, I s) {
+  const __m256i one = _mm256_set1_epi16(1);
+  return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(s.lo, one)), _mm256_add_epi32(acc.hi, _mm256_madd_epi16(s.hi, one))};
 }
 
 inline __m256i dpbusd8(__m256i acc, __m256i u, __m256i p) {
