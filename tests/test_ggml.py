@@ -88,6 +88,25 @@ def test_the_kernel_gives_every_row_the_same_bits_at_any_row_count(qtype):
     assert torch.equal(native.ggml_mm(x[7:8], weights), y[7:8])
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("extreme", ["top", "bottom"])
+def test_the_largest_integer_sums_do_not_overflow(qtype, extreme):
+    """Every stored value at its end of the range and every activation at ±127: the integer sums at their
+    largest (AVX2 without VNNI sums byte pairs in 16 bits, several vectors before widening)."""
+    if native.level() == "off":
+        pytest.skip(native.off_reason())
+    n_out, n_in = 32, 512
+    blocks = ggml.decode(qtype, quantized(qtype, n_out, n_in, seed=3), n_out, n_in)
+    blocks.u[:] = (1 << blocks.fmt.bits) - 1 if extreme == "top" else 0
+    w = torch.from_numpy(blocks.dequantize()).double()
+    x = torch.ones(3, n_in).bfloat16()
+    x[1] = -1
+    x[2, ::2] = -1  # signs alternate within each byte pair
+    y = native.ggml_mm(x, ggml.layout(blocks))
+    ref = q8_activations(x, 32 * blocks.fmt.superblock) @ w.T
+    assert ((y.double() - ref).abs() <= 0.008 * ref.abs() + 1e-3 * ref.abs().max()).all()
+
+
 def test_parts_of_other_formats_write_side_by_side():
     """A fused qkv whose v is stored in other bits: each part's columns as if it ran alone."""
     if native.level() == "off":

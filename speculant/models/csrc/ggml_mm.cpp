@@ -32,6 +32,7 @@ using vec::I;
 // Rows a call takes at once: 8 weight vectors, 8 sums and 8 accumulators fill AVX512's 32 registers; AVX2's
 // 16 (each vector a pair) take fewer.
 constexpr int kRows = vec::kAVX512 ? 8 : 4;
+constexpr int64_t kRunBlocks = 16;  // 256 outputs: ~100-400 KB of weights at K = 1536, within L2
 
 template <class T>
 T* reused(std::vector<T>& buffer, int64_t n) {
@@ -260,7 +261,9 @@ void super_blocks(const Weights& w, const Activations& x, uint16_t* Y, int64_t r
 
 template <int BITS, int H, bool MINS, bool UNIT, int R>
 void rows(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int64_t b0, int64_t b1) {
-  constexpr int C = vec::kAVX512 && R <= 6 ? 2 : 1;  // two blocks share each broadcast input while registers allow
+  // Two blocks share each broadcast input where registers allow (at 5 rows and more the sums spill); one
+  // row streams one block at a time, which keeps memory busier than two streams.
+  constexpr int C = vec::kAVX512 && R > 1 && R <= 4 ? 2 : 1;
   int64_t b = b0;
   if constexpr (UNIT) {
     for (; b + C <= b1; b += C) blocks<BITS, H, MINS, UNIT, R, C>(w, x, Y, r0, b);
@@ -273,15 +276,19 @@ void rows(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int64
 
 template <int BITS, int H, bool MINS, bool UNIT>
 void any_rows(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int n, int64_t b0, int64_t b1) {
-  switch (n) {
+  switch (n) {  // the row counts above kRows never reach here: not instantiated
     case 1: return rows<BITS, H, MINS, UNIT, 1>(w, x, Y, r0, b0, b1);
     case 2: return rows<BITS, H, MINS, UNIT, 2>(w, x, Y, r0, b0, b1);
     case 3: return rows<BITS, H, MINS, UNIT, 3>(w, x, Y, r0, b0, b1);
     case 4: return rows<BITS, H, MINS, UNIT, 4>(w, x, Y, r0, b0, b1);
-    case 5: return rows<BITS, H, MINS, UNIT, 5>(w, x, Y, r0, b0, b1);
-    case 6: return rows<BITS, H, MINS, UNIT, 6>(w, x, Y, r0, b0, b1);
-    case 7: return rows<BITS, H, MINS, UNIT, 7>(w, x, Y, r0, b0, b1);
-    default: return rows<BITS, H, MINS, UNIT, 8>(w, x, Y, r0, b0, b1);
+  }
+  if constexpr (kRows == 8) {
+    switch (n) {
+      case 5: return rows<BITS, H, MINS, UNIT, 5>(w, x, Y, r0, b0, b1);
+      case 6: return rows<BITS, H, MINS, UNIT, 6>(w, x, Y, r0, b0, b1);
+      case 7: return rows<BITS, H, MINS, UNIT, 7>(w, x, Y, r0, b0, b1);
+      default: return rows<BITS, H, MINS, UNIT, 8>(w, x, Y, r0, b0, b1);
+    }
   }
 }
 
@@ -340,8 +347,12 @@ void ggml_mm_into(const torch::Tensor& x, const std::vector<torch::Tensor>& p, t
     auto* Y = (uint16_t*)y.data_ptr<at::BFloat16>() + col;
     const Activations& act = unit ? *per_group : *per_super;
     speculant::Team::parallel_for(0, N / 16, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t r0 = 0; r0 < M; r0 += kRows)
-        kernel(w, act, Y, r0, (int)std::min<int64_t>(kRows, M - r0), b0, b1);
+      // More rows than a call takes: every row over a run of blocks that stays in L2, so the weights stream
+      // from memory once, not once per kRows rows.
+      const int64_t run = M <= kRows ? b1 - b0 : kRunBlocks;
+      for (int64_t c0 = b0; c0 < b1; c0 += run)
+        for (int64_t r0 = 0; r0 < M; r0 += kRows)
+          kernel(w, act, Y, r0, (int)std::min<int64_t>(kRows, M - r0), c0, std::min(b1, c0 + run));
     });
     col += N;
   }
