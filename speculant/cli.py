@@ -126,9 +126,10 @@ def _speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
         rules = {key: v for key, v in (("draft_p_min", args.draft_p_min), ("draft_vocab_size", args.draft_vocab_size))
                  if v is not None}
         k = DRAFT_K if args.num_speculative_tokens is None else args.num_speculative_tokens
-        return SpeculativeConfig.parse(draft_model_config(args.draft_model, k, adaptive=args.adaptive,
-                                                          tree_width=1 if args.tree_width is None else args.tree_width,
-                                                          **rules))
+        if args.adaptive:
+            rules["adaptive"] = True
+        return SpeculativeConfig.parse(draft_model_config(args.draft_model, k, **rules,
+                                                          tree_width=1 if args.tree_width is None else args.tree_width))
     if args.eagle:
         return SpeculativeConfig.parse({"method": "eagle", "model": args.eagle, "num_speculative_tokens": k,
                                         "adaptive": args.adaptive, "lookup_first": args.lookup_first,

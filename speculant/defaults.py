@@ -29,13 +29,21 @@ REQUIRED_FILES = {"eagle": ("eagle.safetensors", "eagle_config.json"),
                   "draft_model": ("config.json", "model.safetensors", "tokenizer.json")}
 
 
+# Where a fixed k pays: on the avx512 and amx kernels a verify pass of a few rows costs little more than one.
+# Below them (avx2, avxvnni, PyTorch's kernels) the int8 products are compute-bound from 2-4 rows and a fixed k
+# loses: there k is chosen per step from the measured costs (adaptive), 0 where drafting would lose.
+FLAT_VERIFY_LEVELS = ("avx512", "amx")
+
+
 def draft_model_config(draft: str, k: int = DRAFT_K, **overrides) -> dict:
     """The speculative config of a draft model named alone: DRAFT_RULES (and GGUF_DRAFT_RULES for a GGUF draft),
-    then `overrides`."""
+    adaptive k below FLAT_VERIFY_LEVELS, then `overrides`."""
     from speculant.config import gguf_draft
+    from speculant.models import native
 
     return {"method": "draft_model", "model": draft, "num_speculative_tokens": k, **DRAFT_RULES,
-            **(GGUF_DRAFT_RULES if gguf_draft(draft) else {}), **overrides}
+            **(GGUF_DRAFT_RULES if gguf_draft(draft) else {}),
+            **({} if native.level() in FLAT_VERIFY_LEVELS else {"adaptive": True}), **overrides}
 
 
 def default_speculative_config(model_path: str | Path | None) -> dict | None:

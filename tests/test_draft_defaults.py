@@ -35,6 +35,16 @@ def test_draft_model_alone_gets_the_measured_rules():
         config("--draft-model", "d", "--draft-p-min", "1.5")
 
 
+def test_a_fixed_k_only_where_the_verify_pass_is_flat(monkeypatch):
+    from speculant.defaults import FLAT_VERIFY_LEVELS
+    from speculant.models import native
+
+    for level in native.LEVELS:
+        monkeypatch.setattr(native, "level", lambda level=level: level)
+        assert config("--draft-model", "d").adaptive == (level not in FLAT_VERIFY_LEVELS), level
+        assert config("--draft-model", "d", "--adaptive").adaptive
+
+
 def test_a_named_model_with_a_sibling_drafts_with_it_by_default():
     cfg = default_speculative_config("qwen2.5-coder-1.5b-instruct")
     assert cfg["method"] == "draft_model" and cfg["model"] == "qwen2.5-coder-0.5b-instruct"
