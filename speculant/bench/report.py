@@ -160,6 +160,9 @@ def regime_section(result: BenchResult) -> list[str]:
     body = [[str(t)] + [f"{curve.ratio(b, t):.2f}" for b in curve.batch_sizes] for t in widths]
     base = [["C(1) ms"] + [f"{1000 * curve.cost(b, 1):.1f}" for b in curve.batch_sizes],
             ["free width"] + [str(reg["free_width"][b]) for b in curve.batch_sizes]]
+    if result.meta.get("weight_bytes"):  # how near one pass runs to the memory's speed
+        base.insert(1, ["C(1) as weights GB/s"] + [f"{result.meta['weight_bytes'] / curve.cost(b, 1) / 1e9:.1f}"
+                                                   for b in curve.batch_sizes])
     return [
         "## Regime: is the target memory-bound?\n",
         f"{reg['verdict']}.\n",

@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from speculant.bench.peers import llama_cpp_peers, llama_server_peers, transformers_peers
+from speculant.bench.precisions import weight_bytes
 from speculant.bench.prompts import PROMPT_CLASSES, BenchPrompt, load_prompts
 from speculant.bench.regime import memory_bound_limit, regime_rule, regime_verdict
 from speculant.bench.runner import (
@@ -296,7 +297,7 @@ def run_bench(plan: BenchPlan) -> BenchResult:
     if not prompts:
         raise SpeculantError("no prompts to run")
     max_len = max(len(p.token_ids) for p in prompts) + plan.max_tokens + 1
-    meta.update(model=str(model_path), params=target.load_info["params"],
+    meta.update(model=str(model_path), params=target.load_info["params"], weight_bytes=weight_bytes(target.model),
                 dtype=str(target.model.dtype).removeprefix("torch."), device=plan.device,
                 quantization=target.quantization or "none", prompts=len(prompts),
                 prompt_classes=list(dict.fromkeys(p.prompt_class for p in prompts)), command=plan.command)
