@@ -24,7 +24,8 @@ def test_the_native_module_builds_wherever_the_cpu_has_its_flags():
     assert native.level() == min(native.cpu_level(), native.requested_level(), key=native.LEVELS.index)
 
 
-@pytest.mark.parametrize("level", native.LEVELS)
+@pytest.mark.parametrize("level", [pytest.param(lv, marks=pytest.mark.slow) if lv == "avxvnni" else lv
+                                   for lv in native.LEVELS])  # avxvnni's build: test_lower_levels.py says why
 def test_a_lower_level_can_be_forced(level):
     if native.LEVELS.index(level) > native.LEVELS.index(native.cpu_level()):
         pytest.skip(f"this CPU runs at most the {native.cpu_level()} level")
