@@ -124,7 +124,7 @@ def kernels() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        log.info("native kernels (%s): compiled on first use (~1 min), then cached by PyTorch", build)
+        log.info("native kernels (%s): compiled on first use (~3 min on 2 cores), then cached by PyTorch", build)
         # The name carries the sources' hash: checkouts of other sources never share (or race on) one build.
         module = load(f"speculant_native_{build}_{source_digest()}", [str(CSRC / s) for s in SOURCES],
                       extra_cflags=CFLAGS[build], extra_ldflags=["-fopenmp"])
@@ -157,7 +157,7 @@ def amx() -> bool:
 def quantized_usable(out_features: int, in_features: int) -> bool:
     """Whether the kernels for int4 (Q4_1) and int8 (Q8_0) weights take this shape here: VNNI on AVX512,
     with AMX tiles above 8 rows where the CPU has them (below AVX512: PyTorch's int4 kernel)."""
-    return out_features % 16 == 0 and in_features % 64 == 0 and level() in ("avx512", "amx")
+    return out_features % 16 == 0 and in_features % 64 == 0 and build_of(level()) == "avx512"
 
 
 def int4_layout(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, ...]:

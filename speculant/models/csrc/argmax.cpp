@@ -16,11 +16,6 @@ namespace {
 
 namespace vec = speculant::vec;
 
-// Lanes from `left` on read −inf: they never win.
-inline vec::F load_row(const float* p, int64_t left) { return vec::load(p, left, -INFINITY); }
-
-inline vec::F load_row(const uint16_t* p, int64_t left) { return vec::load_bf16(p, left, -INFINITY); }
-
 inline float value(const float* x, int64_t i) { return x[i]; }
 
 inline float value(const uint16_t* x, int64_t i) {
@@ -40,12 +35,12 @@ int64_t first_maximum(const T* x, int64_t n) {
   int64_t i = 0;
   for (; i + 64 <= n; i += 64)
     for (int u = 0; u < 4; u++) {
-      const vec::F v = load_row(x + i + 16 * u, 16);
+      const vec::F v = vec::load_row(x + i + 16 * u, 16, -INFINITY);
       top[u] = vec::max(top[u], v);
       nan |= vec::nan(v);
     }
   for (; i < n; i += 16) {
-    const vec::F v = load_row(x + i, n - i);
+    const vec::F v = vec::load_row(x + i, n - i, -INFINITY);  // past the row: never wins
     top[0] = vec::max(top[0], v);
     nan |= vec::nan(v);
   }
@@ -55,7 +50,7 @@ int64_t first_maximum(const T* x, int64_t n) {
   }
   const vec::F best = vec::set(vec::top(vec::max(vec::max(top[0], top[1]), vec::max(top[2], top[3]))));
   for (i = 0; i < n; i += 16) {
-    const uint32_t hit = vec::eq(load_row(x + i, n - i), best);  // a fill lane lies past the row: a real maximum comes first
+    const uint32_t hit = vec::eq(vec::load_row(x + i, n - i, -INFINITY), best);  // a fill lane lies past the row: a real maximum comes first
     if (hit) return i + __builtin_ctz(hit);
   }
   return 0;

@@ -40,11 +40,6 @@ struct Transforms {
   bool any() const { return top_k > 0 || top_p < 1 || min_p > 0; }
 };
 
-// Lanes from `left` on read `fill`.
-inline vec::F load(const float* p, int64_t left, float fill) { return vec::load(p, left, fill); }
-
-inline vec::F load(const uint16_t* p, int64_t left, float fill) { return vec::load_bf16(p, left, fill); }
-
 struct Exponentials {
   std::vector<float>& e;      // [V]: e_i
   std::vector<float>& block;  // [V / kBlock rounded up]: each block's sum
@@ -58,13 +53,13 @@ Exponentials exponentials(const T* x, int64_t V, float inv_temperature) {
   e.resize((V + 15) / 16 * 16);
   block.resize((V + kBlock - 1) / kBlock);
   vec::F top = vec::set(-INFINITY);
-  for (int64_t i = 0; i < V; i += 16) top = vec::max(top, load(x + i, V - i, -INFINITY));
+  for (int64_t i = 0; i < V; i += 16) top = vec::max(top, vec::load_row(x + i, V - i, -INFINITY));
   const vec::F peak = vec::set(vec::top(top)), scale = vec::set(inv_temperature);
   Exponentials out{e, block};
   for (int64_t b0 = 0; b0 < V; b0 += kBlock) {
     vec::F sum = vec::zero();
     for (int64_t i = b0; i < std::min(b0 + kBlock, V); i += 16) {
-      const vec::F v = vec::keep(vec::exp((load(x + i, V - i, 0.f) - peak) * scale), V - i);
+      const vec::F v = vec::keep(vec::exp((vec::load_row(x + i, V - i, 0.f) - peak) * scale), V - i);
       vec::store(e.data() + i, v);
       sum = sum + v;
     }

@@ -169,9 +169,8 @@ inline F load_bf16(const uint16_t* p, int64_t n, float fill) {
   if (n >= 16) return load_bf16(p);
   alignas(32) uint16_t b[16] = {};
   memcpy(b, p, 2 * n);
-  const F v = load_bf16(b);
-  return {_mm256_blendv_ps(_mm256_set1_ps(fill), v.lo, keep(set(-1.f), n).lo),
-          _mm256_blendv_ps(_mm256_set1_ps(fill), v.hi, keep(set(-1.f), n).hi)};
+  const F v = load_bf16(b), live = keep(set(-1.f), n);  // sign bits set in the lanes below n
+  return {_mm256_blendv_ps(_mm256_set1_ps(fill), v.lo, live.lo), _mm256_blendv_ps(_mm256_set1_ps(fill), v.hi, live.hi)};
 }
 // Round to nearest even, as AVX512-BF16's conversion and PyTorch do.
 inline __m256i bf16_bits(__m256 x) {
@@ -289,6 +288,10 @@ inline F dot_bf16(F acc, const uint16_t* q, const uint16_t* k) {
 }
 
 #endif
+
+// 16 values of a row of fp32 or bf16 logits (sampling, argmax); lanes from n on read `fill`.
+inline F load_row(const float* p, int64_t n, float fill) { return load(p, n, fill); }
+inline F load_row(const uint16_t* p, int64_t n, float fill) { return load_bf16(p, n, fill); }
 
 // e^x, x clamped to [−87, 88] (e^−87 is 0 next to any sum it joins, e^88 near fp32's largest): 2^n · p(r),
 // r = x − n ln2 in [−ln2/2, ln2/2], degree-6 Taylor polynomial (relative error < 2e-7, far below bf16's).
