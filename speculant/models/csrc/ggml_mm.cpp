@@ -40,39 +40,72 @@ T* reused(std::vector<T>& buffer, int64_t n) {
   return buffer.data();
 }
 
+inline int32_t int16_pair(int32_t low, int32_t high) { return (int32_t)((uint32_t)(uint16_t)low | (uint32_t)high << 16); }
+
 // The rows' int8 activations, per group of `span` inputs (32 beside legacy formats; a K-quant superblock's
 // 256, as llama.cpp's Q8_K, so its sub-blocks' integer sums add up before one float step), each group's
-// scale dx and dx·Σp, and each half group of 16's Σp.
+// scale dx and dx·Σp, and the Σp that offsets and minimums take. Rows come in chunks of kRows (the last may be
+// shorter), and a chunk of R rows keeps each item of its rows side by side, [items][R]: a kernel of R rows
+// finds row i's item t at t·R + i, a fixed offset from the group it is at.
 struct Activations {
-  int8_t* p;       // [M, K]
-  float *dx, *sx;  // [M, K / span]
-  int32_t* half;   // [M, K / 16]
-  int64_t span;
+  int32_t* p;       // [chunks][K/4][R]: 4 int8 inputs each
+  float *dx, *sx;   // [chunks][K/span][R]
+  int32_t* sum;     // [chunks][K/32][R]: Σp of a group of 32
+  int32_t* halves;  // [chunks][K/32][R]: int16 pairs (Σp of inputs 0..15, of 16..31) of a group
+  int32_t* pairs;   // [chunks][K/64][R]: int16 pairs (Σp of group 2j, of 2j+1)
+  int64_t M, K, span;
 
-  Activations(const uint16_t* X, int64_t M, int64_t K, int64_t span) : span(span) {
-    static thread_local std::vector<int8_t> p_buffer[2];
+  // Item t of row r in an array of `items` a row.
+  int64_t at(int64_t r, int64_t items, int64_t t) const {
+    const int64_t c0 = r / kRows * kRows;
+    return c0 * items + t * std::min<int64_t>(kRows, M - c0) + r - c0;
+  }
+
+  Activations(const uint16_t* X, int64_t M, int64_t K, int64_t span) : M(M), K(K), span(span) {
+    static thread_local std::vector<int32_t> p_buffer[2], sum_buffer[2], halves_buffer[2], pairs_buffer[2];
     static thread_local std::vector<float> dx_buffer[2], sx_buffer[2];
-    static thread_local std::vector<int32_t> half_buffer[2];
     const int k = span == 32 ? 0 : 1;
-    const int64_t n = M * K / span;
-    p = reused(p_buffer[k], M * K), dx = reused(dx_buffer[k], n), sx = reused(sx_buffer[k], n);
-    half = reused(half_buffer[k], M * K / 16);
-    for (int64_t i = 0; i < n; i++) {
-      const uint16_t* x = X + span * i;
-      F amax = vec::zero();
-      for (int64_t j = 0; j < span; j += 16) amax = vec::max(amax, vec::abs(vec::load_bf16(x + j)));
-      const float top = vec::top(amax);
-      const F inv = vec::set(top > 0 ? 127.f / top : 0.f);
-      int32_t total = 0;
-      for (int64_t j = 0; j < span; j += 16) {
-        const I q = vec::to_i(vec::load_bf16(x + j) * inv);
-        vec::store_i8(p + span * i + j, q);
-        total += half[(span * i + j) / 16] = vec::sum_i(q);
+    p = reused(p_buffer[k], M * K / 4);
+    dx = reused(dx_buffer[k], M * K / span), sx = reused(sx_buffer[k], M * K / span);
+    sum = reused(sum_buffer[k], M * K / 32), halves = reused(halves_buffer[k], M * K / 32);
+    pairs = reused(pairs_buffer[k], M * (K / 64));
+    for (int64_t r = 0; r < M; r++) {
+      for (int64_t i = 0; i < K / span; i++) {
+        const uint16_t* x = X + r * K + span * i;
+        F amax = vec::zero();
+        for (int64_t j = 0; j < span; j += 16) amax = vec::max(amax, vec::abs(vec::load_bf16(x + j)));
+        const float top = vec::top(amax);
+        const F inv = vec::set(top > 0 ? 127.f / top : 0.f);
+        int32_t total = 0, half[2];
+        for (int64_t j = 0; j < span; j += 16) {
+          const I q = vec::to_i(vec::load_bf16(x + j) * inv);
+          int32_t dwords[4];
+          vec::store_i8((int8_t*)dwords, q);
+          const int64_t dword = (span * i + j) / 4, group = (span * i + j) / 32;
+          for (int d = 0; d < 4; d++) p[at(r, K / 4, dword + d)] = dwords[d];
+          total += half[j / 16 % 2] = vec::sum_i(q);
+          if (j / 16 % 2 == 1) {
+            sum[at(r, K / 32, group)] = half[0] + half[1];
+            halves[at(r, K / 32, group)] = int16_pair(half[0], half[1]);
+          }
+        }
+        dx[at(r, K / span, i)] = top / 127.f;
+        sx[at(r, K / span, i)] = dx[at(r, K / span, i)] * (float)total;
       }
-      dx[i] = top / 127.f;
-      sx[i] = dx[i] * (float)total;
+      for (int64_t j = 0; j < K / 64; j++)
+        pairs[at(r, K / 64, j)] = int16_pair(sum[at(r, K / 32, 2 * j)], sum[at(r, K / 32, 2 * j + 1)]);
     }
   }
+};
+
+// The chunk of rows from r0 (a multiple of kRows): item t of its row i at [t·R + i].
+struct Rows {
+  const int32_t *p, *sum, *halves, *pairs;
+  const float *dx, *sx;
+
+  Rows(const Activations& x, int64_t r0)
+      : p(x.p + r0 * x.K / 4), sum(x.sum + r0 * x.K / 32), halves(x.halves + r0 * x.K / 32),
+        pairs(x.pairs + r0 * (x.K / 64)), dx(x.dx + r0 * x.K / x.span), sx(x.sx + r0 * x.K / x.span) {}
 };
 
 struct Weights {
@@ -91,26 +124,28 @@ struct Plane {
   static constexpr int64_t kLow = BITS == 8 ? 512 : 256;
   static constexpr int64_t kHigh = BITS == 8 ? 0 : (BITS - 4) * 64;
 
-  // Group g of block b → 8 vectors of bytes, vector v holding for each output j its inputs 4v .. 4v+3.
+  // Group g of block b → vectors v0 .. v1 of its 8 (all, or one half group's 4), vector v holding for each
+  // output j its inputs 4v .. 4v+3.
+  template <int v0 = 0, int v1 = 8>
   static void unpack(const Weights& w, int64_t bg, I* out) {
     const uint8_t* lo = w.low + bg * kLow;
     if constexpr (BITS == 8) {
-      for (int v = 0; v < 8; v++) out[v] = vec::load_bytes(lo + 64 * v);
+      for (int v = v0; v < v1; v++) out[v] = vec::load_bytes(lo + 64 * v);
     } else {
       const I low4 = vec::set8(0x0F);
-      for (int v = 0; v < 4; v++) {
-        const I packed = vec::load_bytes(lo + 64 * v);
-        out[v] = packed & low4;
-        out[v + 4] = vec::shr16(packed, 4) & low4;
+      for (int v = v0; v < v1; v++) {  // vectors v and v + 4 share a byte: its low and high nibbles
+        const I packed = vec::load_bytes(lo + 64 * (v % 4));
+        out[v] = (v < 4 ? packed : vec::shr16(packed, 4)) & low4;
       }
       if constexpr (BITS == 5) {  // bit v of each byte: vector v's fifth bit
         const I hi = vec::load_bytes(w.high + bg * kHigh), one = vec::set8(1);
-        for (int v = 0; v < 8; v++) out[v] = out[v] | vec::shl16(vec::shr16(hi, v) & one, 4);
+        for (int v = v0; v < v1; v++) out[v] = out[v] | vec::shl16(vec::shr16(hi, v) & one, 4);
       } else if constexpr (BITS == 6) {  // bits 2(v mod 4), +1 of vector v / 4: the two top bits
         const I three = vec::set8(3);
-        for (int h = 0; h < 2; h++) {
+        for (int h = v0 / 4; h < (v1 + 3) / 4; h++) {
           const I hi = vec::load_bytes(w.high + bg * kHigh + 64 * h);
-          for (int s = 0; s < 4; s++) out[4 * h + s] = out[4 * h + s] | vec::shl16(vec::shr16(hi, 2 * s) & three, 4);
+          for (int s = 0; s < 4; s++)
+            if (4 * h + s >= v0 && 4 * h + s < v1) out[4 * h + s] = out[4 * h + s] | vec::shl16(vec::shr16(hi, 2 * s) & three, 4);
         }
       }
     }
@@ -127,150 +162,118 @@ inline F int8x16(const int8_t* p) { return vec::to_f(vec::widen_i8(p)); }
 
 inline F uint8x16(const uint8_t* p) { return vec::to_f(vec::widen_u8(p)); }
 
-// Group g of blocks b .. b + C unpacked, and the stream 16 groups ahead requested (past a block's end: the
-// next call's block c).
-template <int BITS, int C>
-inline void unpack_group(const Weights& w, int64_t b, int64_t g, I (*u)[8]) {
-  for (int c = 0; c < C; c++) {
-    const int64_t bg = (b + c) * w.G + g;
-    Plane<BITS>::prefetch(w, g + 16 < w.G ? bg + 16 : (b + c + C) * w.G + g + 16 - w.G);
-    Plane<BITS>::unpack(w, bg, u[c]);
-  }
+// Half h of group g (of H) of block b unpacked, and, at its first half, the stream 16 groups ahead requested
+// (past the block's end: the next block's). A half at a time keeps fewer vectors live.
+template <int BITS, int H, int h>
+inline void unpack_half(const Weights& w, int64_t b, int64_t g, I* u) {
+  const int64_t bg = b * w.G + g;
+  if (h == 0) Plane<BITS>::prefetch(w, bg + 16);
+  Plane<BITS>::template unpack<h * 8 / H, (h + 1) * 8 / H>(w, bg, u);
 }
 
-template <int R, int C>
-inline void store_rows(const Weights& w, const F (*acc)[R], uint16_t* Y, int64_t r0, int64_t b) {
-  for (int c = 0; c < C; c++)
-    for (int i = 0; i < R; i++) vec::store_bf16(Y + (r0 + i) * w.ld + (b + c) * 16, acc[c][i]);
+template <int R>
+inline void store_rows(const Weights& w, const F* acc, uint16_t* Y, int64_t r0, int64_t b) {
+  for (int i = 0; i < R; i++) vec::store_bf16(Y + (r0 + i) * w.ld + b * 16, acc[i]);
 }
 
-// Rows r0 .. r0 + R's sums Σ (u − offset)·p over half group h of group g (the whole group where H = 1), for
-// blocks b .. b + C: R·C independent chains of dpbusd, then offset·Σp taken off (exact integers).
-template <int BITS, int H, int R, int C>
-inline void half_sums(const Weights& w, const Activations& x, int64_t r0, int64_t g, int h, const I (*u)[8],
-                      I (*exact)[R]) {
-  const int8_t* X = x.p + r0 * w.K + g * 32;
-  for (int c = 0; c < C; c++)
-    for (int i = 0; i < R; i++) exact[c][i] = vec::zero_i();
+// Rows' sums Σ u·p over half group h of group g (the whole group where H = 1), added to `exact`: R
+// independent chains of dpbusd, each input dword broadcast from the rows' interleaved layout.
+template <int BITS, int H, int R>
+inline void half_sums(const Rows& x, int64_t g, int h, const I* u, I* exact) {
+  const int32_t* P = x.p + g * 8 * R;  // the group's 8 dwords of each row, [8][R]
   const int v0 = h * 8 / H, v1 = (h + 1) * 8 / H;
   if constexpr (vec::kPairSums && BITS < 8) {
     // Runs of vectors whose 16-bit pair sums cannot overflow (each |pair| ≤ 2·(2^BITS − 1)·127) widen once.
     constexpr int kRun = BITS == 4 ? 8 : BITS == 5 ? 4 : 2;
     for (int r = v0; r < v1; r += kRun)
       for (int i = 0; i < R; i++) {
-        I s[C];
-        for (int v = r; v < r + kRun; v++) {
-          const I p = vec::set32(((const int32_t*)(X + i * w.K))[v]);
-          for (int c = 0; c < C; c++) s[c] = v == r ? vec::pairs(u[c][v], p) : vec::add16(s[c], vec::pairs(u[c][v], p));
-        }
-        for (int c = 0; c < C; c++) exact[c][i] = vec::widen(exact[c][i], s[c]);
+        I s = vec::pairs(u[r], vec::set32(P[r * R + i]));
+        for (int v = r + 1; v < r + kRun; v++) s = vec::add16(s, vec::pairs(u[v], vec::set32(P[v * R + i])));
+        exact[i] = vec::widen(exact[i], s);
       }
   } else {
     for (int v = v0; v < v1; v++)
-      for (int i = 0; i < R; i++) {
-        const I p = vec::set32(((const int32_t*)(X + i * w.K))[v]);  // inputs 4v .. 4v+3
-        for (int c = 0; c < C; c++) exact[c][i] = vec::dpbusd<BITS == 8>(exact[c][i], u[c][v], p);
-      }
-  }
-  if (!w.offset) return;
-  for (int i = 0; i < R; i++) {
-    const int32_t* half = x.half + ((r0 + i) * w.G + g) * 2;
-    const I lift = vec::set32((int32_t)w.offset * (H == 2 ? half[h] : half[0] + half[1]));
-    for (int c = 0; c < C; c++) exact[c][i] = vec::sub32(exact[c][i], lift);
+      for (int i = 0; i < R; i++) exact[i] = vec::dpbusd_at<BITS == 8>(exact[i], u[v], P + v * R + i);
   }
 }
 
-// Blocks b .. b + C of 16 outputs for rows r0 .. r0 + R, a float step per group.
-// UNIT: the format's scales and minimums are D and M alone (sc = mn = 1: Q4_0, Q4_1, Q5_0, Q8_0), not stored.
-template <int BITS, int H, bool MINS, bool UNIT, int R, int C>
-void blocks(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int64_t b) {
-  const int64_t G = w.G, S = w.S;
-  F acc[C][R];
-  for (int c = 0; c < C; c++)
-    for (int i = 0; i < R; i++) acc[c][i] = vec::zero();
-  for (int64_t g = 0; g < G; g++) {
-    I u[C][8];
-    unpack_group<BITS, C>(w, b, g, u);
-    for (int h = 0; h < H; h++) {
-      I exact[C][R];
-      half_sums<BITS, H, R, C>(w, x, r0, g, h, u, exact);
-      for (int c = 0; c < C; c++) {
-        const int64_t bg = (b + c) * G + g, sb = ((b + c) * (G / S) + g / S) * 16;
-        const F scale = UNIT ? vec::load_fp16(w.d + sb) : vec::load_fp16(w.d + sb) * int8x16(w.sc + (bg * H + h) * 16);
-        for (int i = 0; i < R; i++)
-          acc[c][i] = vec::fmadd(vec::to_f(exact[c][i]) * scale, vec::set(x.dx[(r0 + i) * G + g]), acc[c][i]);
-      }
-    }
+// Block b of 16 outputs for the R rows from r0, a float step per group, for the formats whose scales and
+// minimums are D and M alone (sc = mn = 1, not stored: Q4_0, Q4_1, Q5_0, Q8_0). A group's sums start at
+// −offset·Σp, so they end at Σ (u − offset)·p.
+template <int BITS, bool MINS, int R>
+void block(const Weights& w, const Activations& a, uint16_t* Y, int64_t r0, int64_t b) {
+  const Rows x(a, r0);
+  F acc[R];
+  for (int i = 0; i < R; i++) acc[i] = vec::zero();
+  for (int64_t g = 0; g < w.G; g++) {
+    I u[8], exact[R];
+    unpack_half<BITS, 1, 0>(w, b, g, u);
+    for (int i = 0; i < R; i++) exact[i] = vec::set32(-(int32_t)w.offset * x.sum[g * R + i]);
+    half_sums<BITS, 1, R>(x, g, 0, u, exact);
+    const F scale = vec::load_fp16(w.d + (b * w.G + g) * 16);
+    for (int i = 0; i < R; i++) acc[i] = vec::fmadd(vec::to_f(exact[i]) * scale, vec::set(x.dx[g * R + i]), acc[i]);
     if constexpr (MINS) {
-      for (int c = 0; c < C; c++) {
-        const int64_t bg = (b + c) * G + g, sb = ((b + c) * (G / S) + g / S) * 16;
-        const F minimum = UNIT ? vec::load_fp16(w.m + sb) : vec::load_fp16(w.m + sb) * uint8x16(w.mn + bg * 16);
-        for (int i = 0; i < R; i++) acc[c][i] = vec::fmadd(minimum, vec::set(x.sx[(r0 + i) * G + g]), acc[c][i]);
-      }
+      const F minimum = vec::load_fp16(w.m + (b * w.G + g) * 16);
+      for (int i = 0; i < R; i++) acc[i] = vec::fmadd(minimum, vec::set(x.sx[g * R + i]), acc[i]);
     }
   }
-  store_rows<R, C>(w, acc, Y, r0, b);
+  store_rows<R>(w, acc, Y, r0, b);
 }
 
 // The same for K-quants (integer sub-scales sc, mn under one D, M a superblock of 8 groups), with activations
 // per superblock: a row's integer sums Σ_g sc·(Σ u·p − offset·Σp) and Σ_g mn·Σp are taken over the superblock
-// (they fit int32), then two float steps, where legacy formats take them per group.
-template <int BITS, int H, bool MINS, int R, int C>
-void super_blocks(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int64_t b) {
+// (they fit int32), then two float steps, where legacy formats take them per group. The offset's and the
+// minimums' terms are products of int16 pairs (sub-scales or minimums of two halves or groups, by their Σp).
+template <int BITS, int H, bool MINS, int R>
+void super_block(const Weights& w, const Activations& a, uint16_t* Y, int64_t r0, int64_t b) {
+  static_assert(!(H == 2 && MINS), "a K-quant with two sub-scales a group has an offset, no minimums");
+  const Rows x(a, r0);
   const int64_t G = w.G, S = w.S, n_super = G / S;
-  F acc[C][R];
-  for (int c = 0; c < C; c++)
-    for (int i = 0; i < R; i++) acc[c][i] = vec::zero();
+  F acc[R];
+  for (int i = 0; i < R; i++) acc[i] = vec::zero();
   for (int64_t sb = 0; sb < n_super; sb++) {
-    I scaled[C][R], minimum[C][R];
-    for (int c = 0; c < C; c++)
-      for (int i = 0; i < R; i++) scaled[c][i] = minimum[c][i] = vec::zero_i();
+    I scaled[R];
+    for (int i = 0; i < R; i++) scaled[i] = vec::zero_i();
     for (int64_t g = sb * S; g < (sb + 1) * S; g++) {
-      I u[C][8];
-      unpack_group<BITS, C>(w, b, g, u);
-      for (int h = 0; h < H; h++) {
-        I exact[C][R];
-        half_sums<BITS, H, R, C>(w, x, r0, g, h, u, exact);
-        for (int c = 0; c < C; c++) {
-          const I sc = vec::widen_i8(w.sc + (((b + c) * G + g) * H + h) * 16);
-          for (int i = 0; i < R; i++) scaled[c][i] = vec::add32(scaled[c][i], vec::mul32(exact[c][i], sc));
-        }
+      if constexpr (H == 2) {  // −offset·(sc₀·Σp₀ + sc₁·Σp₁)
+        const I lift = vec::mul16(vec::pair16(w.sc + (b * G + g) * 32), (int16_t)-w.offset);
+        for (int i = 0; i < R; i++) scaled[i] = vec::dpwssd(scaled[i], lift, vec::set32(x.halves[g * R + i]));
       }
-      if constexpr (MINS) {
-        for (int c = 0; c < C; c++) {
-          const I mn = vec::widen_u8(w.mn + ((b + c) * G + g) * 16);
-          for (int i = 0; i < R; i++) {
-            const int32_t* half = x.half + ((r0 + i) * G + g) * 2;
-            minimum[c][i] = vec::add32(minimum[c][i], vec::mul32(mn, vec::set32(half[0] + half[1])));
-          }
-        }
-      }
+      auto half = [&](auto h) {  // h a compile-time constant: the half's vectors stay in registers
+        I u[8], exact[R];
+        unpack_half<BITS, H, h>(w, b, g, u);
+        for (int i = 0; i < R; i++) exact[i] = vec::zero_i();
+        half_sums<BITS, H, R>(x, g, h, u, exact);
+        const I sc = vec::widen_i8(w.sc + ((b * G + g) * H + h) * 16);
+        for (int i = 0; i < R; i++) scaled[i] = vec::add32(scaled[i], vec::mul32(exact[i], sc));
+      };
+      half(std::integral_constant<int, 0>{});
+      if constexpr (H == 2) half(std::integral_constant<int, 1>{});
     }
-    for (int c = 0; c < C; c++) {
-      const int64_t at = ((b + c) * n_super + sb) * 16;
-      const F d = vec::load_fp16(w.d + at);
-      for (int i = 0; i < R; i++) {
-        const F dx = vec::set(x.dx[(r0 + i) * n_super + sb]);
-        acc[c][i] = vec::fmadd(vec::to_f(scaled[c][i]) * d, dx, acc[c][i]);
-        if constexpr (MINS) acc[c][i] = vec::fmadd(vec::to_f(minimum[c][i]) * vec::load_fp16(w.m + at), dx, acc[c][i]);
+    const int64_t at = (b * n_super + sb) * 16;
+    const F d = vec::load_fp16(w.d + at);
+    for (int i = 0; i < R; i++) acc[i] = vec::fmadd(vec::to_f(scaled[i]) * d, vec::set(x.dx[sb * R + i]), acc[i]);
+    if constexpr (MINS) {
+      I minimum[R];
+      for (int i = 0; i < R; i++) minimum[i] = vec::zero_i();
+      for (int64_t g = sb * S; g < (sb + 1) * S; g += 2) {
+        const I mn = vec::pair16(w.mn + (b * G + g) * 16);
+        for (int i = 0; i < R; i++) minimum[i] = vec::dpwssd(minimum[i], mn, vec::set32(x.pairs[g / 2 * R + i]));
       }
+      const F m = vec::load_fp16(w.m + at);
+      for (int i = 0; i < R; i++) acc[i] = vec::fmadd(vec::to_f(minimum[i]) * m, vec::set(x.dx[sb * R + i]), acc[i]);
     }
   }
-  store_rows<R, C>(w, acc, Y, r0, b);
+  store_rows<R>(w, acc, Y, r0, b);
 }
 
+// Blocks b0 .. b1 for the R rows from r0, one block at a time: with the rows' inputs broadcast from memory,
+// two blocks sharing them gained nothing and spilled registers.
 template <int BITS, int H, bool MINS, bool UNIT, int R>
 void rows(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, int64_t b0, int64_t b1) {
-  // Two blocks share each broadcast input where registers allow (at 5 rows and more the sums spill); one
-  // row streams one block at a time, which keeps memory busier than two streams.
-  constexpr int C = vec::kAVX512 && R > 1 && R <= 4 ? 2 : 1;
-  int64_t b = b0;
-  if constexpr (UNIT) {
-    for (; b + C <= b1; b += C) blocks<BITS, H, MINS, UNIT, R, C>(w, x, Y, r0, b);
-    if (b < b1) blocks<BITS, H, MINS, UNIT, R, 1>(w, x, Y, r0, b);
-  } else {
-    for (; b + C <= b1; b += C) super_blocks<BITS, H, MINS, R, C>(w, x, Y, r0, b);
-    if (b < b1) super_blocks<BITS, H, MINS, R, 1>(w, x, Y, r0, b);
+  for (int64_t b = b0; b < b1; b++) {
+    if constexpr (UNIT) block<BITS, MINS, R>(w, x, Y, r0, b);
+    else super_block<BITS, H, MINS, R>(w, x, Y, r0, b);
   }
 }
 
@@ -295,7 +298,8 @@ void any_rows(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, i
 using Kernel = void (*)(const Weights&, const Activations&, uint16_t*, int64_t, int, int64_t, int64_t);
 
 // The formats GGUF files of the Llama family use (models/ggml.py's FORMATS): bits, halves, minimum, unit scales.
-Kernel kernel_for(int64_t bits, int64_t halves, bool mins, bool unit) {
+Kernel kernel_for(int64_t bits, int64_t halves, bool mins, bool unit, int64_t offset) {
+  TORCH_CHECK(unit || halves == 2 || offset == 0, "a K-quant's offset needs two sub-scales a group");
   if (bits == 4 && halves == 1 && unit) return mins ? any_rows<4, 1, true, true> : any_rows<4, 1, false, true>;
   if (bits == 5 && halves == 1 && unit && !mins) return any_rows<5, 1, false, true>;
   if (bits == 8 && halves == 1 && unit && !mins) return any_rows<8, 1, false, true>;
@@ -336,7 +340,7 @@ void ggml_mm_into(const torch::Tensor& x, const std::vector<torch::Tensor>& p, t
     const int64_t N = low.size(0) * 16;
     TORCH_CHECK(low.dim() == 3 && low.size(1) == G && K % 32 == 0 && G % S == 0, "input size ", K,
                 " does not match the weight's ", low.size(1) * 32);
-    const Kernel kernel = kernel_for(bits, halves, mins, unit);
+    const Kernel kernel = kernel_for(bits, halves, mins, unit, offset);
     const Weights w{low.data_ptr<uint8_t>(),
                     p[i + 1].numel() ? p[i + 1].data_ptr<uint8_t>() : nullptr,
                     unit ? nullptr : p[i + 2].data_ptr<int8_t>(),

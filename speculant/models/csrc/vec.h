@@ -79,6 +79,27 @@ inline void store_i8(int8_t* p, I a) { _mm_storeu_si128((__m128i*)p, _mm512_cvts
 template <bool WIDE = false>
 inline I dpbusd(I acc, I u, I p) { return {_mm512_dpbusd_epi32(acc.v, u.v, p.v)}; }
 
+// acc + each lane's 2 products of int16 pairs a·b.
+inline I dpwssd(I acc, I a, I b) { return {_mm512_dpwssd_epi32(acc.v, a.v, b.v)}; }
+// Lane j: the int16 pair (p[j], p[16 + j]), two groups' bytes side by side; mul16 scales each int16.
+inline I pair16(const uint8_t* p) {
+  const __m128i a = _mm_loadu_si128((const __m128i*)p), b = _mm_loadu_si128((const __m128i*)(p + 16));
+  return {_mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)))};
+}
+inline I pair16(const int8_t* p) {
+  const __m128i a = _mm_loadu_si128((const __m128i*)p), b = _mm_loadu_si128((const __m128i*)(p + 16));
+  return {_mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)))};
+}
+inline I mul16(I a, int16_t s) { return {_mm512_mullo_epi16(a.v, _mm512_set1_epi16(s))}; }
+
+// dpbusd of the dword at p broadcast: the broadcast folded into the instruction (the compiler keeps a load
+// and a shuffle of its own apart).
+template <bool WIDE = false>
+inline I dpbusd_at(I acc, I u, const int32_t* p) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc.v) : "v"(u.v), "m"(*p));
+  return acc;
+}
+
 // AVX2 without VNNI sums product pairs to 16 bits first (pairs, add16, widen): never used here.
 constexpr bool kPairSums = false;
 inline I pairs(I, I) { return zero_i(); }
@@ -274,6 +295,31 @@ inline I dpbusd(I acc, I u, I p) {
   }
 #endif
   return {dpbusd8(acc.lo, u.lo, p.lo), dpbusd8(acc.hi, u.hi, p.hi)};
+}
+template <bool WIDE = false>
+inline I dpbusd_at(I acc, I u, const int32_t* p) { return dpbusd<WIDE>(acc, u, set32(*p)); }
+
+// acc + each lane's 2 products of int16 pairs a·b.
+inline __m256i dpwssd8(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+inline I dpwssd(I acc, I a, I b) { return {dpwssd8(acc.lo, a.lo, b.lo), dpwssd8(acc.hi, a.hi, b.hi)}; }
+// Lane j: the int16 pair (p[j], p[16 + j]), two groups' bytes side by side; mul16 scales each int16.
+inline I pair16(const uint8_t* p) {
+  const __m128i a = _mm_loadu_si128((const __m128i*)p), b = _mm_loadu_si128((const __m128i*)(p + 16));
+  return {_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(a, b)), _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(a, b))};
+}
+inline I pair16(const int8_t* p) {
+  const __m128i a = _mm_loadu_si128((const __m128i*)p), b = _mm_loadu_si128((const __m128i*)(p + 16));
+  return {_mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a, b)), _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(a, b))};
+}
+inline I mul16(I a, int16_t s) {
+  const __m256i k = _mm256_set1_epi16(s);
+  return {_mm256_mullo_epi16(a.lo, k), _mm256_mullo_epi16(a.hi, k)};
 }
 
 // acc + each lane's pair q[2i]·k[2i] + q[2i+1]·k[2i+1] of 32 bf16 values.
