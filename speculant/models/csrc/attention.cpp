@@ -27,12 +27,21 @@ using speculant::to_bf16;
 // with `index` the rows index[0 .. n-1] (a draft tree's node sees the cache and its ancestors only).
 void attend_row(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t stride, int64_t n, int64_t D,
                 float scale, float* scores, uint16_t* out, const int64_t* index) {
-  for (int64_t j = 0; j < n; j++) {
+  auto dot = [&](int64_t j) {
     const int64_t row = index ? index[j] : j;
     vec::F acc = vec::zero();
     for (int64_t c = 0; c < D; c += 32) acc = vec::dot_bf16(acc, q + c, k + row * stride + c);
-    scores[j] = vec::sum(acc) * scale;
+    return acc;
+  };
+  int64_t j = 0;
+  // 16 keys' sums in one tree. Where the blocks of 16 end depends on n alone: a row scores its keys the
+  // same way in any call.
+  for (; j + 16 <= n; j += 16) {
+    vec::F acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = dot(j + i);
+    vec::store(scores + j, vec::sums16(acc) * vec::set(scale));
   }
+  for (; j < n; j++) scores[j] = vec::sum(dot(j)) * scale;
   const float inv = 1.f / speculant::exponentiate(scores, n);
   vec::F acc[16];
   for (int64_t c = 0; c < D / 16; c++) acc[c] = vec::zero();

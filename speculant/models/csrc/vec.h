@@ -92,6 +92,24 @@ inline I pair16(const int8_t* p) {
 }
 inline I mul16(I a, int16_t s) { return {_mm512_mullo_epi16(a.v, _mm512_set1_epi16(s))}; }
 
+// Lane j: the sum of v[j]'s 16 lanes, for 16 vectors at once (a tree of shuffles, where 16 sums one at a
+// time take 4 shuffles each).
+inline F sums16(const F* v) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; i++)  // 256-bit halves: lanes 0-7 v[2i]'s, 8-15 v[2i+1]'s
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i].v, v[2 * i + 1].v, 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i].v, v[2 * i + 1].v, 0xEE));
+  for (int i = 0; i < 4; i++)  // 128-bit quarters: v[4i] .. v[4i+3]'s
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; i++)  // pairs of lanes
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44), _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+  // The tree leaves v[j]'s sum in lane 4·(j mod 4) + (j / 4) permuted: put it back in lane j.
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return {_mm512_permutexvar_ps(order, z)};
+}
+
 // dpbusd of the dword at p broadcast: the broadcast folded into the instruction (the compiler keeps a load
 // and a shuffle of its own apart).
 template <bool WIDE = false>
@@ -333,6 +351,15 @@ inline F dot_bf16(F acc, const uint16_t* q, const uint16_t* k) {
   return {pairs(acc.lo, q, k), pairs(acc.hi, q + 16, k + 16)};
 }
 
+#endif
+
+#if !defined(__AVX512F__)
+// Lane j: the sum of v[j]'s 16 lanes, for 16 vectors at once.
+inline F sums16(const F* v) {
+  alignas(32) float s[16];
+  for (int j = 0; j < 16; j++) s[j] = sum(v[j]);
+  return load(s);
+}
 #endif
 
 // 16 values of a row of fp32 or bf16 logits (sampling, argmax); lanes from n on read `fill`.
