@@ -66,6 +66,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-p-min", type=float, default=None,
                    help="with --draft-model: stop a draft where the draft's likeliest token is below P "
                         "(\"draft_p_min\"; 0: always k drafts)")
+    s.add_argument("--draft-p-chain", type=float, default=None,
+                   help="with --draft-model: stop a draft where the draft's probability of the whole draft so far "
+                        "is below P (\"draft_p_chain\"; 0: off)")
     s.add_argument("--draft-vocab-size", type=int, default=None,
                    help="with --draft-model: the draft scores only the first N token ids and the special tokens "
                         "(\"draft_vocab_size\"; 0: the whole vocabulary)")
@@ -117,14 +120,14 @@ def _speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
                                            "tree_width": width})
         return cfg
     k = args.num_speculative_tokens if args.num_speculative_tokens is not None else 4
-    if (args.draft_p_min is not None or args.draft_vocab_size is not None) and not args.draft_model:
-        raise SpeculantError("--draft-p-min and --draft-vocab-size shape a draft model's drafts: give --draft-model "
-                             "PATH with them")
+    rules = {key: v for key, v in (("draft_p_min", args.draft_p_min), ("draft_p_chain", args.draft_p_chain),
+                                   ("draft_vocab_size", args.draft_vocab_size)) if v is not None}
+    if rules and not args.draft_model:
+        raise SpeculantError("--draft-p-min, --draft-p-chain and --draft-vocab-size shape a draft model's drafts: "
+                             "give --draft-model PATH with them")
     if args.draft_model:
         from speculant.defaults import DRAFT_K, draft_model_config
 
-        rules = {key: v for key, v in (("draft_p_min", args.draft_p_min), ("draft_vocab_size", args.draft_vocab_size))
-                 if v is not None}
         k = DRAFT_K if args.num_speculative_tokens is None else args.num_speculative_tokens
         if args.adaptive:
             rules["adaptive"] = True

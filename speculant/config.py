@@ -137,6 +137,10 @@ class SpeculativeConfig:
     # Our extension, for draft_model (llama.cpp's --draft-p-min): a draft stops where its likeliest token has
     # a probability below draft_p_min (proposers/draft_model.py). 0: always k drafts.
     draft_p_min: float = 0.0
+    # Our extension, for draft_model: a draft stops where the draft's probability of the whole draft so far
+    # (its drawn tokens' probabilities, times its likeliest next token's) falls below draft_p_chain: a late
+    # draft pays only where every draft before it is kept too. 0: off.
+    draft_p_chain: float = 0.0
     # Our extension, for draft_model: "q4_0" requantizes a GGUF draft's matrices stored wider than Q4_0 where it
     # runs on its own blocks (a cheaper draft pass; the output stays the target's). None: the file as it is.
     draft_quantization: str | None = None
@@ -148,7 +152,8 @@ class SpeculativeConfig:
         return (self.method + "+lookup" * self.lookup_first + "+corpus" * (self.corpus is not None)
                 + "+history" * (self.history_tokens > 0) + "+tree" * (self.tree_width > 1)
                 + f"+vocab{self.draft_vocab_size}" * bool(self.draft_vocab_size)
-                + f"+pmin{self.draft_p_min:g}" * bool(self.draft_p_min) + "+q4_0" * bool(self.draft_quantization))
+                + f"+pmin{self.draft_p_min:g}" * bool(self.draft_p_min)
+                + f"+pchain{self.draft_p_chain:g}" * bool(self.draft_p_chain) + "+q4_0" * bool(self.draft_quantization))
 
     @classmethod
     def parse(cls, value: str | dict | None) -> SpeculativeConfig | None:
@@ -225,14 +230,18 @@ CHECKS: tuple[tuple[Callable[[SpeculativeConfig], bool], Callable[[SpeculativeCo
     (lambda c: isinstance(c.draft_p_min, (int, float)) and not isinstance(c.draft_p_min, bool)
      and 0 <= c.draft_p_min < 1,
      lambda c: f"draft_p_min={c.draft_p_min!r} is out of range [0, 1)"),
+    (lambda c: isinstance(c.draft_p_chain, (int, float)) and not isinstance(c.draft_p_chain, bool)
+     and 0 <= c.draft_p_chain < 1,
+     lambda c: f"draft_p_chain={c.draft_p_chain!r} is out of range [0, 1)"),
     (lambda c: c.draft_quantization in (None, "q4_0"),
      lambda c: f"draft_quantization={c.draft_quantization!r}: choose \"q4_0\" or leave it out"),
     (lambda c: c.draft_quantization is None or gguf_draft(c.model),
      lambda c: f"draft_quantization requantizes a GGUF draft's blocks; {c.model!r} is not a .gguf file or a name "
                "from `speculant models`"),
-    (lambda c: c.method == "draft_model" or not (c.draft_vocab_size or c.draft_p_min or c.draft_quantization),
-     lambda c: "draft_vocab_size, draft_p_min and draft_quantization shape a draft model's drafts; they need "
-               "method draft_model"),
+    (lambda c: c.method == "draft_model" or not (c.draft_vocab_size or c.draft_p_min or c.draft_p_chain
+                                                 or c.draft_quantization),
+     lambda c: "draft_vocab_size, draft_p_min, draft_p_chain and draft_quantization shape a draft model's drafts; "
+               "they need method draft_model"),
     (lambda c: c.method == "ngram" or bool(c.model),
      lambda c: f"method {c.method!r} needs \"model\" (the draft's path)"),
     (lambda c: not _uses_lookup(c) or (isinstance(c.prompt_lookup_min, int) and isinstance(c.prompt_lookup_max, int)

@@ -125,7 +125,7 @@ class ReducedVocabFullQ(DraftModelProposer):
 class StopsOnTheDrawnToken(DraftModelProposer):
     """Decides p_min on the token it drew: a later draft is kept only where q gave it at least p_min."""
 
-    def stop_unsure(self, logits, n_draft, i):
+    def stop_unsure(self, confidence, chain, n_draft, i):
         return n_draft
 
     def draw(self, logits, sb):
@@ -144,9 +144,33 @@ class StopsOnTheDrawnToken(DraftModelProposer):
         return proposal
 
 
+class ChainOnTheDrawnToken(DraftModelProposer):
+    """Decides p_chain on the tokens drawn up to and including position i: a later draft is kept only while the
+    draft's probability of every token drawn so far, its own included, stays at least p_chain."""
+
+    def stop_unsure(self, confidence, chain, n_draft, i):
+        return n_draft
+
+    def draw(self, logits, sb):
+        token, q = super().draw(logits, sb)
+        i, self._position = self._position, self._position + 1
+        self._chain = self._chain * torch.softmax(logits[:, 0], dim=-1).gather(-1, token[:, None]).squeeze(-1)
+        if i:
+            unsure = (self._chain < self.p_chain).tolist()
+            self._n_draft = [n if not u else min(n, i) for n, u in zip(self._n_draft, unsure)]
+        return token, q
+
+    def propose(self, seqs, ks, sb):
+        self._n_draft, self._position, self._chain = list(ks), 0, torch.ones(len(seqs))
+        proposal = super().propose(seqs, ks, sb)
+        proposal.n_draft = torch.minimum(proposal.n_draft, torch.tensor(self._n_draft))
+        return proposal
+
+
 # name → (proposer class, its rule settings)
 DRAFT_RULE_MUTANTS = {"reduced_vocab_full_q": (ReducedVocabFullQ, {"vocab_size": 5}),
-                      "p_min_on_the_drawn_token": (StopsOnTheDrawnToken, {"p_min": 0.45})}
+                      "p_min_on_the_drawn_token": (StopsOnTheDrawnToken, {"p_min": 0.45}),
+                      "p_chain_on_the_drawn_token": (ChainOnTheDrawnToken, {"p_chain": 0.2})}
 
 
 def patch_rule_error(name: str, size: float, monkeypatch) -> None:

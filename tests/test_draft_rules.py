@@ -1,5 +1,5 @@
 """A draft model's cheaper drafting rules keep the output exact: a reduced draft vocabulary and stopping where
-the draft is unsure (p_min). Greedy output equals plain greedy output; sampled output follows the target's
+the draft is unsure of its next token (p_min) or of its whole draft (p_chain). Greedy output equals plain greedy output; sampled output follows the target's
 distribution (the G-test of test_distribution.py at the same significance); a mutant of each rule is caught."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from speculant.proposers.draft_vocab import HeadRows, draft_vocab_ids
 
 # Where the small-vocabulary draft stops at about half its positions (its likeliest token's probability there).
 P_MIN = 0.45
+P_CHAIN = 0.2  # where it drafts about half the positions it would draft without
 SMALL_VOCAB = 5  # of 8
 
 
@@ -42,7 +43,7 @@ def plain(target):
 
 
 @pytest.mark.parametrize("k", [2, 5])
-@pytest.mark.parametrize("rule", [{"draft_vocab_size": 40}, {"draft_p_min": 0.0137},
+@pytest.mark.parametrize("rule", [{"draft_vocab_size": 40}, {"draft_p_min": 0.0137}, {"draft_p_chain": 1e-4},
                                   {"draft_vocab_size": 64, "draft_p_min": 0.0135, "lookup_first": True}])
 def test_greedy_equals_plain(target, tiny_pair, plain, rule, k):
     spec = {"method": "draft_model", "num_speculative_tokens": k, "model": str(tiny_pair[1]), **rule}
@@ -69,6 +70,14 @@ def test_p_min_stops_drafts_short(target, tiny_pair):
     assert 0 < short.stats.num_draft_tokens < full.stats.num_draft_tokens
 
 
+def test_p_chain_stops_drafts_shorter_than_its_p_min_alone(target, tiny_pair):
+    # The chain's probability is at most its last position's: a chain bound as high as a p_min stops sooner.
+    spec = {"method": "draft_model", "num_speculative_tokens": 5, "model": str(tiny_pair[1])}
+    _, p_min = run(target, {**spec, "draft_p_min": 0.0137}, PROMPTS)
+    _, chain = run(target, {**spec, "draft_p_chain": 0.0137}, PROMPTS)
+    assert 0 < chain.stats.num_draft_tokens < p_min.stats.num_draft_tokens
+
+
 def test_head_rows_are_the_heads_logits_at_those_ids(target, smollm_path):
     bundled = load_model(smollm_path, dtype="auto", quantization="auto")
     # The ggml kernel computes each output alone: exact; a dense matmul's blocking may move the last bit.
@@ -93,11 +102,12 @@ def rule_engine(models, proposer_cls=DraftModelProposer, **rule) -> Engine:
     return Engine(target, proposer, 3, max_batch_size=BATCH, max_model_len=32)
 
 
-RULES = {"vocab": {"vocab_size": SMALL_VOCAB}, "p_min": {"p_min": P_MIN},
-         "both": {"vocab_size": SMALL_VOCAB, "p_min": P_MIN}}
+RULES = {"vocab": {"vocab_size": SMALL_VOCAB}, "p_min": {"p_min": P_MIN}, "p_chain": {"p_chain": P_CHAIN},
+         "both": {"vocab_size": SMALL_VOCAB, "p_min": P_MIN}, "all": {"vocab_size": SMALL_VOCAB, "p_chain": P_CHAIN}}
 
 
-@pytest.mark.parametrize("rule, setting", [("vocab", "t1"), ("p_min", "t1"), ("both", "t0.7_topk")])
+@pytest.mark.parametrize("rule, setting", [("vocab", "t1"), ("p_min", "t1"), ("p_chain", "t1"), ("both", "t0.7_topk"),
+                                           ("all", "t0.7_topk")])
 def test_sampling_matches_target(small, rule, setting):
     engine = rule_engine(small, **RULES[rule])
     params = SETTINGS[setting]
@@ -116,9 +126,11 @@ def test_p_min_leaves_positions_undrafted(small):
         engine.generate([engine.add_request([1, 5, 3, 6, 1, 5], replace(params, seed=i)) for i in range(BATCH)])
         return engine
 
-    engine, full = drafted(rule_engine(small, p_min=P_MIN)), drafted(rule_engine(small))
-    # Fewer drafts, yet some: the rule is active, and not on every position.
-    assert 0.2 * full.stats.num_draft_tokens < engine.stats.num_draft_tokens < 0.8 * full.stats.num_draft_tokens
+    full = drafted(rule_engine(small))
+    for rule in ({"p_min": P_MIN}, {"p_chain": P_CHAIN}):
+        engine = drafted(rule_engine(small, **rule))
+        # Fewer drafts, yet some: the rule is active, and not on every position.
+        assert 0.2 * full.stats.num_draft_tokens < engine.stats.num_draft_tokens < 0.8 * full.stats.num_draft_tokens
 
 
 @pytest.mark.parametrize("mutant", list(DRAFT_RULE_MUTANTS))
@@ -135,6 +147,7 @@ def test_draft_rule_mutant_is_caught(small, mutant):
     ({"draft_vocab_size": -1}, "draft_vocab_size"), ({"draft_vocab_size": 1.5}, "draft_vocab_size"),
     ({"draft_p_min": 1.0}, "draft_p_min"), ({"draft_p_min": "high"}, "draft_p_min"),
     ({"method": "ngram", "draft_p_min": 0.5}, "need method draft_model"),
+    ({"draft_p_chain": -0.1}, "draft_p_chain"), ({"method": "ngram", "draft_p_chain": 0.5}, "need method draft_model"),
 ])
 def test_invalid_rule_settings_are_refused(bad, why):
     config = {"method": "draft_model", "model": "x", "num_speculative_tokens": 4, **bad}

@@ -210,10 +210,12 @@ def proposer_configs(plan: BenchPlan, k: int) -> tuple[list[SpeculativeConfig], 
 
 
 def draft_options(options: list[str]) -> dict:
-    """A proposer name's draft options: vocabN (draft_vocab_size), pminX (draft_p_min), q4_0 (draft_quantization)."""
+    """A proposer name's draft options: vocabN (draft_vocab_size), pminX (draft_p_min), pchainX (draft_p_chain),
+    q4_0 (draft_quantization)."""
     out = {"draft_quantization": "q4_0"} if "q4_0" in options else {}
     for option in options:
-        for prefix, key, kind in (("vocab", "draft_vocab_size", int), ("pmin", "draft_p_min", float)):
+        for prefix, key, kind in (("vocab", "draft_vocab_size", int), ("pmin", "draft_p_min", float),
+                                  ("pchain", "draft_p_chain", float)):
             if option.startswith(prefix) and option != prefix:
                 try:
                     out[key] = kind(option[len(prefix):])
@@ -224,7 +226,7 @@ def draft_options(options: list[str]) -> dict:
 
 def without_draft_options(name: str) -> str:
     """draft_model+lookup+vocab32768+pmin0.6 → draft_model+lookup."""
-    return "+".join(o for o in name.split("+") if not re.fullmatch(r"(vocab\d+|pmin[0-9.]+|q4_0)", o))
+    return "+".join(o for o in name.split("+") if not re.fullmatch(r"(vocab\d+|pmin[0-9.]+|pchain[0-9.]+|q4_0)", o))
 
 
 def adaptive_configs(plan: BenchPlan) -> list[SpeculativeConfig]:

@@ -28,7 +28,7 @@ def build_proposer(cfg: SpeculativeConfig, target: LoadedModel, max_batch_size: 
         check_vocab(target, draft)
         warn_if_not_cheaper(target, draft)
         return DraftModelProposer(draft, target.config.vocab_size, max_batch_size, max_len, cfg.draft_vocab_size,
-                                  cfg.draft_p_min)
+                                  cfg.draft_p_min, cfg.draft_p_chain)
     if cfg.method == "eagle":
         from speculant.proposers.eagle import EagleProposer, load_eagle
 

@@ -1,10 +1,11 @@
 """A smaller model of the same family drafts k tokens autoregressively, sampling each under the
 request's own transforms, and reports q, the distribution it really drew from.
 
-Two rules make the draft cheaper and keep the output exact: a reduced vocabulary (draft_vocab.py: q is zero
-where the draft cannot propose) and stopping where the draft is unsure (p_min, as llama.cpp's --draft-p-min):
-whether position i is drafted is decided from the draft's distribution there, before its token is drawn, so
-the token the target verifies is still drawn from q, and a position left undrafted is the target's own draw.
+Rules that make the draft cheaper keep the output exact: a reduced vocabulary (draft_vocab.py: q is zero where
+the draft cannot propose), and stopping where the draft is unsure of its next token (p_min, as llama.cpp's
+--draft-p-min) or of the whole draft so far (p_chain): whether position i is drafted is decided from the draft's
+distributions up to i and the tokens drawn before i, never from the token drawn at i, so the token the target
+verifies is still drawn from q, and a position left undrafted is the target's own draw.
 """
 
 from __future__ import annotations
@@ -62,10 +63,10 @@ class DraftModelProposer(Proposer):
     name = "draft_model"
 
     def __init__(self, draft: LoadedModel, target_vocab_size: int, max_batch_size: int, max_len: int,
-                 vocab_size: int = 0, p_min: float = 0.0):
+                 vocab_size: int = 0, p_min: float = 0.0, p_chain: float = 0.0):
         self.model = draft.model
         self.vocab = target_vocab_size
-        self.p_min = p_min
+        self.p_min, self.p_chain = p_min, p_chain
         self.head: HeadRows | None = None  # the reduced vocabulary's head; None: the whole vocabulary
         if vocab_size:
             added = list(draft.eos_token_ids)
@@ -121,13 +122,17 @@ class DraftModelProposer(Proposer):
         hidden = hidden[torch.arange(len(seqs), device=device), last][:, None]  # [B, 1, D]
         n_draft = list(ks)
         drafts, qs, fed = [], [], 0
+        chain = torch.ones(len(seqs), device=device)  # the draft's probability of the drafts drawn so far
         for i in range(max(ks)):
             logits = self._logits(hidden)
-            if self.p_min and i:
-                n_draft = self.stop_unsure(logits, n_draft, i)
+            confidence = torch.softmax(logits[:, 0], dim=-1) if self.p_min or self.p_chain else None
+            if confidence is not None and i:
+                n_draft = self.stop_unsure(confidence, chain, n_draft, i)
             if max(n_draft) <= i:
                 break
             token, q = self.draw(logits, sb.ahead(i))
+            if self.p_chain:
+                chain = chain * confidence.gather(-1, token[:, None]).squeeze(-1)
             drafts.append(token)
             qs.append(q)
             if max(n_draft) > i + 1:
@@ -140,12 +145,15 @@ class DraftModelProposer(Proposer):
         q = None if sb.all_greedy else torch.stack(qs, dim=1)  # greedy q is one-hot: deterministic
         return Proposal(torch.stack(drafts, dim=1), torch.tensor(n_draft, device=device), q)
 
-    def stop_unsure(self, logits: torch.Tensor, n_draft: list[int], i: int) -> list[int]:
-        """Rows whose draft gives its likeliest token at position i less than p_min draft i tokens at most.
-        The draft's own distribution (temperature 1) decides, whatever the request's transforms: a function
-        of what was drafted before i, never of the token drawn at i. Position 0 is always drafted: its pass
-        is paid anyway (the draft reads the verifier's last token), and verifying one more token is ~free."""
-        sure = torch.softmax(logits[:, 0], dim=-1).amax(dim=-1) >= self.p_min
+    def stop_unsure(self, confidence: torch.Tensor, chain: torch.Tensor, n_draft: list[int], i: int) -> list[int]:
+        """Rows whose draft gives its likeliest token at position i less than p_min, or the drafts before i
+        times that token less than p_chain, draft i tokens at most. `confidence` [B, V] is the draft's own
+        distribution at i (temperature 1, whatever the request's transforms), `chain` [B] the product of its
+        probabilities of the tokens drawn before i: functions of what was drafted before i, never of the token
+        drawn at i. Position 0 is always drafted: its pass is paid anyway (the draft reads the verifier's last
+        token), and verifying one more token is ~free."""
+        top = confidence.amax(dim=-1)
+        sure = (top >= self.p_min) & (chain * top >= self.p_chain)
         return [n if ok else min(n, i) for n, ok in zip(n_draft, sure.tolist())]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
