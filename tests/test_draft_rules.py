@@ -1,6 +1,7 @@
 """A draft model's cheaper drafting rules keep the output exact: a reduced draft vocabulary and stopping where
-the draft is unsure of its next token (p_min) or of its whole draft (p_chain). Greedy output equals plain greedy output; sampled output follows the target's
-distribution (the G-test of test_distribution.py at the same significance); a mutant of each rule is caught."""
+the draft is unsure of its next token (p_min) or of its whole draft (p_chain). Greedy output equals plain
+greedy output; sampled output follows the target's distribution (the G-test of test_distribution.py at the
+same significance); a mutant of each rule is caught."""
 
 from __future__ import annotations
 
