@@ -61,7 +61,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help='JSON object or a JSON/YAML file, as vLLM: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\'; methods: draft_model, ngram, eagle')
     s.add_argument("--draft-model", default=None, help="shortcut: a draft model path or a name from "
-                   "`speculant models` (method draft_model), k = 4, with prompt lookup first, --draft-p-min 0.6, "
+                   "`speculant models` (method draft_model), k = 4, with prompt lookup first, --draft-p-chain 0.3, "
                    "--draft-vocab-size 65536 and a GGUF draft's wider matrices as Q4_0 unless given")
     s.add_argument("--draft-p-min", type=float, default=None,
                    help="with --draft-model: stop a draft where the draft's likeliest token is below P "

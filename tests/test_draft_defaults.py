@@ -22,10 +22,11 @@ def test_draft_model_alone_gets_the_measured_rules():
     cfg = config("--draft-model", "some/draft")
     assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == ("draft_model", "some/draft", DRAFT_K)
     assert cfg.draft_quantization is None  # a folder's weights are not GGUF blocks
-    assert (cfg.lookup_first, cfg.draft_p_min, cfg.draft_vocab_size) == \
-        (DRAFT_RULES["lookup_first"], DRAFT_RULES["draft_p_min"], DRAFT_RULES["draft_vocab_size"])
-    cfg = config("--draft-model", "d", "--draft-p-min", "0", "--draft-vocab-size", "0", "-k", "6")
-    assert (cfg.draft_p_min, cfg.draft_vocab_size, cfg.num_speculative_tokens) == (0, 0, 6)
+    assert (cfg.lookup_first, cfg.draft_p_chain, cfg.draft_vocab_size) == \
+        (DRAFT_RULES["lookup_first"], DRAFT_RULES["draft_p_chain"], DRAFT_RULES["draft_vocab_size"])
+    cfg = config("--draft-model", "d", "--draft-p-chain", "0", "--draft-vocab-size", "0", "-k", "6")
+    assert (cfg.draft_p_chain, cfg.draft_vocab_size, cfg.num_speculative_tokens) == (0, 0, 6)
+    assert config("--draft-model", "d", "--draft-p-min", "0.6").draft_p_min == 0.6
     # The vLLM-shaped JSON config means what it says: no rule it does not name.
     cfg = config("--speculative-config", '{"method": "draft_model", "model": "d", "num_speculative_tokens": 2}')
     assert (cfg.lookup_first, cfg.draft_p_min, cfg.draft_vocab_size) == (False, 0.0, 0)
