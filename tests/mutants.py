@@ -128,12 +128,16 @@ class StopsOnTheDrawnToken(DraftModelProposer):
     def stop_unsure(self, confidence, chain, n_draft, i):
         return n_draft
 
+    def unsure(self, logits, token, q):
+        """Per row, whether the token just drawn at a later position cuts the draft there."""
+        return q.gather(-1, token[:, None]).squeeze(-1) < self.p_min
+
     def draw(self, logits, sb):
         token, q = super().draw(logits, sb)
         i, self._position = self._position, self._position + 1
+        unsure = self.unsure(logits, token, q)
         if i:
-            unsure = (q.gather(-1, token[:, None]).squeeze(-1) < self.p_min).tolist()
-            self._n_draft = [n if not u else min(n, i) for n, u in zip(self._n_draft, unsure)]
+            self._n_draft = [n if not u else min(n, i) for n, u in zip(self._n_draft, unsure.tolist())]
         return token, q
 
     def propose(self, seqs, ks, sb):
@@ -144,27 +148,17 @@ class StopsOnTheDrawnToken(DraftModelProposer):
         return proposal
 
 
-class ChainOnTheDrawnToken(DraftModelProposer):
+class ChainOnTheDrawnToken(StopsOnTheDrawnToken):
     """Decides p_chain on the tokens drawn up to and including position i: a later draft is kept only while the
     draft's probability of every token drawn so far, its own included, stays at least p_chain."""
 
-    def stop_unsure(self, confidence, chain, n_draft, i):
-        return n_draft
-
-    def draw(self, logits, sb):
-        token, q = super().draw(logits, sb)
-        i, self._position = self._position, self._position + 1
-        self._chain = self._chain * torch.softmax(logits[:, 0], dim=-1).gather(-1, token[:, None]).squeeze(-1)
-        if i:
-            unsure = (self._chain < self.p_chain).tolist()
-            self._n_draft = [n if not u else min(n, i) for n, u in zip(self._n_draft, unsure)]
-        return token, q
-
     def propose(self, seqs, ks, sb):
-        self._n_draft, self._position, self._chain = list(ks), 0, torch.ones(len(seqs))
-        proposal = super().propose(seqs, ks, sb)
-        proposal.n_draft = torch.minimum(proposal.n_draft, torch.tensor(self._n_draft))
-        return proposal
+        self._chain = torch.ones(len(seqs))
+        return super().propose(seqs, ks, sb)
+
+    def unsure(self, logits, token, q):
+        self._chain = self._chain * torch.softmax(logits[:, 0], dim=-1).gather(-1, token[:, None]).squeeze(-1)
+        return self._chain < self.p_chain
 
 
 # name → (proposer class, its rule settings)

@@ -125,8 +125,9 @@ class DraftModelProposer(Proposer):
         chain = torch.ones(len(seqs), device=device)  # the draft's probability of the drafts drawn so far
         for i in range(max(ks)):
             logits = self._logits(hidden)
-            confidence = torch.softmax(logits[:, 0], dim=-1) if self.p_min or self.p_chain else None
-            if confidence is not None and i:
+            # The draft's own distribution: the rules' at i ≥ 1, the chain's at every drawn position.
+            confidence = torch.softmax(logits[:, 0], dim=-1) if self.p_chain or (self.p_min and i) else None
+            if i and confidence is not None:
                 n_draft = self.stop_unsure(confidence, chain, n_draft, i)
             if max(n_draft) <= i:
                 break

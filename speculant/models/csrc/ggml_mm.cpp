@@ -53,15 +53,9 @@ struct Activations {
   int32_t* sum;     // [chunks][K/32][R]: Σp of a group of 32
   int32_t* halves;  // [chunks][K/32][R]: int16 pairs (Σp of inputs 0..15, of 16..31) of a group
   int32_t* pairs;   // [chunks][K/64][R]: int16 pairs (Σp of group 2j, of 2j+1)
-  int64_t M, K, span;
+  int64_t K, span;
 
-  // Item t of row r in an array of `items` a row.
-  int64_t at(int64_t r, int64_t items, int64_t t) const {
-    const int64_t c0 = r / kRows * kRows;
-    return c0 * items + t * std::min<int64_t>(kRows, M - c0) + r - c0;
-  }
-
-  Activations(const uint16_t* X, int64_t M, int64_t K, int64_t span) : M(M), K(K), span(span) {
+  Activations(const uint16_t* X, int64_t M, int64_t K, int64_t span) : K(K), span(span) {
     static thread_local std::vector<int32_t> p_buffer[2], sum_buffer[2], halves_buffer[2], pairs_buffer[2];
     static thread_local std::vector<float> dx_buffer[2], sx_buffer[2];
     const int k = span == 32 ? 0 : 1;
@@ -70,6 +64,9 @@ struct Activations {
     sum = reused(sum_buffer[k], M * K / 32), halves = reused(halves_buffer[k], M * K / 32);
     pairs = reused(pairs_buffer[k], M * (K / 64));
     for (int64_t r = 0; r < M; r++) {
+      // Row r is row r − c0 of the chunk from c0, of R rows: its item t of `items` a row is at `at`.
+      const int64_t c0 = r / kRows * kRows, R = std::min<int64_t>(kRows, M - c0);
+      auto at = [&](int64_t items, int64_t t) { return c0 * items + t * R + r - c0; };
       for (int64_t i = 0; i < K / span; i++) {
         const uint16_t* x = X + r * K + span * i;
         F amax = vec::zero();
@@ -82,18 +79,18 @@ struct Activations {
           int32_t dwords[4];
           vec::store_i8((int8_t*)dwords, q);
           const int64_t dword = (span * i + j) / 4, group = (span * i + j) / 32;
-          for (int d = 0; d < 4; d++) p[at(r, K / 4, dword + d)] = dwords[d];
+          for (int d = 0; d < 4; d++) p[at(K / 4, dword + d)] = dwords[d];
           total += half[j / 16 % 2] = vec::sum_i(q);
           if (j / 16 % 2 == 1) {
-            sum[at(r, K / 32, group)] = half[0] + half[1];
-            halves[at(r, K / 32, group)] = int16_pair(half[0], half[1]);
+            sum[at(K / 32, group)] = half[0] + half[1];
+            halves[at(K / 32, group)] = int16_pair(half[0], half[1]);
           }
         }
-        dx[at(r, K / span, i)] = top / 127.f;
-        sx[at(r, K / span, i)] = dx[at(r, K / span, i)] * (float)total;
+        dx[at(K / span, i)] = top / 127.f;
+        sx[at(K / span, i)] = dx[at(K / span, i)] * (float)total;
       }
       for (int64_t j = 0; j < K / 64; j++)
-        pairs[at(r, K / 64, j)] = int16_pair(sum[at(r, K / 32, 2 * j)], sum[at(r, K / 32, 2 * j + 1)]);
+        pairs[at(K / 64, j)] = int16_pair(sum[at(K / 32, 2 * j)], sum[at(K / 32, 2 * j + 1)]);
     }
   }
 };
@@ -157,10 +154,6 @@ struct Plane {
       _mm_prefetch((const char*)(w.high + bg * kHigh + line), _MM_HINT_T0);
   }
 };
-
-inline F int8x16(const int8_t* p) { return vec::to_f(vec::widen_i8(p)); }
-
-inline F uint8x16(const uint8_t* p) { return vec::to_f(vec::widen_u8(p)); }
 
 // Half h of group g (of H) of block b unpacked, and, at its first half, the stream 16 groups ahead requested
 // (past the block's end: the next block's). A half at a time keeps fewer vectors live.

@@ -340,6 +340,13 @@ inline I mul16(I a, int16_t s) {
   return {_mm256_mullo_epi16(a.lo, k), _mm256_mullo_epi16(a.hi, k)};
 }
 
+// Lane j: the sum of v[j]'s 16 lanes, for 16 vectors at once.
+inline F sums16(const F* v) {
+  alignas(32) float s[16];
+  for (int j = 0; j < 16; j++) s[j] = sum(v[j]);
+  return load(s);
+}
+
 // acc + each lane's pair q[2i]·k[2i] + q[2i+1]·k[2i+1] of 32 bf16 values.
 inline F dot_bf16(F acc, const uint16_t* q, const uint16_t* k) {
   const __m256i high = _mm256_set1_epi32((int32_t)0xFFFF0000);
@@ -351,15 +358,6 @@ inline F dot_bf16(F acc, const uint16_t* q, const uint16_t* k) {
   return {pairs(acc.lo, q, k), pairs(acc.hi, q + 16, k + 16)};
 }
 
-#endif
-
-#if !defined(__AVX512F__)
-// Lane j: the sum of v[j]'s 16 lanes, for 16 vectors at once.
-inline F sums16(const F* v) {
-  alignas(32) float s[16];
-  for (int j = 0; j < 16; j++) s[j] = sum(v[j]);
-  return load(s);
-}
 #endif
 
 // 16 values of a row of fp32 or bf16 logits (sampling, argmax); lanes from n on read `fill`.
