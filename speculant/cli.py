@@ -61,13 +61,13 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help='JSON object or a JSON/YAML file, as vLLM: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\'; methods: draft_model, ngram, eagle')
     s.add_argument("--draft-model", default=None, help="shortcut: a draft model path or a name from "
-                   "`speculant models` (method draft_model), k = 4, with prompt lookup first, --draft-p-chain 0.3, "
+                   "`speculant models` (method draft_model), k = 4, with prompt lookup first, --draft-p-chain 0.7, "
                    "--draft-vocab-size 65536 and a GGUF draft's wider matrices as Q4_0 unless given")
     s.add_argument("--draft-p-min", type=float, default=None,
                    help="with --draft-model: stop a draft where the draft's likeliest token is below P "
                         "(\"draft_p_min\"; 0: always k drafts)")
     s.add_argument("--draft-p-chain", type=float, default=None,
-                   help="with --draft-model: stop a draft where the draft's probability of the whole draft so far "
+                   help="with --draft-model: stop a draft where the draft's probability of the tokens it drew "
                         "is below P (\"draft_p_chain\"; 0: off)")
     s.add_argument("--draft-vocab-size", type=int, default=None,
                    help="with --draft-model: the draft scores only the first N token ids and the special tokens "

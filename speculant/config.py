@@ -137,8 +137,8 @@ class SpeculativeConfig:
     # Our extension, for draft_model (llama.cpp's --draft-p-min): a draft stops where its likeliest token has
     # a probability below draft_p_min (proposers/draft_model.py). 0: always k drafts.
     draft_p_min: float = 0.0
-    # Our extension, for draft_model: a draft stops where the draft's probability of the whole draft so far
-    # (its drawn tokens' probabilities, times its likeliest next token's) falls below draft_p_chain: a late
+    # Our extension, for draft_model: a draft stops where the draft's probability of the tokens it has drawn
+    # falls below draft_p_chain, checked before the pass that would draft the next one (which it saves): a late
     # draft pays only where every draft before it is kept too. 0: off.
     draft_p_chain: float = 0.0
     # Our extension, for draft_model: "q4_0" requantizes a GGUF draft's matrices stored wider than Q4_0 where it

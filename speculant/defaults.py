@@ -17,11 +17,11 @@ CORPUS = SHIPPED / "corpus" / "corpus.safetensors"
 # which switches speculation off where it would lose (large batches).
 SPECULATION = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": True}
 # A draft model's drafting rules when the user names only the draft (--draft-model, a named model's default
-# draft): prompt lookup first where the text repeats, drafts stopped where the draft is unsure of the whole draft
-# (on chat it kept more of the gain than a bound on each position), a draft head over the 65,536 first ids of the
-# vocabulary (most of a BPE's text; no effect on smaller vocabularies), and a GGUF draft's wider matrices as Q4_0
-# (its acceptance held, its pass cheaper).
-DRAFT_RULES = {"lookup_first": True, "draft_p_chain": 0.3, "draft_vocab_size": 65536}
+# draft): prompt lookup first where the text repeats, drafts stopped before the next draft pass where the draft
+# is unsure of what it drew (on chat it kept more of the gain than a bound on each position), a draft head over
+# the 65,536 first ids of the vocabulary (most of a BPE's text; no effect on smaller vocabularies), and a GGUF
+# draft's wider matrices as Q4_0 (its acceptance held, its pass cheaper).
+DRAFT_RULES = {"lookup_first": True, "draft_p_chain": 0.7, "draft_vocab_size": 65536}
 GGUF_DRAFT_RULES = {"draft_quantization": "q4_0"}
 DRAFT_K = 4  # with p_min and a verify pass of 5 near one pass: k = 3 lost code's gain, chat held at both
 # The shipped EAGLE head's draft tree width (the bench's +tree proposers).

@@ -125,7 +125,10 @@ class ReducedVocabFullQ(DraftModelProposer):
 class StopsOnTheDrawnToken(DraftModelProposer):
     """Decides p_min on the token it drew: a later draft is kept only where q gave it at least p_min."""
 
-    def stop_unsure(self, confidence, chain, n_draft, i):
+    def stop_unsure(self, confidence, n_draft, i):
+        return n_draft
+
+    def end_chain(self, chain, n_draft, i):
         return n_draft
 
     def unsure(self, logits, token, q):
@@ -141,6 +144,8 @@ class StopsOnTheDrawnToken(DraftModelProposer):
         return token, q
 
     def propose(self, seqs, ks, sb):
+        if not all(ks):  # the rows with drafts to make come back here on their own
+            return DraftModelProposer.propose(self, seqs, ks, sb)
         self._n_draft, self._position = list(ks), 0
         proposal = super().propose(seqs, ks, sb)
         # The kept drafts are those before the first unlikely one drawn.

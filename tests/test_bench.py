@@ -206,7 +206,7 @@ def test_advise_end_to_end(tiny_pair, tmp_path, capsys, one_thread):
     assert "--speculative-config '{" in printed or "no speculation at batch 1" in printed
     advice = json.loads(details.read_text())["advice"]
     assert [a["batch_size"] for a in advice] == [1, 2]
-    assert set(json.loads(details.read_text())["fits"]) == {"ngram", "draft_model+lookup+vocab65536+pchain0.3"}
+    assert set(json.loads(details.read_text())["fits"]) == {"ngram", "draft_model+lookup+vocab65536+pchain0.7"}
 
 
 @pytest.mark.parametrize("config", [

@@ -29,7 +29,7 @@ from speculant.proposers.draft_vocab import HeadRows, draft_vocab_ids
 
 # Where the small-vocabulary draft stops at about half its positions (its likeliest token's probability there).
 P_MIN = 0.45
-P_CHAIN = 0.2  # where it drafts about half the positions it would draft without
+P_CHAIN = 0.2  # where it drafts about 40% fewer of the positions past the first; its mutant is caught here
 SMALL_VOCAB = 5  # of 8
 
 
@@ -72,7 +72,8 @@ def test_p_min_stops_drafts_short(target, tiny_pair):
 
 
 def test_p_chain_stops_drafts_shorter_than_its_p_min_alone(target, tiny_pair):
-    # The chain's probability is at most its last position's: a chain bound as high as a p_min stops sooner.
+    # The chain multiplies its drafts' probabilities: on a model unsure of every token, a bound as high as a p_min
+    # ends drafts sooner.
     spec = {"method": "draft_model", "num_speculative_tokens": 5, "model": str(tiny_pair[1])}
     _, p_min = run(target, {**spec, "draft_p_min": 0.0137}, PROMPTS)
     _, chain = run(target, {**spec, "draft_p_chain": 0.0137}, PROMPTS)
@@ -103,8 +104,9 @@ def rule_engine(models, proposer_cls=DraftModelProposer, **rule) -> Engine:
     return Engine(target, proposer, 3, max_batch_size=BATCH, max_model_len=32)
 
 
+# At P_CHAIN with the small vocabulary the chain ends where p_min does: "all" takes a bound that ends it elsewhere.
 RULES = {"vocab": {"vocab_size": SMALL_VOCAB}, "p_min": {"p_min": P_MIN}, "p_chain": {"p_chain": P_CHAIN},
-         "both": {"vocab_size": SMALL_VOCAB, "p_min": P_MIN}, "all": {"vocab_size": SMALL_VOCAB, "p_chain": P_CHAIN}}
+         "both": {"vocab_size": SMALL_VOCAB, "p_min": P_MIN}, "all": {"vocab_size": SMALL_VOCAB, "p_chain": 0.3}}
 
 
 @pytest.mark.parametrize("rule, setting", [("vocab", "t1"), ("p_min", "t1"), ("p_chain", "t1"), ("both", "t0.7_topk"),

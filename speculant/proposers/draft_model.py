@@ -3,9 +3,10 @@ request's own transforms, and reports q, the distribution it really drew from.
 
 Rules that make the draft cheaper keep the output exact: a reduced vocabulary (draft_vocab.py: q is zero where
 the draft cannot propose), and stopping where the draft is unsure of its next token (p_min, as llama.cpp's
---draft-p-min) or of the whole draft so far (p_chain): whether position i is drafted is decided from the draft's
-distributions up to i and the tokens drawn before i, never from the token drawn at i, so the token the target
-verifies is still drawn from q, and a position left undrafted is the target's own draw.
+--draft-p-min) or of the whole draft so far (p_chain, checked before the pass that would draft on, so it saves
+that pass): whether position i is drafted is decided from the draft's distributions up to i and the tokens drawn
+before i, never from the token drawn at i, so the token the target verifies is still drawn from q, and a position
+left undrafted is the target's own draw.
 """
 
 from __future__ import annotations
@@ -125,15 +126,16 @@ class DraftModelProposer(Proposer):
         chain = torch.ones(len(seqs), device=device)  # the draft's probability of the drafts drawn so far
         for i in range(max(ks)):
             logits = self._logits(hidden)
-            # The draft's own distribution: the rules' at i ≥ 1, the chain's at every drawn position.
+            # The draft's own distribution (temperature 1, whatever the request's transforms), for the rules.
             confidence = torch.softmax(logits[:, 0], dim=-1) if self.p_chain or (self.p_min and i) else None
-            if i and confidence is not None:
-                n_draft = self.stop_unsure(confidence, chain, n_draft, i)
+            if i and self.p_min:
+                n_draft = self.stop_unsure(confidence, n_draft, i)
             if max(n_draft) <= i:
                 break
             token, q = self.draw(logits, sb.ahead(i))
             if self.p_chain:
                 chain = chain * confidence.gather(-1, token[:, None]).squeeze(-1)
+                n_draft = self.end_chain(chain, n_draft, i)
             drafts.append(token)
             qs.append(q)
             if max(n_draft) > i + 1:
@@ -146,16 +148,19 @@ class DraftModelProposer(Proposer):
         q = None if sb.all_greedy else torch.stack(qs, dim=1)  # greedy q is one-hot: deterministic
         return Proposal(torch.stack(drafts, dim=1), torch.tensor(n_draft, device=device), q)
 
-    def stop_unsure(self, confidence: torch.Tensor, chain: torch.Tensor, n_draft: list[int], i: int) -> list[int]:
-        """Rows whose draft gives its likeliest token at position i less than p_min, or the drafts before i
-        times that token less than p_chain, draft i tokens at most. `confidence` [B, V] is the draft's own
-        distribution at i (temperature 1, whatever the request's transforms), `chain` [B] the product of its
-        probabilities of the tokens drawn before i: functions of what was drafted before i, never of the token
-        drawn at i. Position 0 is always drafted: its pass is paid anyway (the draft reads the verifier's last
-        token), and verifying one more token is ~free."""
-        top = confidence.amax(dim=-1)
-        sure = (top >= self.p_min) & (chain * top >= self.p_chain)
+    def stop_unsure(self, confidence: torch.Tensor, n_draft: list[int], i: int) -> list[int]:
+        """Rows whose draft gives its likeliest token at position i less than p_min draft i tokens at most.
+        `confidence` [B, V] is the draft's own distribution at i, computed before anything is drawn there.
+        Position 0 is always drafted: its pass is paid anyway (the draft reads the verifier's last token),
+        and verifying one more token is ~free."""
+        sure = confidence.amax(dim=-1) >= self.p_min
         return [n if ok else min(n, i) for n, ok in zip(n_draft, sure.tolist())]
+
+    def end_chain(self, chain: torch.Tensor, n_draft: list[int], i: int) -> list[int]:
+        """Rows whose drafts 0..i together have a draft probability `chain` [B] below p_chain draft no token
+        after i. Decided before the pass that would draft position i + 1, so a draft that ends saves that
+        pass, and from tokens drawn before i + 1 only: the token drawn at i + 1, had it been, is never looked at."""
+        return [n if ok else min(n, i + 1) for n, ok in zip(n_draft, (chain >= self.p_chain).tolist())]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.head is not None:
