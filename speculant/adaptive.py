@@ -93,6 +93,8 @@ class AdaptiveK:
     model_drafted: bool = False  # the last step verified a model's drafts
     # Nodes a model's drafts bring beyond k (a draft tree's other first candidates): they widen the pass.
     extra_nodes: int = 0
+    # The smallest batch whose drafts it chooses: a smaller one drafts the fixed k (and is still observed).
+    from_batch: int = 1
 
     def bucket(self, key: int) -> Bucket:
         if key not in self.buckets:

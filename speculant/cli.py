@@ -62,7 +62,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         '"num_speculative_tokens": 4}\'; methods: draft_model, ngram, eagle')
     s.add_argument("--draft-model", default=None, help="shortcut: a draft model path or a name from "
                    "`speculant models` (method draft_model), k = 4, with prompt lookup first, --draft-p-chain 0.7, "
-                   "--draft-vocab-size 65536 and a GGUF draft's wider matrices as Q4_0 unless given")
+                   "--draft-vocab-size 65536, a GGUF draft's wider matrices as Q4_0 and adaptive k for batches "
+                   "(\"adaptive\": \"batched\"; for every batch size where a verify pass of 5 costs ~2x one) unless "
+                   "given")
     s.add_argument("--draft-p-min", type=float, default=None,
                    help="with --draft-model: stop a draft where the draft's likeliest token is below P "
                         "(\"draft_p_min\"; 0: always k drafts)")
@@ -82,7 +84,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "each of the N likeliest nodes of a depth, the likeliest kept (\"tree_width\": N, "
                         "default 1)")
     s.add_argument("-k", "--num-speculative-tokens", type=int, default=None,
-                   help="draft length k (default 4; 3 with --draft-model)")
+                   help="draft length k (default 4)")
     s.add_argument("--adaptive", action="store_true",
                    help="choose k per step from the measured cost curve and acceptance (0 where it loses)")
     s.add_argument("--history-tokens", type=int, default=None,
@@ -113,7 +115,7 @@ def _speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
         cfg = SpeculativeConfig.parse(args.speculative_config)
         if args.num_speculative_tokens is not None:
             cfg.num_speculative_tokens = args.num_speculative_tokens
-        cfg.adaptive = cfg.adaptive or args.adaptive
+        cfg.adaptive = True if args.adaptive else cfg.adaptive
         if args.lookup_first or args.tree_width is not None:
             width = cfg.tree_width if args.tree_width is None else args.tree_width
             cfg = SpeculativeConfig.parse({**asdict(cfg), "lookup_first": cfg.lookup_first or args.lookup_first,

@@ -115,8 +115,10 @@ class SpeculativeConfig:
     # The earlier occurrence that matches a longer suffix continues right more often.
     prompt_lookup_max: int = 6
     # Our extension: choose k per step (0..num_speculative_tokens) from the measured cost curve and
-    # the running acceptance; speculation switches itself off where it would lose.
-    adaptive: bool = False
+    # the running acceptance; speculation switches itself off where it would lose. "batched": only for a
+    # batch of 2 or more sequences; one alone drafts num_speculative_tokens (where a verify pass of k + 1
+    # tokens costs about one, a draft model's own rules decide there, and the policy's caution only costs).
+    adaptive: bool | str = False
     # Our extension, for draft_model and eagle: where prompt lookup finds a match (prompt_lookup_min
     # to _max tokens) its drafts are verified instead, free; the model drafts the other steps.
     lookup_first: bool = False
@@ -195,6 +197,9 @@ def _uses_lookup(c: SpeculativeConfig) -> bool:
     return c.method == "ngram" or c.lookup_first
 
 
+
+ADAPTIVE_BATCHED = "batched"  # adaptive k from batch 2 on: the fixed k for a sequence alone
+
 # (what a valid config satisfies, the error otherwise), in order: each check may assume those before it passed.
 CHECKS: tuple[tuple[Callable[[SpeculativeConfig], bool], Callable[[SpeculativeConfig], str]], ...] = (
     (lambda c: c.method in METHODS,
@@ -203,8 +208,8 @@ CHECKS: tuple[tuple[Callable[[SpeculativeConfig], bool], Callable[[SpeculativeCo
      lambda c: "num_speculative_tokens (an integer) is required"),
     (lambda c: 1 <= c.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
      lambda c: f"num_speculative_tokens={c.num_speculative_tokens} is out of range [1, {MAX_SPECULATIVE_TOKENS}]"),
-    (lambda c: isinstance(c.adaptive, bool),
-     lambda c: f"adaptive must be true or false, got {c.adaptive!r}"),
+    (lambda c: isinstance(c.adaptive, bool) or c.adaptive == ADAPTIVE_BATCHED,
+     lambda c: f"adaptive must be true, false or {ADAPTIVE_BATCHED!r}, got {c.adaptive!r}"),
     (lambda c: isinstance(c.lookup_first, bool),
      lambda c: f"lookup_first must be true or false, got {c.lookup_first!r}"),
     (lambda c: not (c.lookup_first and c.method == "ngram"),

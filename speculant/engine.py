@@ -260,7 +260,7 @@ class Engine:
         return proposal if forced is None else merged(proposal, Proposal.from_lists(forced, self.device))
 
     def _proposer_drafts(self, batch: list[Sequence], limits: list[int], sb: SamplingBatch) -> Proposal:
-        if self.adaptive:
+        if self.adaptive and len(batch) >= self.adaptive.from_batch:
             # With no request waiting for a slot the batch is done when its last row is (adaptive.batch_progress).
             remaining = None if self.waiting else [s.max_tokens - s.num_generated for s in batch]
             return self.proposer.propose_adaptive(batch, limits, sb, self.adaptive, remaining)

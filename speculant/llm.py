@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from speculant.adaptive import AdaptiveK, cost_curve_for
-from speculant.config import SamplingParams, SpeculativeConfig
+from speculant.config import ADAPTIVE_BATCHED, SamplingParams, SpeculativeConfig
 from speculant.engine import Engine, resolve_max_model_len
 from speculant.errors import SpeculantError
 from speculant.models.loader import LoadedModel, load_model
@@ -81,7 +81,8 @@ def engine_for(target: LoadedModel, spec: SpeculativeConfig | None, max_batch_si
     adaptive = None
     if spec is not None and spec.adaptive:
         extra = proposer.extra_nodes
-        adaptive = AdaptiveK(cost_curve_for(target.model, max_batch_size, k + extra + 1), k, extra_nodes=extra)
+        adaptive = AdaptiveK(cost_curve_for(target.model, max_batch_size, k + extra + 1), k, extra_nodes=extra,
+                             from_batch=2 if spec.adaptive == ADAPTIVE_BATCHED else 1)
     return Engine(target, proposer, k, max_batch_size, max_model_len, adaptive=adaptive)
 
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from speculant.config import SamplingParams, SpeculativeConfig
+from speculant.config import ADAPTIVE_BATCHED, SamplingParams, SpeculativeConfig
 from speculant.engine import Engine
 from speculant.llm import engine_for
 from speculant.models.loader import LoadedModel
@@ -92,7 +92,9 @@ def config_name(method: str | None, k: int) -> str:
 
 def spec_method(spec: SpeculativeConfig) -> str:
     """The method as the report names it: an adaptive configuration is its own entry."""
-    return f"{spec.proposer} adaptive" if spec.adaptive else spec.proposer
+    if not spec.adaptive:
+        return spec.proposer
+    return f"{spec.proposer} adaptive" + (" from batch 2" if spec.adaptive == ADAPTIVE_BATCHED else "")
 
 
 @dataclass
