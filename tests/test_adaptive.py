@@ -138,6 +138,24 @@ def test_batched_adaptive_drafts_k_alone_and_lets_the_policy_choose_in_a_batch(t
     assert batched == fixed and batched_drafts < fixed_drafts
 
 
+def test_a_draft_model_behind_lookup_stays_greedy_identical_with_batched_adaptive(tiny_pair):
+    from speculant.config import SpeculativeConfig
+    from speculant.llm import engine_for
+
+    target = load_model(tiny_pair[0])
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 12, 13], [9]]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain = Engine(target, max_batch_size=3, max_model_len=128)
+    expected = [s.output_ids for s in plain.generate([plain.add_request(p, params) for p in prompts])]
+    spec = SpeculativeConfig.parse({"method": "draft_model", "model": str(tiny_pair[1]), "num_speculative_tokens": 4,
+                                    "lookup_first": True, "draft_p_chain": 1e-4, "adaptive": "batched"})
+    engine = engine_for(target, spec, 3, 128)
+    assert engine.adaptive.from_batch == 2
+    batched = [s.output_ids for s in engine.generate([engine.add_request(p, params) for p in prompts])]
+    alone = [engine.generate([engine.add_request(p, params)])[0].output_ids for p in prompts]
+    assert batched == expected and alone == expected and engine.stats.num_draft_tokens > 0
+
+
 def test_rare_drafts_stay_on_alone_but_not_in_a_batch():
     """A lookup that finds drafts for 6 rows of 32: alone, a row with a draft verifies it; in the batch
     the 26 others would pay for the widened pass and yield one token each."""

@@ -209,3 +209,27 @@ def test_installed_small_model_speculates_losslessly():
     spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4})
     llm.engine = engine_for(llm.engine.target, spec, 1, llm.engine.max_model_len)
     assert llm.chat(chat, params)[0].token_ids == plain and len(plain) == 48
+
+
+@pytest.mark.slow
+def test_installed_pair_drafts_losslessly_by_default():
+    """The real 1.5B by its name drafts with its 0.5B sibling by default (the measured rules, adaptive k in
+    batches): greedy output equals plain decoding's alone and in a batch of 3, where the cache holds both."""
+    from speculant import LLM, SamplingParams
+    from speculant.llm import engine_for
+
+    names = ["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"]
+    missing = [n for n in names if not is_installed(MODELS[n])]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not in the cache: speculant models --fetch NAME")
+    llm = LLM(names[0], max_batch_size=3)
+    assert llm.engine.proposer is not None and llm.engine.adaptive is not None
+    texts = ("Write a Python function that reverses a list.", "Why is the sea salty?", "Write a SQL count query.")
+    chats = [[{"role": "user", "content": text}] for text in texts]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    drafted = [o.token_ids for o in llm.chat(chats, params)]
+    alone = [llm.chat(c, params)[0].token_ids for c in chats]
+    assert llm.engine.stats.num_accepted_tokens > 0
+    llm.engine = engine_for(llm.engine.target, None, 3, llm.engine.max_model_len)
+    plain = [o.token_ids for o in llm.chat(chats, params)]
+    assert drafted == plain and alone == plain
