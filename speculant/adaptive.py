@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,7 +78,7 @@ class Bucket:
 
 @dataclass
 class AdaptiveK:
-    curve: CostCurve
+    curve: CostCurve | None  # None: measured by load_curve when first needed
     k_max: int
     alpha: float = 0.6  # prior acceptance of the first draft, until drafts are seen
     draft_ratio: float = 0.0  # c_draft / C(1), per drafted position, tracked online
@@ -93,8 +94,16 @@ class AdaptiveK:
     model_drafted: bool = False  # the last step verified a model's drafts
     # Nodes a model's drafts bring beyond k (a draft tree's other first candidates): they widen the pass.
     extra_nodes: int = 0
-    # The smallest batch whose drafts it chooses: a smaller one drafts the fixed k (and is still observed).
+    # The smallest batch whose drafts it chooses and whose steps it learns from: a smaller one drafts the fixed
+    # k. With from_batch 2 a run that never batches never measures the curve (seconds on a 1.5B).
     from_batch: int = 1
+    load_curve: Callable[[], CostCurve] | None = None
+
+    @property
+    def costs(self) -> CostCurve:
+        if self.curve is None:
+            self.curve = self.load_curve()
+        return self.curve
 
     def bucket(self, key: int) -> Bucket:
         if key not in self.buckets:
@@ -208,13 +217,13 @@ class AdaptiveK:
         batch = len(buckets)
         extra = self.extra_nodes if any(n and key == MODEL_BUCKET for key, n in zip(buckets, available)) else 0
         scale = self.calibration(batch)
-        fixed_share = min(self.curve.cost(1, 1) / self.curve.cost(batch, 1), 1.0)
+        fixed_share = min(self.costs.cost(1, 1) / self.costs.cost(batch, 1), 1.0)
         catch_up = None if remaining is None or batch == 1 else [max(remaining) / max(r, 1) for r in remaining]
         scored = [(0.0, 0)]
         for k in range(1, min(max(available, default=0), self.k_max) + 1):
             drafts = [min(k, n) for n in available]
             tokens = batch_progress([expected[key][n] for key, n in zip(buckets, drafts)], catch_up, fixed_share)
-            ratio = 1 + scale * (self.curve.ratio(batch, k + 1 + extra) - 1)
+            ratio = 1 + scale * (self.costs.ratio(batch, k + 1 + extra) - 1)
             scored.append((speedup_from(tokens, sum(drafts) / batch, ratio, draft_ratio), k))
         gain, k = max(scored)
         return (k, gain) if gain >= (MIN_GAIN if batch == 1 else MIN_GAIN_BATCHED) else (0, 1.0)
@@ -235,7 +244,7 @@ class AdaptiveK:
         for width, (n, seconds) in self.pass_times.items():
             if width > 1 and n >= CALIBRATION_MIN_PASSES:
                 measured += seconds / plain[1] - 1
-                expected += self.curve.ratio(1, width) - 1
+                expected += self.costs.ratio(1, width) - 1
         if expected <= 0:
             return 1.0
         low, high = CALIBRATION_RANGE
@@ -275,8 +284,8 @@ class AdaptiveK:
             # Against this run's own pass (scaled to one token by the curve), not the curve's C(1): that is
             # the fastest of a few passes measured once, and the machine's speed drifts.
             width = step.width or max(step.drafted) + 1
-            one_token = (self.curve.cost(step.batch_size, 1) if step.pass_s is None
-                         else step.pass_s / self.curve.ratio(step.batch_size, width))
+            one_token = (self.costs.cost(step.batch_size, 1) if step.pass_s is None
+                         else step.pass_s / self.costs.ratio(step.batch_size, width))
             ratio = step.draft_s / model_drafts / one_token
             self.draft_ratio += self.smoothing * (ratio - self.draft_ratio)
 

@@ -220,7 +220,7 @@ class Engine:
         accepted, next_tokens = self.verify(proposal, logits, sb)
         n_accepted = [len(a) for a in accepted]
         drafted = proposal.depths()
-        if self.adaptive:
+        if self.adaptive and len(batch) >= self.adaptive.from_batch:
             self.adaptive.observe(StepRecord(proposal.bucket_list(), drafted, n_accepted, len(batch), t1 - t0,
                                              t2 - t1, proposal.tokens.shape[1] + 1))
         start = [s.num_cached for s in batch]

@@ -81,8 +81,12 @@ def engine_for(target: LoadedModel, spec: SpeculativeConfig | None, max_batch_si
     adaptive = None
     if spec is not None and spec.adaptive:
         extra = proposer.extra_nodes
-        adaptive = AdaptiveK(cost_curve_for(target.model, max_batch_size, k + extra + 1), k, extra_nodes=extra,
-                             from_batch=2 if spec.adaptive == ADAPTIVE_BATCHED else 1)
+        def load_curve():
+            return cost_curve_for(target.model, max_batch_size, k + extra + 1)
+
+        batched = spec.adaptive == ADAPTIVE_BATCHED
+        adaptive = AdaptiveK(None if batched else load_curve(), k, extra_nodes=extra, from_batch=2 if batched else 1,
+                             load_curve=load_curve)
     return Engine(target, proposer, k, max_batch_size, max_model_len, adaptive=adaptive)
 
 

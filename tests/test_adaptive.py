@@ -117,13 +117,21 @@ def test_adaptive_engine_stays_greedy_identical(tiny_pair, tmp_path):
 
 def test_batched_adaptive_drafts_k_alone_and_lets_the_policy_choose_in_a_batch(tiny_pair):
     """from_batch=2 ("adaptive": "batched"): a sequence alone drafts the fixed k even where the policy would
-    switch drafting off (a compute-bound curve); a batch drafts what the policy plans; output stays greedy."""
+    switch drafting off (a compute-bound curve) and never measures the curve; a batch drafts what the policy
+    plans; output stays greedy."""
     target = load_model(tiny_pair[0])
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 12, 13, 11, 12, 13, 11], [9, 9, 9, 9]]
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
 
+    loads = []
+
+    def load():
+        loads.append(1)
+        return curve(0)
+
     def run(batch: list[list[int]], from_batch: int | None):
-        adaptive = None if from_batch is None else AdaptiveK(curve(0), k_max=4, alpha=0.9, from_batch=from_batch)
+        adaptive = None if from_batch is None else AdaptiveK(None, k_max=4, alpha=0.9, from_batch=from_batch,
+                                                             load_curve=load)
         engine = Engine(target, NgramProposer(1, 3), 4, max_batch_size=4, max_model_len=128, adaptive=adaptive)
         out = [s.output_ids for s in engine.generate([engine.add_request(p, params) for p in batch])]
         return out, engine.stats.num_draft_tokens
@@ -131,11 +139,12 @@ def test_batched_adaptive_drafts_k_alone_and_lets_the_policy_choose_in_a_batch(t
     for prompt in prompts:
         fixed, fixed_drafts = run([prompt], None)
         alone, alone_drafts = run([prompt], 2)
-        assert alone == fixed and alone_drafts == fixed_drafts > 0
+        assert alone == fixed and alone_drafts == fixed_drafts > 0 and not loads
         assert run([prompt], 1)[1] < fixed_drafts  # the policy alone cuts them
+        loads.clear()
     fixed, fixed_drafts = run(prompts, None)
     batched, batched_drafts = run(prompts, 2)
-    assert batched == fixed and batched_drafts < fixed_drafts
+    assert batched == fixed and batched_drafts < fixed_drafts and loads == [1]
 
 
 def test_a_draft_model_behind_lookup_stays_greedy_identical_with_batched_adaptive(tiny_pair):
