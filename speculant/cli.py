@@ -63,8 +63,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-model", default=None, help="shortcut: a draft model path or a name from "
                    "`speculant models` (method draft_model), k = 4, with prompt lookup first, --draft-p-chain 0.7, "
                    "--draft-vocab-size 65536, a GGUF draft's wider matrices as Q4_0 and adaptive k for batches "
-                   "(\"adaptive\": \"batched\"; for every batch size where a verify pass of 5 costs ~2x one) unless "
-                   "given")
+                   "(\"adaptive\": \"batched\"; at every batch size on CPUs below AVX512) unless given")
     s.add_argument("--draft-p-min", type=float, default=None,
                    help="with --draft-model: stop a draft where the draft's likeliest token is below P "
                         "(\"draft_p_min\"; 0: always k drafts)")

@@ -197,7 +197,6 @@ def _uses_lookup(c: SpeculativeConfig) -> bool:
     return c.method == "ngram" or c.lookup_first
 
 
-
 ADAPTIVE_BATCHED = "batched"  # adaptive k from batch 2 on: the fixed k for a sequence alone
 
 # (what a valid config satisfies, the error otherwise), in order: each check may assume those before it passed.

@@ -39,7 +39,7 @@ FLAT_VERIFY_LEVELS = ("avx512", "amx")
 def draft_model_config(draft: str, k: int = DRAFT_K, **overrides) -> dict:
     """The speculative config of a draft model named alone: DRAFT_RULES (and GGUF_DRAFT_RULES for a GGUF draft),
     adaptive k below FLAT_VERIFY_LEVELS and, on them, for batches (a verify pass over several sequences is
-    compute-bound: at batch 4 a fixed k = 4 made 0.61x, adaptive k 0.96x), then `overrides`."""
+    compute-bound where one sequence's is flat), then `overrides`."""
     from speculant.config import ADAPTIVE_BATCHED, gguf_draft
     from speculant.models import native
 

@@ -220,7 +220,7 @@ class Engine:
         accepted, next_tokens = self.verify(proposal, logits, sb)
         n_accepted = [len(a) for a in accepted]
         drafted = proposal.depths()
-        if self.adaptive and len(batch) >= self.adaptive.from_batch:
+        if self.adapts(batch):
             self.adaptive.observe(StepRecord(proposal.bucket_list(), drafted, n_accepted, len(batch), t1 - t0,
                                              t2 - t1, proposal.tokens.shape[1] + 1))
         start = [s.num_cached for s in batch]
@@ -259,8 +259,12 @@ class Engine:
         proposal = self._proposer_drafts(batch, limits, sb)
         return proposal if forced is None else merged(proposal, Proposal.from_lists(forced, self.device))
 
+    def adapts(self, batch: list[Sequence]) -> bool:
+        """Whether the adaptive policy chooses this step's drafts (and learns from the step)."""
+        return self.adaptive is not None and len(batch) >= self.adaptive.from_batch
+
     def _proposer_drafts(self, batch: list[Sequence], limits: list[int], sb: SamplingBatch) -> Proposal:
-        if self.adaptive and len(batch) >= self.adaptive.from_batch:
+        if self.adapts(batch):
             # With no request waiting for a slot the batch is done when its last row is (adaptive.batch_progress).
             remaining = None if self.waiting else [s.max_tokens - s.num_generated for s in batch]
             return self.proposer.propose_adaptive(batch, limits, sb, self.adaptive, remaining)
