@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from speculant.models import native
+from speculant.models import native, notice
 from speculant.proposers.base import MODEL_BUCKET
 from speculant.speedup import CostCurve, measure_cost_curve, speedup_from
 
@@ -330,7 +330,10 @@ def cost_curve_for(model: torch.nn.Module, max_batch_size: int, max_width: int,
     path = root / "cost_curves" / (hashlib.sha256(key.encode()).hexdigest()[:20] + ".json")
     if path.exists():
         return CostCurve.from_dict(json.loads(path.read_text()))
-    curve = measure_cost_curve(model, batch_sizes, max_width=max_width, context=128)
+    reps = 5
+    tick = notice.Countdown("measuring the target's cost per pass width, cached for later runs", reps + 1,
+                            len(batch_sizes) * max_width)
+    curve = measure_cost_curve(model, batch_sizes, max_width=max_width, context=128, reps=reps, tick=tick)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(curve.as_dict()))

@@ -12,6 +12,7 @@ from dataclasses import asdict
 
 from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.errors import SpeculantError
+from speculant.models import notice
 from speculant.models.loader import CUDA_GRAPHS_ENV
 from speculant.models.quantize import QUANTIZATIONS
 
@@ -24,6 +25,8 @@ FEATURE_COMMANDS = {
     "models": ("speculant.models.registry", "list the named models --model NAME accepts (fetched with pip on "
                                             "first use), installed or not"),
 }
+QUIET_HELP = ("no line about first-run waits (a kernel build, a GGUF repack, a cost curve's measurement); "
+              "errors and the run's statistics still print")
 
 
 def add_target_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -59,7 +62,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("speculation")
     s.add_argument("--speculative-config", default=None,
                    help='JSON object or a JSON/YAML file, as vLLM: \'{"method": "ngram", '
-                        '"num_speculative_tokens": 4}\'; methods: draft_model, ngram, eagle')
+                        '"num_speculative_tokens": 4}\'; methods: draft_model (or draft), ngram, eagle; vLLM\'s '
+                        'other names are refused with what to pass instead')
     s.add_argument("--draft-model", default=None, help="shortcut: a draft model path or a name from "
                    "`speculant models` (method draft_model), k = 4, with prompt lookup first, --draft-p-chain 0.7, "
                    "--draft-vocab-size 65536, a GGUF draft's wider matrices as Q4_0 and adaptive k for batches "
@@ -228,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Speculative decoding: a cheap proposer drafts tokens, the target verifies them in one "
                     "pass; the output is exactly the target's.")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG | INFO | WARNING (default)")
+    parser.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     gen = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal",
                          description="Generate from a prompt (chat template applied unless --no-chat) and print "
@@ -247,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         mod.add_arguments(p)
         p.set_defaults(run=mod.run)
+    for p in sub.choices.values():
+        # After the command too (`speculant generate ... --quiet`); SUPPRESS keeps a --quiet given before it.
+        p.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS, help=QUIET_HELP)
     return parser
 
 
@@ -254,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    notice.set_quiet(args.quiet)
     if getattr(args, "threads", None):
         import torch
 

@@ -36,13 +36,21 @@ from types import ModuleType
 import torch
 
 from speculant.errors import SpeculantError
+from speculant.models import notice
 
 log = logging.getLogger("speculant")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ["quantized.cpp", "ggml_mm.cpp", "bf16_amx.cpp", "attention.cpp", "attention_amx.cpp", "layer_ops.cpp",
            "argmax.cpp", "sampling.cpp", "decoder.cpp"]
-HEADERS = ["amx.h", "attention.h", "bf16.h", "kernels.h", "team.h", "vec.h"]
+HEADERS = ["amx.h", "attention.h", "bf16.h", "kernels.h", "team.h", "tensor.h", "vec.h"]
+# The binding unit (decoder.cpp: pybind11 and PyTorch's Python headers) compiles longest: first, so that it does
+# not run alone at the end of the build.
+BINDING = "decoder.cpp"
+# CPU seconds to compile one level's module, every unit one after another (AMD EPYC Zen 5, GCC 12, 2026-12-03;
+# kernels only on tensor.h: 362 s when every unit included torch/extension.h). The first run announces the
+# build with this over the cores it gets.
+BUILD_CPU_S = 95.0
 # SPECULANT_NATIVE caps the kernel level: `on` (the best this CPU runs), `amx`, `avx512` (no AMX tiles, as on
 # AMD Zen 4/5 or Sapphire Rapids told not to), `avxvnni` and `avx2` (vec.h's two-register form: Intel's
 # consumer CPUs, AMD before Zen 4; with AVX-VNNI's dot products or without), or `off` (PyTorch's kernels
@@ -124,16 +132,39 @@ def kernels() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        log.info("native kernels (%s): compiled on first use (~3 min on 2 cores), then cached by PyTorch", build)
         # The name carries the sources' hash: checkouts of other sources never share (or race on) one build.
-        module = load(f"speculant_native_{build}_{source_digest()}", [str(CSRC / s) for s in SOURCES],
-                      extra_cflags=CFLAGS[build], extra_ldflags=["-fopenmp"])
+        name = f"speculant_native_{build}_{source_digest()}"
+        if not _built(name):
+            notice.announce(f"compiling the native CPU kernels ({build}), cached for later runs", build_seconds())
+        sources = sorted(SOURCES, key=lambda s: s != BINDING)
+        module = load(name, [str(CSRC / s) for s in sources], extra_cflags=CFLAGS[build], extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler, no ninja, a compiler without these flags: all mean the fallback
         BUILD_ERRORS.append(str(e))
         log.warning("native kernels: PyTorch's instead (they did not build: %s)", str(e).splitlines()[0][:200])
         return None
     module.set_amx(allowed == "amx")  # the C++ side asks CPUID; a lower level forced must reach it
     return module
+
+
+def _built(name: str) -> bool:
+    """Whether PyTorch's extension cache holds this module already (loading it then takes a second)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").is_file()
+    except Exception:  # a PyTorch without the helper: say nothing rather than guess
+        return True
+
+
+def build_seconds() -> float:
+    """About how long the build takes here: its CPU seconds over its share of the cores beside the other work
+    running (the load average)."""
+    try:
+        cores, others = len(os.sched_getaffinity(0)), os.getloadavg()[0]
+    except (AttributeError, OSError):
+        cores, others = os.cpu_count() or 1, 0.0
+    jobs = min(cores + 1, len(SOURCES))  # ninja's own choice on a few cores
+    return BUILD_CPU_S / min(jobs, cores * jobs / (jobs + others))
 
 
 def _missing(level_: str) -> list[str]:

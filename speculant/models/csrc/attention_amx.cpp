@@ -14,7 +14,7 @@
 // not see enter with probability 0, and a tile step's 32 keys are the same 32 (by a row's own key
 // order) as when the row is alone. A tile step adds its products at a precision finer than fp32, so
 // where a tree row's keys are not the cache's contiguous positions it takes its own tile steps.
-#include <torch/extension.h>
+#include "tensor.h"
 #include <immintrin.h>
 
 #include "amx.h"

@@ -4,7 +4,7 @@
 // passes went in chunks, and its calls cannot join a decoder layer's single native call. Here each
 // block of 16 outputs keeps one fp32 accumulator tile over all of K, whatever the rows: every row is
 // computed by the same instructions in the same order, alone or among 100 others.
-#include <torch/extension.h>
+#include "tensor.h"
 #include <immintrin.h>
 
 #include "amx.h"

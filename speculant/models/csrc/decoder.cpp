@@ -3,7 +3,8 @@
 //
 // Called layer by layer from Python, a decode pass spent much of its time between kernels, in Python and
 // PyTorch's dispatch, and the AMX unit runs slower after each idle gap than back to back.
-#include <torch/extension.h>
+#include "tensor.h"
+#include <torch/csrc/utils/pybind.h>  // binding to Python: this file alone
 #include <algorithm>
 #include <cmath>
 #include <cstring>

@@ -13,7 +13,7 @@
 // K-quants per row and superblock (dx per 256, as llama.cpp's Q8_K), their integer sub-scales summed first:
 //   y += dx·(D·Σ_g sc·(Σ u·p − offset·Σp)) + dx·(M·Σ_g mn·Σp).
 // The same steps in the same order for every row: a row gets the same bits alone or in a verify pass.
-#include <torch/extension.h>
+#include "tensor.h"
 #include <immintrin.h>
 
 #include <optional>

@@ -1,6 +1,6 @@
 // The compiled kernels, one extension module (decoder.cpp binds them): each file defines its own.
 #pragma once
-#include <torch/extension.h>
+#include "tensor.h"
 
 // What every `_into` form checks of the tensor it writes: numel values of bf16, contiguous.
 inline void check_output(const torch::Tensor& out, int64_t numel) {

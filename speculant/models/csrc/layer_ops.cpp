@@ -6,7 +6,7 @@
 // downcast), 61 norms per pass on SmolLM2-135M. Each function here computes a row in fp32 and
 // rounds once; a row's result depends on that row alone, so verify passes and batches score rows as
 // plain decoding does.
-#include <torch/extension.h>
+#include "tensor.h"
 #include <immintrin.h>
 
 #include "bf16.h"

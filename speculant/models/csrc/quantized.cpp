@@ -14,7 +14,7 @@
 // then loaded) for AMX's bf16 product, and that work bounded the product; nibbles unpacked to bytes stay
 // in registers for VNNI. Their rounding error is small, as in llama.cpp. The Q8_0 lm_head the same way,
 // its greedy choices unchanged (figures: docs/benchmarks/README.md, "models/ and its kernels").
-#include <torch/extension.h>
+#include "tensor.h"
 #include <immintrin.h>
 #include <type_traits>
 

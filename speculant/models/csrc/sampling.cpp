@@ -16,7 +16,7 @@
 // vocabulary in order, or over the kept tokens in their order). Over the vocabulary, blocks of 256
 // exponentials are summed first and the draw looks inside its block only (block sums in fp32, the running
 // sum in fp64; where the two disagree by a rounding at a block's edge the scan goes on into the next block).
-#include <torch/extension.h>
+#include "tensor.h"
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
