@@ -15,6 +15,7 @@ from speculant.errors import SpeculantError
 from speculant.models import notice
 from speculant.models.loader import CUDA_GRAPHS_ENV
 from speculant.models.quantize import QUANTIZATIONS
+from speculant.scheduler import DEFAULT_PREFILL_CHUNK
 
 # Subcommands that live with their feature: module path → it defines add_arguments(p) and run(args).
 FEATURE_COMMANDS = {
@@ -57,8 +58,18 @@ def add_target_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """Target, context and speculation flags shared by every subcommand that runs the engine."""
     g = add_target_arguments(p)
-    g.add_argument("--max-model-len", type=int, default=None, help="context length served (default 2048)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length served (default: the model's own, as far as the KV cache fits in a "
+                        "quarter of the memory)")
     g.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together (default 8)")
+    c = p.add_argument_group("prefix cache and prefill (docs/server.md)")
+    c.add_argument("--prefix-cache-gb", type=float, default=None,
+                   help="memory for the keys and values of past requests, which a request starting the same "
+                        "way reuses (default: an eighth of the memory, at most 4)")
+    c.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="recompute every prompt whole")
+    c.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                   help=f"prompt tokens fed per pass while other requests decode (default {DEFAULT_PREFILL_CHUNK})")
     s = p.add_argument_group("speculation")
     s.add_argument("--speculative-config", default=None,
                    help='JSON object or a JSON/YAML file, as vLLM: \'{"method": "ngram", '
@@ -159,8 +170,14 @@ def _speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
 def engine_from_args(args: argparse.Namespace):
     from speculant.llm import build_engine
 
+    if args.prefix_cache_gb is not None and args.prefix_cache_gb < 0:
+        raise SpeculantError(f"--prefix-cache-gb must be at least 0, got {args.prefix_cache_gb:g}")
+    if args.prefill_chunk < 1:
+        raise SpeculantError(f"--prefill-chunk must be at least 1, got {args.prefill_chunk}")
+    cache_bytes = None if args.prefix_cache_gb is None else int(args.prefix_cache_gb * 2**30)
     return build_engine(args.model, args.dtype, args.device, speculative_config_from_args(args),
-                        args.max_batch_size, args.max_model_len, args.quantization)
+                        args.max_batch_size, args.max_model_len, args.quantization,
+                        cache_bytes if args.prefix_caching else 0, args.prefill_chunk)
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:

@@ -16,6 +16,24 @@ MAX_LOGPROBS = 20
 MAX_TREE_WIDTH = 8
 MAX_HISTORY_TOKENS = 10_000_000  # an answer history holds ~220 bytes a token (its lists and index entry)
 METHODS = ("draft_model", "ngram", "eagle")
+# Other names for a method, as configs written for other engines spell it.
+METHOD_ALIASES = {"draft": "draft_model"}
+# Method names vLLM documents that Speculant does not run, each with why and what to pass instead. A name
+# ending in "_mtp" (deepseek_mtp, qwen3_next_mtp, …) is vLLM's per-family spelling of mtp.
+UNSUPPORTED_METHODS = {
+    "eagle3": "EAGLE-3 heads (three target layers fused, a d2t draft vocabulary) are not loaded here; pass "
+              "\"method\": \"eagle\" with a head from `speculant train-draft --kind eagle` (the bundled model "
+              "ships one: speculant/data/drafts/smollm2-135m-instruct/eagle), or \"draft_model\" with a "
+              "same-family draft",
+    "mtp": "multi-token-prediction layers live inside DeepSeek-V3, Qwen3-Next and MiMo checkpoints; the "
+           "Llama-family models Speculant runs have none: pass \"draft_model\" or \"ngram\"",
+    "medusa": "Medusa heads are not loaded here; pass \"eagle\" (a head from `speculant train-draft --kind "
+              "eagle`) or \"draft_model\"",
+    "mlp_speculator": "IBM's MLP speculators are not loaded here; pass \"eagle\" (a head from `speculant "
+                      "train-draft --kind eagle`) or \"draft_model\"",
+    "suffix": "suffix decoding is not built; pass its nearest here, \"ngram\" with \"history_tokens\" (drafts "
+              "from the prompt and from earlier answers)",
+}
 # Below this a temperature is greedy: dividing logits by 1e-40 underflows in float32 (to inf or nan), and
 # long before that the distribution is the argmax's one-hot anyway (vLLM uses the same 1e-5).
 MIN_TEMPERATURE = 1e-5
@@ -174,6 +192,7 @@ class SpeculativeConfig:
         method = value.get("method")
         if method is None and value.get("model"):
             method = "draft_model"
+        method = METHOD_ALIASES.get(method, method) if isinstance(method, str) else method
         given = {key: v for key, v in value.items() if key not in ("method", "num_speculative_tokens")}
         cfg = cls(method=method, num_speculative_tokens=value.get("num_speculative_tokens"), **given)
         for ok, error in CHECKS:
@@ -193,6 +212,15 @@ def gguf_draft(model: str | None) -> bool:
     return bool(model) and (str(model).lower().endswith(".gguf") or find(str(model)) is not None)
 
 
+def method_error(method: object) -> str:
+    """Why a method name is refused: not run here (with what to pass instead), or unknown."""
+    if isinstance(method, str):
+        reason = UNSUPPORTED_METHODS.get("mtp" if method.endswith("_mtp") else method)
+        if reason:
+            return f"method {method!r} is not supported: {reason}"
+    return f"unknown method {method!r}; choose one of {', '.join(METHODS)} (or \"draft\" for draft_model)"
+
+
 def _uses_lookup(c: SpeculativeConfig) -> bool:
     return c.method == "ngram" or c.lookup_first
 
@@ -201,8 +229,7 @@ ADAPTIVE_BATCHED = "batched"  # adaptive k from batch 2 on: the fixed k for a se
 
 # (what a valid config satisfies, the error otherwise), in order: each check may assume those before it passed.
 CHECKS: tuple[tuple[Callable[[SpeculativeConfig], bool], Callable[[SpeculativeConfig], str]], ...] = (
-    (lambda c: c.method in METHODS,
-     lambda c: f"unknown method {c.method!r}; choose one of {', '.join(METHODS)}"),
+    (lambda c: c.method in METHODS, lambda c: method_error(c.method)),
     (lambda c: _is_int(c.num_speculative_tokens),
      lambda c: "num_speculative_tokens (an integer) is required"),
     (lambda c: 1 <= c.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -21,15 +22,18 @@ from speculant.errors import SpeculantError
 from speculant.models.llama import ModelConfig
 from speculant.models.loader import LoadedModel
 from speculant.models.tokenizer import Detokenizer
+from speculant.prefix_cache import PrefixCache
 from speculant.proposers import Proposal, Proposer, TargetHidden
 from speculant.proposers.base import chain_padded, merged, pad_rows
 from speculant.sampling import SamplingBatch, constrain, request_key
+from speculant.scheduler import DEFAULT_PREFILL_CHUNK, Prefill, group_by_prompt, plan_chunks
 from speculant.sequence import Sequence, SpecStats, TokenLogprob
 from speculant.verify import verify_logits, verify_tree_logits
 
 log = logging.getLogger("speculant")
 
-DEFAULT_MAX_MODEL_LEN = 2048
+DEFAULT_MAX_MODEL_LEN = 2048  # an Engine built directly; LLM and the CLI serve the model's own (context_for)
+KV_MEMORY_SHARE = 0.25  # of the machine's memory: what the KV cache may take by default
 
 
 def resolve_max_model_len(cfg: ModelConfig, requested: int | None) -> int:
@@ -39,6 +43,36 @@ def resolve_max_model_len(cfg: ModelConfig, requested: int | None) -> int:
         raise SpeculantError(f"max_model_len={requested} is too small")
     return min(requested or DEFAULT_MAX_MODEL_LEN, cfg.max_position_embeddings)
 
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+def memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def context_for(cfg: ModelConfig, requested: int | None, max_batch_size: int, dtype: torch.dtype,
+                device: torch.device) -> int:
+    """The context served when none is asked for: the model's own, as far as a KV cache of
+    max_batch_size rows fits in KV_MEMORY_SHARE of the machine's memory (agents' prompts are long)."""
+    if requested is not None:
+        return resolve_max_model_len(cfg, requested)
+    own = cfg.max_position_embeddings
+    per_row = kv_bytes_per_token(cfg, dtype)
+    fits = int(KV_MEMORY_SHARE * memory_bytes(device)) // (max_batch_size * per_row)
+    n = own if fits >= own else max(DEFAULT_MAX_MODEL_LEN, fits // 1024 * 1024)
+    size = max_batch_size * n * per_row / 2**30
+    if n < own:
+        log.warning("context %d tokens (the model's own is %d): a KV cache of %d rows of %d tokens would take "
+                    "%.1f GiB; this one takes %.1f GiB. --max-model-len or --max-batch-size change it",
+                    n, own, max_batch_size, own, max_batch_size * own * per_row / 2**30, size)
+    else:
+        log.info("context %d tokens, the model's own: the KV cache takes %.1f GiB for %d rows", n, size,
+                 max_batch_size)
+    return n
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], n_top: int) -> list[TokenLogprob]:
     """logits [N, V] at the positions that produced `tokens` [N] → each token's log-probability
@@ -88,6 +122,8 @@ class Engine:
     max_model_len: int | None = None
     log_interval_s: float = 10.0
     adaptive: AdaptiveK | None = None  # choose k per step; None: always num_speculative_tokens
+    prefix_cache_bytes: int = 0  # keys and values kept for later requests (prefix_cache.py); 0: none
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens a pass feeds (scheduler.py)
     stats: SpecStats = field(default_factory=SpecStats)
     timing: EngineTiming = field(default_factory=EngineTiming)
 
@@ -103,7 +139,9 @@ class Engine:
         self.cache = self.model.new_cache(self.max_batch_size, self.max_model_len + self.k + extra + 1)
         self.free_slots = list(range(self.max_batch_size))
         self.waiting: deque[Sequence] = deque()
+        self.prefilling: list[Prefill] = []  # admitted, their prompts fed chunk by chunk
         self.running: list[Sequence] = []
+        self.prefix_cache = self._prefix_cache()
         self._ids = itertools.count()
         self._last_log = time.perf_counter()
         self._logged = SpecStats()
@@ -111,6 +149,21 @@ class Engine:
         self._batch: list[Sequence] = []  # the rows _batch_tensors last built for
         self._failed: list[StepOutput] = []  # sequences whose prefill raised, reported by the next step
         self._grammars = None  # the structured-output compiler, built at the first constrained request
+
+    def _prefix_cache(self) -> PrefixCache | None:
+        """The target's store of past sequences, and the proposer's own, sharing the byte budget in
+        proportion to what a token costs each. None where it is off or the proposer cannot start from a
+        cached prefix (it reads the target's features of the whole prompt)."""
+        if self.prefix_cache_bytes <= 0:
+            return None
+        target = self.cache.row_bytes_per_token
+        draft = self.proposer.kv_bytes_per_token if self.proposer is not None else 0
+        share = self.prefix_cache_bytes * target // (target + draft)
+        if self.proposer is not None and not self.proposer.use_prefix_cache(self.prefix_cache_bytes - share):
+            log.info("prefix caching is off: the %s proposer reads the target's features of the whole prompt",
+                     self.proposer.name)
+            return None
+        return PrefixCache(share)
 
     @property
     def grammars(self):
@@ -158,13 +211,13 @@ class Engine:
             if seq.request_id == request_id:
                 self.waiting.remove(seq)
                 seq.finish_reason = "abort"
-        for seq in self.running:
+        for seq in self.running + [s for group in self.prefilling for s in group.seqs]:
             if seq.request_id == request_id:
                 self._finish(seq, "abort")
         self._release_finished()
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
 
     def generate(self, seqs: list[Sequence]) -> list[Sequence]:
         """Run steps until the given (already added) sequences are done."""
@@ -178,6 +231,7 @@ class Engine:
         """One pass for the running batch. A sequence whose serving raises finishes as "error" (its
         StepOutput carries the exception); the others go on as if it had never been in the batch."""
         self._admit()
+        self._prefill_chunks()
         failed, self._failed = self._failed, []
         batch = list(self.running)
         if not batch:
@@ -364,7 +418,8 @@ class Engine:
                sb: SamplingBatch) -> tuple[list[list[int]], list[int]]:
         """(Each row's accepted drafts, as indices into its drafts; each row's next token.)"""
         if proposal.parents is None:
-            n_accepted, next_tokens = verify_logits(proposal.tokens, proposal.n_draft, logits, proposal.q, sb)
+            n_accepted, next_tokens = verify_logits(proposal.tokens, proposal.n_draft, logits, proposal.q, sb,
+                                                    proposal.by_rule)
             return [list(range(n)) for n in n_accepted], next_tokens
         paths, next_tokens = verify_tree_logits(proposal.tokens, proposal.n_draft, proposal.parents, logits, sb)
         return paths, next_tokens.tolist()
@@ -419,6 +474,8 @@ class Engine:
         return max(0, min(k, seq.max_tokens - seq.num_generated - 1))
 
     def _admit(self) -> None:
+        """Give waiting sequences free cache rows: each starts from the longest prefix of its prompt the
+        prefix cache holds, and the rest of its prompt is fed in chunks (scheduler.py)."""
         admitted = []
         while self.waiting and self.free_slots:
             seq = self.waiting.popleft()
@@ -427,44 +484,61 @@ class Engine:
             self.cache.rollback(seq.slot, 0)
             if self.proposer is not None:
                 self.proposer.add(seq)
-            self.running.append(seq)
             admitted.append(seq)
+        for group in group_by_prompt(admitted):
+            lead = group.lead
+            if self.prefix_cache is not None:
+                lead.num_cached = self.prefix_cache.load(lead.tokens[:-1], self.cache, lead.slot)
+            for seq in group.seqs:
+                seq.cached_tokens = lead.num_cached
+            self.prefilling.append(group)
+
+    def _prefill_chunks(self) -> None:
+        """Feed this step's prompt chunks; sequences whose prompt is all in join the running batch."""
+        for group, n in plan_chunks(self.prefilling, self.prefill_chunk, bool(self.running)):
+            if group.lead.finished:  # an earlier chunk of its prompt failed
+                continue
+            try:
+                self.prefill(group, n)
+            except Exception as e:
+                self._failed += [self._fail(s, e) for s in group.seqs]
+        self._release_finished()
+        joined = [g for g in self.prefilling if g.done]
+        self.prefilling = [g for g in self.prefilling if not g.done]
+        for group in joined:
+            self._join(group)
         # Rows in slot order, lowest slots first: a batch whose slots are contiguous reads the KV cache
         # as a view; any other order makes every layer gather (copy) the batch's keys and values.
         self.running.sort(key=lambda s: s.slot)
-        # One prompt per pass: PyTorch's attention over a padded batch of prompts sums in an order that
-        # depends on the other prompts, and fp32 products on the row count, so a prompt's keys would
-        # depend on which requests arrived with it, and a plain and a speculative run (which admit at
-        # different steps) could part ways. Requests with the same prompt (the API's n) share its pass.
-        same_prompt: dict[tuple[int, ...], list[Sequence]] = {}
-        for seq in admitted:
-            same_prompt.setdefault(tuple(seq.tokens[:-1]), []).append(seq)
-        for seqs in same_prompt.values():
-            try:
-                self.prefill(seqs)
-            except Exception as e:
-                self._failed += [self._fail(s, e) for s in seqs]
-        self._release_finished()
-        if admitted and len(self.running) == 1 and self.adaptive:
+        if joined and len(self.running) == 1 and self.adaptive:
             self.adaptive.new_request()
 
-    def prefill(self, seqs: list[Sequence]) -> None:
-        """Feed new sequences' prompt, one they share, but its last token, apart from the running batch:
-        a step then carries one unseen token per row plus drafts, and a long prompt joining does not
-        widen the pass of every running sequence. The first sequence's pass fills the others' cache
-        rows by copy: the same bits as passes of their own."""
+    def _join(self, group: Prefill) -> None:
+        """A group's prompt is in its first row: the others copy it, and all join the running batch."""
+        lead = group.lead
+        others = group.seqs[1:]
+        self.cache.share_prefix(lead.slot, [s.slot for s in others], lead.num_cached)
+        for seq in others:
+            seq.num_cached = lead.num_cached
+        self.running += group.seqs
+
+    def prefill(self, group: Prefill, n: int) -> None:
+        """Feed the next n tokens of new sequences' shared prompt into the first one's row, apart from the
+        running batch (a long prompt joining does not widen every running sequence's pass), and show them
+        to the proposer. A chunk computes each position as any other pass would (prepare_pass), so the
+        prompt's keys do not depend on how it was cut, nor on which requests arrived with it."""
         t0 = time.perf_counter()
-        first, prompt = seqs[0], seqs[0].tokens[:-1]
-        tokens, n_new = pad_rows([prompt], self.device)
+        seqs, lead = group.seqs, group.lead
+        start = lead.num_cached
         hidden = torch.zeros(1, 0, self.model.cfg.dim, device=self.device, dtype=self.model.dtype)
-        if prompt:
-            hidden = self.model(tokens, self.cache, torch.tensor([first.slot], device=self.device), n_new)
-            self.cache.share_prefix(first.slot, [s.slot for s in seqs[1:]], len(prompt))
-        for s in seqs:
-            s.num_cached = len(prompt)
+        if n:
+            tokens, n_new = pad_rows([lead.tokens[start:start + n]], self.device)
+            hidden = self.model(tokens, self.cache, torch.tensor([lead.slot], device=self.device), n_new)
+            lead.num_cached += n
+        group.started = True
         if self.proposer is not None:
-            n = len(seqs)
-            self.proposer.prefill(seqs, TargetHidden(hidden.expand(n, -1, -1), [0] * n, [len(prompt)] * n))
+            k = len(seqs)
+            self.proposer.prefill(seqs, TargetHidden(hidden.expand(k, -1, -1), [start] * k, [n] * k))
         self.timing.target_s += time.perf_counter() - t0
 
     def _append(self, seq: Sequence, new_ids: list[int], logprobs: list[TokenLogprob] | None) -> StepOutput:
@@ -537,8 +611,21 @@ class Engine:
         seq.finish_time = time.perf_counter()
 
     def _release_finished(self) -> None:
-        for seq in [s for s in self.running if s.finished]:
-            self.running.remove(seq)
+        """Free finished sequences' rows, leaving what they computed to the prefix cache."""
+        finished = [s for s in self.running if s.finished]
+        for group in self.prefilling:
+            live = [s for s in group.seqs if not s.finished]
+            if live and group.lead.finished:  # the next one takes over the prompt fed so far
+                self.cache.share_prefix(group.lead.slot, [live[0].slot], group.lead.num_cached)
+                live[0].num_cached = group.lead.num_cached
+            finished += [s for s in group.seqs if s.finished]
+            group.seqs = live
+        self.prefilling = [g for g in self.prefilling if g.seqs]
+        for seq in finished:
+            if seq in self.running:
+                self.running.remove(seq)
+            if self.prefix_cache is not None and seq.finish_reason != "error":
+                self.prefix_cache.store(seq.tokens[:seq.num_cached], self.cache, seq.slot)
             self.free_slots.append(seq.slot)
             if self.proposer is not None:
                 self.proposer.remove(seq)

@@ -6,10 +6,12 @@ from dataclasses import dataclass
 
 from speculant.adaptive import AdaptiveK, cost_curve_for
 from speculant.config import ADAPTIVE_BATCHED, SamplingParams, SpeculativeConfig
-from speculant.engine import Engine, resolve_max_model_len
+from speculant.engine import Engine, context_for
 from speculant.errors import SpeculantError
 from speculant.models.loader import LoadedModel, load_model
+from speculant.prefix_cache import default_capacity_bytes
 from speculant.proposers import build_proposer
+from speculant.scheduler import DEFAULT_PREFILL_CHUNK
 from speculant.sequence import Sequence, TokenLogprob
 
 Prompt = str | dict
@@ -67,14 +69,21 @@ def resolve_speculative_config(model: str | None,
 def build_engine(model: str | None = None, dtype: str = "float32", device: str = "cpu",
                  speculative_config: str | dict | SpeculativeConfig | None = None,
                  max_batch_size: int = 8, max_model_len: int | None = None,
-                 quantization: str | None = None) -> Engine:
+                 quantization: str | None = None, prefix_cache_bytes: int | None = None,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Engine:
+    """`max_model_len` None: the model's own context, as far as the KV cache fits (engine.context_for);
+    `prefix_cache_bytes` None: prefix_cache.default_capacity_bytes(), 0: no prefix cache."""
     spec = resolve_speculative_config(model, speculative_config)
     target = load_model(model, dtype=dtype, device=device, quantization=quantization)
-    return engine_for(target, spec, max_batch_size, resolve_max_model_len(target.config, max_model_len))
+    context = context_for(target.config, max_model_len, max_batch_size, target.model.dtype, target.model.device)
+    engine = engine_for(target, spec, max_batch_size, context,
+                        default_capacity_bytes() if prefix_cache_bytes is None else prefix_cache_bytes)
+    engine.prefill_chunk = prefill_chunk
+    return engine
 
 
 def engine_for(target: LoadedModel, spec: SpeculativeConfig | None, max_batch_size: int,
-               max_model_len: int) -> Engine:
+               max_model_len: int, prefix_cache_bytes: int = 0) -> Engine:
     """An engine over an already-loaded target, with the proposer and adaptive policy `spec` asks for."""
     k = spec.num_speculative_tokens if spec else 0
     proposer = build_proposer(spec, target, max_batch_size, max_model_len + k + 1) if spec else None
@@ -87,7 +96,8 @@ def engine_for(target: LoadedModel, spec: SpeculativeConfig | None, max_batch_si
         batched = spec.adaptive == ADAPTIVE_BATCHED
         adaptive = AdaptiveK(None if batched else load_curve(), k, extra_nodes=extra, from_batch=2 if batched else 1,
                              load_curve=load_curve)
-    return Engine(target, proposer, k, max_batch_size, max_model_len, adaptive=adaptive)
+    return Engine(target, proposer, k, max_batch_size, max_model_len, adaptive=adaptive,
+                  prefix_cache_bytes=prefix_cache_bytes)
 
 
 class LLM:
@@ -98,9 +108,10 @@ class LLM:
 
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "cpu",
                  speculative_config: str | dict | SpeculativeConfig | None = "auto", max_batch_size: int = 8,
-                 max_model_len: int | None = None, quantization: str | None = "auto"):
+                 max_model_len: int | None = None, quantization: str | None = "auto",
+                 prefix_cache_bytes: int | None = None):
         self.engine = build_engine(model, dtype, device, speculative_config, max_batch_size, max_model_len,
-                                   quantization)
+                                   quantization, prefix_cache_bytes)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: Prompt | list[Prompt],

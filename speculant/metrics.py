@@ -17,6 +17,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from speculant.prefix_cache import PrefixCache
 from speculant.sequence import SpecStats
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -60,6 +61,15 @@ class ServerMetrics:
                              label, buckets=ITL_BUCKETS, registry=r).labels(model_name)
         self.e2e = Histogram("speculant:e2e_request_latency_seconds", "Request arrival to last token.",
                              label, buckets=E2E_BUCKETS, registry=r).labels(model_name)
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed).")
+        self.prefix_hit_rate = Gauge("speculant:prefix_cache_hit_rate", "Prompt tokens found / looked up, so far.",
+                                     label, registry=r).labels(model_name)
+        self.prefix_cached = Gauge("speculant:prefix_cache_cached_tokens", "Tokens the prefix cache holds.",
+                                   label, registry=r).labels(model_name)
+        self.prefix_bytes = Gauge("speculant:prefix_cache_bytes", "Bytes of keys and values it holds.",
+                                  label, registry=r).labels(model_name)
+        self._prefix_seen = (0, 0)
         self.batch_size = Histogram("speculant:iteration_batch_size", "Sequences decoded in one step.",
                                     label, buckets=BATCH_BUCKETS, registry=r).labels(model_name)
         # Zero-valued series exist from the start, so rate() works on the first scrape.
@@ -81,6 +91,19 @@ class ServerMetrics:
                 self.accepted_per_pos.labels(self.model_name, str(pos)).inc(accepted - before)
         self._seen = SpecStats(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
                                list(stats.accepted_per_pos))
+
+    def observe_prefix_cache(self, cache: PrefixCache | None) -> None:
+        """Advance the prefix cache's series to its running totals."""
+        if cache is None:
+            return
+        s = cache.stats
+        queries, hits = self._prefix_seen
+        self.prefix_queries.inc(s.queries - queries)
+        self.prefix_hits.inc(s.hits - hits)
+        self._prefix_seen = (s.queries, s.hits)
+        self.prefix_hit_rate.set(s.hit_rate or 0.0)
+        self.prefix_cached.set(cache.cached_tokens)
+        self.prefix_bytes.set(cache.nbytes)
 
     def observe_tokens(self, n_tokens: int, since_last_s: float) -> None:
         """A step gave a sequence n tokens `since_last_s` after its previous ones. Speculation

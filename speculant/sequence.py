@@ -104,6 +104,7 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)  # prompt + output
     slot: int = -1  # row in the target's KV cache
     num_cached: int = 0  # tokens the target's cache holds for this sequence
+    cached_tokens: int = 0  # of the prompt, tokens read from the prefix cache rather than computed
     text: str = ""
     emitted: int = 0  # characters of text already streamed out
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if asked

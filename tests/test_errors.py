@@ -111,7 +111,7 @@ def test_bad_device_and_dtype(tiny):
 
 
 @pytest.mark.parametrize("config, message", [
-    ('{"method": "medusa", "num_speculative_tokens": 3}', "unknown method 'medusa'"),
+    ('{"method": "lookahead", "num_speculative_tokens": 3}', "unknown method 'lookahead'"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens=0 is out of range"),
     ('{"method": "ngram", "num_speculative_tokens": 1000}', "num_speculative_tokens=1000 is out of range"),
     ('{"method": "ngram"}', "num_speculative_tokens \\(an integer\\) is required"),

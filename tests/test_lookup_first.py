@@ -172,6 +172,7 @@ def test_sampled_lookup_rows_get_one_hot_q(small):
     seq = engine.add_request([1, 5, 3, 6, 1, 5], SETTINGS["t1"])
     other = engine.add_request([7, 4], SETTINGS["t1"])
     engine._admit()
+    engine._prefill_chunks()
     sb = SamplingBatch.build([seq.params, other.params], [seq.key, other.key], engine.device)
     out = engine.proposer.propose([seq, other], [2, 2], sb)
     assert out.bucket_list()[0] != MODEL_BUCKET and out.bucket_list()[1] == MODEL_BUCKET

@@ -91,6 +91,24 @@ class KVCache:
             cache[:, rows, :, :length] = cache[:, src:src + 1, :, :length].clone()  # index_put refuses views of itself
         self.set_lengths(dst, [length] * len(dst))
 
+    @property
+    def row_bytes_per_token(self) -> int:
+        """Bytes of keys and values one position of a row holds, every layer."""
+        L, _, H, _, D = self.k.shape
+        return 2 * L * H * D * self.k.element_size()
+
+    def read_row(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of row slot's first `length` keys and values [layers, kv heads, length, head dim]."""
+        return self.k[:, slot, :, :length].clone(), self.v[:, slot, :, :length].clone()
+
+    def write_row(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Row slot's first positions from keys and values [layers, kv heads, n, head dim]; the length
+        is the caller's to set."""
+        n = k.shape[2]
+        self.check_capacity(n)
+        self.k[:, slot, :, :n].copy_(k)
+        self.v[:, slot, :, :n].copy_(v)
+
     def move(self, slot: int, src: list[int], dst: list[int]) -> None:
         """Copy the keys and values at positions `src` of a row to positions `dst`, every layer: the
         branch a draft tree's verification kept goes where the sequence continues."""

@@ -165,7 +165,7 @@ class Pass:
     sin: torch.Tensor
     end: torch.Tensor | None  # [B] the rows' cache lengths after the pass (None: the caller advances them)
     n_keys: torch.Tensor | None = None  # [B, T] keys each row sees, for the native kernel (see prepare_pass)
-    row_keys: list | None = None  # attend row by row over these keys (slices or indices; see prepare_pass)
+    row_keys: list | None = None  # [B][T]: attend row by row over these keys (slices or indices; see prepare_pass)
     tree: torch.Tensor | None = None  # [B, T] int64: the new tokens row (b, t) sees, a bit each (draft trees)
 
     @functools.cached_property
@@ -244,23 +244,27 @@ def prepare_pass(cache: KVCache, slots: torch.Tensor, T: int, n_new: torch.Tenso
         tree = torch.tensor(bits, device=slots.device)
     cos, sin = rope(inv_freq, rotated, dtype)
     mask = row_keys = n_keys = None
-    # In bf16/fp16 PyTorch's CPU attention sums in an order that depends on the key count and the call's
-    # other rows, and one rounding step makes that visible: a verify pass or a batch must score each row
-    # exactly as plain decoding does, or speculative output drifts from plain output. The native kernel
-    # attends each row over its own keys alone; without it, batch-1 verify passes attend row by row
-    # (linear kernels are row-invariant already, models/kernels.py). Wider passes are prompts, the same
-    # in every configuration: PyTorch's blocked kernel (far faster on a prompt than row by row).
-    verify = T <= MAX_VERIFY_WIDTH
-    if verify and native_attention_usable(dtype, window, slots.device, 2 * len(inv_freq)):
+    # PyTorch's CPU attention sums in an order that depends on the key count and the call's other rows,
+    # and one rounding step makes that visible. A position's keys and values must be the same bits
+    # whatever pass computed them (a whole prompt, a chunk of one, a verify pass, a decode step), or
+    # speculative output drifts from plain output and a cached prefix (prefix_cache.py) differs from a
+    # cold prefill. The native kernel attends each row over its own keys alone, in every pass; without
+    # it, one sequence's passes attend row by row (linear kernels are row-invariant, models/kernels.py).
+    if native_attention_usable(dtype, window, slots.device, 2 * len(inv_freq)):
         n_keys = positions + 1
-    elif verify and len(slots) == 1 and T > 1 and dtype != torch.float32 and window is None:
-        first = int(positions[0, 0])
-        if tree is None:
-            row_keys = [slice(0, first + t + 1) for t in range(T)]
-        else:
-            cached = torch.arange(first, device=slots.device)
-            row_keys = [torch.cat((cached, first + steps[(tree[0, t] >> steps) & 1 == 1])) for t in range(T)]
-    elif tree is not None or not (len(slots) == 1 and T == 1 and (window is None or span <= window)):
+    elif slots.device.type != "cpu" and (T > MAX_VERIFY_WIDTH or len(slots) > 1 or T == 1 or dtype == torch.float32
+                                         or window is not None):
+        # CUDA: its prompts and batches on its blocked kernels (row invariance there is docs/cuda.md's).
+        if tree is not None or not (len(slots) == 1 and T == 1 and (window is None or span <= window)):
+            mask = attention_mask(rotated, start, span, window, dtype, tree)
+    elif tree is None and not (len(slots) == 1 and T == 1 and (window is None or span <= window)):
+        low = (lambda p: 0) if window is None else (lambda p: max(0, p + 1 - window))
+        row_keys = [[slice(low(p), p + 1) for p in range(first, first + T)] for first in start.tolist()]
+    elif tree is not None and len(slots) == 1:
+        first = int(start[0])
+        cached = torch.arange(first, device=slots.device)
+        row_keys = [[torch.cat((cached, first + steps[(tree[0, t] >> steps) & 1 == 1])) for t in range(T)]]
+    elif tree is not None:
         mask = attention_mask(rotated, start, span, window, dtype, tree)
     return Pass(cache, slots, positions, span, mask, cos, sin, end, n_keys, row_keys, tree)
 
@@ -312,8 +316,9 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, fwd: Pass,
     if fwd.row_keys is None:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=fwd.mask, enable_gqa=gqa)
     else:
-        out = torch.cat([F.scaled_dot_product_attention(q[:, :, r:r + 1], keys[:, :, seen], values[:, :, seen],
-                                                        enable_gqa=gqa) for r, seen in enumerate(fwd.row_keys)], dim=2)
+        out = torch.cat([torch.cat([F.scaled_dot_product_attention(q[b:b + 1, :, t:t + 1], keys[b:b + 1, :, seen],
+                                                                   values[b:b + 1, :, seen], enable_gqa=gqa)
+                                    for t, seen in enumerate(row)], dim=2) for b, row in enumerate(fwd.row_keys)])
     return out.transpose(1, 2)
 
 

@@ -151,8 +151,18 @@ class Proposer:
     def forget(self) -> None:
         """Drop what was learned from earlier requests (an answer history)."""
 
+    # Bytes a token of a sequence costs the proposer's own KV cache (a draft model's); 0: none.
+    kv_bytes_per_token = 0
+
+    def use_prefix_cache(self, capacity_bytes: int) -> bool:
+        """The engine keeps past sequences' keys for later requests (prefix_cache.py): keep the proposer's
+        own per-sequence state alike, in at most `capacity_bytes`. False where the proposer cannot start
+        a sequence from a cached prefix of the target's."""
+        return True
+
     def prefill(self, seqs: list[Sequence], target: TargetHidden) -> None:
-        """New sequences' prompts, all but the last token, went through the target."""
+        """A chunk of new sequences' prompts went through the target (the prompts but their last token, in
+        one or more chunks; an empty one where the prefix cache held the whole prompt)."""
         self.commit(seqs, target)
 
     def propose(self, seqs: list[Sequence], ks: list[int], sb: SamplingBatch) -> Proposal:

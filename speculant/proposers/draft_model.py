@@ -17,6 +17,7 @@ import torch
 
 from speculant.errors import SpeculantError
 from speculant.models.loader import LoadedModel, stored_params
+from speculant.prefix_cache import PrefixCache
 from speculant.proposers.base import Proposal, Proposer, TargetHidden, pad_rows
 from speculant.proposers.draft_vocab import HeadRows, draft_vocab_ids
 from speculant.sampling import SamplingBatch
@@ -82,20 +83,37 @@ class DraftModelProposer(Proposer):
         self.free = list(range(max_batch_size))
         self.slot: dict[str, int] = {}
         self.fed: dict[str, int] = {}  # tokens of the sequence the draft cache holds
+        self.prefix_cache: PrefixCache | None = None
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.cache.row_bytes_per_token
+
+    def use_prefix_cache(self, capacity_bytes: int) -> bool:
+        self.prefix_cache = PrefixCache(capacity_bytes)
+        return True
 
     def add(self, seq: Sequence) -> None:
-        self.slot[seq.request_id] = self.free.pop(0)
+        slot = self.slot[seq.request_id] = self.free.pop(0)
         self.fed[seq.request_id] = 0
-        self.cache.rollback(self.slot[seq.request_id], 0)
+        self.cache.rollback(slot, 0)
+        if self.prefix_cache is not None:
+            self.fed[seq.request_id] = self.prefix_cache.load(seq.tokens[:-1], self.cache, slot, count=False)
 
     def remove(self, seq: Sequence) -> None:
-        self.free.append(self.slot.pop(seq.request_id))
-        del self.fed[seq.request_id]
+        slot = self.slot.pop(seq.request_id)
+        fed = self.fed.pop(seq.request_id)
+        if self.prefix_cache is not None and seq.finished and seq.finish_reason != "error":
+            self.prefix_cache.store(seq.tokens[:fed], self.cache, slot)
+        self.free.append(slot)
 
     def prefill(self, seqs: list[Sequence], target: TargetHidden) -> None:
-        prompts = [s.tokens[:-1] for s in seqs if len(s.tokens) > 1]
-        if prompts:
-            self._feed([s for s in seqs if len(s.tokens) > 1], prompts)
+        """Feed each sequence's prompt up to the end of the target's chunk, from where its draft row is (its
+        own cached prefix may be shorter or longer than the target's)."""
+        rows = [s.tokens[self.fed[s.request_id]:start + n] for s, start, n in zip(seqs, target.start, target.n_valid)]
+        fed = [(s, r) for s, r in zip(seqs, rows) if r]
+        if fed:
+            self._feed([s for s, _ in fed], [r for _, r in fed])
 
     def _feed(self, seqs: list[Sequence], rows: list[list[int]]) -> torch.Tensor:
         """Append each row's tokens to its sequence's draft cache → final hidden states [B, T, D]."""

@@ -190,6 +190,9 @@ class EagleProposer(Proposer):
         self.n_pending: dict[str, int] = {}
         self.guessed: set[str] = set()  # rows whose head cache holds entries built from drafts
 
+    def use_prefix_cache(self, capacity_bytes: int) -> bool:
+        return False  # the head reads the target's features of every prompt position
+
     def add(self, seq: Sequence) -> None:
         rid = seq.request_id
         self.slot[rid] = self.free.pop(0)

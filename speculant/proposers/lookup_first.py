@@ -40,6 +40,13 @@ class LookupFirstProposer(Proposer):
     def forget(self) -> None:
         self.lookup.forget()
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.model.kv_bytes_per_token
+
+    def use_prefix_cache(self, capacity_bytes: int) -> bool:
+        return self.model.use_prefix_cache(capacity_bytes)
+
     def prefill(self, seqs: list[Sequence], target: TargetHidden) -> None:
         self.model.prefill(seqs, target)
 

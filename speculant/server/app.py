@@ -51,6 +51,7 @@ from speculant.server.protocol import (
     FunctionCallDelta,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     SamplingRequest,
     SpeculativeStats,
     TokenLogprobInfo,
@@ -63,6 +64,7 @@ from speculant.server.worker import (
     Delta,
     EngineFailure,
     EngineWorker,
+    Overloaded,
     RequestStream,
     RequestTimedOut,
     ShuttingDown,
@@ -74,10 +76,11 @@ log = logging.getLogger("speculant.server")
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.headers = headers
 
 
 def error_response(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -95,6 +98,9 @@ def api_error(e: Exception, request_id: str) -> APIError:
         return APIError(400, str(e))
     if isinstance(e, ShuttingDown):
         return APIError(503, str(e), "service_unavailable")
+    if isinstance(e, Overloaded):
+        return APIError(429, str(e), "rate_limit_error", code="server_busy",
+                        headers={"Retry-After": str(e.retry_after_s)})
     if isinstance(e, RequestTimedOut):
         return APIError(408, str(e), "timeout_error", code="request_timeout")
     if not isinstance(e, EngineFailure):
@@ -253,7 +259,8 @@ class OpenAIServer:
         self.limits = limits or ServerLimits()
         self.max_request_tokens = self.limits.max_request_tokens or engine.max_batch_size * engine.max_model_len
         self.metrics = ServerMetrics(self.model_name, engine.k)
-        self.worker = EngineWorker(engine, self.metrics, self.limits.request_timeout_s)
+        self.worker = EngineWorker(engine, self.metrics, self.limits.request_timeout_s,
+                                   self.limits.max_waiting_requests)
         # Tokenization and template rendering: off the event loop, two at a time (the engine needs the rest).
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="speculant-tokenize")
 
@@ -401,7 +408,7 @@ class OpenAIServer:
         seqs = [(ids, req.sampling_params(j, structured)) for ids in prompts for j in range(req.n)]
         try:
             stream = self.worker.submit(rid, seqs)
-        except ShuttingDown as e:
+        except (ShuttingDown, Overloaded) as e:
             raise api_error(e, rid) from None
         try:
             await stream.admitted()
@@ -445,9 +452,9 @@ class OpenAIServer:
             return Response(status_code=499)  # nobody is listening any more
         if work.exception() is not None:
             raise api_error(work.exception(), stream.request_id)
-        ids = [c.token_ids for c in choices]
+        usage = self.usage(prompt_tokens, [c.token_ids for c in choices], stream.seqs[::req.n])
         return JSONResponse(fmt.response(stream.request_id, self.model_name, choices,
-                                         req.return_token_ids, usage=self.usage(prompt_tokens, ids),
+                                         req.return_token_ids, usage=usage,
                                          speculative_stats=self.speculative_stats(stream.seqs)).model_dump())
 
     async def stream_events(self, stream: RequestStream, req: SamplingRequest,
@@ -467,7 +474,7 @@ class OpenAIServer:
                                     speculative_stats=self.speculative_stats(stream.seqs) if last else None))
             if req.include_usage:
                 yield sse(fmt.chunk(rid, created, self.model_name, [], False,
-                                    usage=self.usage(prompt_tokens, ids),
+                                    usage=self.usage(prompt_tokens, ids, stream.seqs[::req.n]),
                                     speculative_stats=self.speculative_stats(stream.seqs)))
         except (ShuttingDown, EngineFailure, RequestTimedOut) as e:
             # Headers are gone already: the error travels as an event, which OpenAI clients raise.
@@ -477,10 +484,14 @@ class OpenAIServer:
         yield "data: [DONE]\n\n"
 
     @staticmethod
-    def usage(prompt_tokens: int, ids: list[list[int]]) -> UsageInfo:
+    def usage(prompt_tokens: int, ids: list[list[int]], firsts: list[Sequence]) -> UsageInfo:
+        """Read once every sequence has finished. `firsts`: each prompt's first sequence (its n share one
+        prefill, and its tokens count once)."""
         completion = sum(len(d) for d in ids)
+        cached = sum(s.cached_tokens for s in firsts)
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion,
-                         total_tokens=prompt_tokens + completion)
+                         total_tokens=prompt_tokens + completion,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
     def speculative_stats(self, seqs: list[Sequence]) -> SpeculativeStats:
         """Read only once every sequence has finished: the engine no longer touches them."""
@@ -552,7 +563,7 @@ def create_app(engine: Engine, served_model_names: list[str] | None = None, api_
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+        return error_response(exc, exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

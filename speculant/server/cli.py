@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-request-tokens", type=int, default=None,
                    help="prompt plus completion tokens one request may ask for, summed over its sequences "
                         "(default: max batch size × context length)")
+    g.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
+                   help="requests that may wait for a batch row; more get 429 with Retry-After "
+                        f"(default {d.max_waiting_requests})")
     g.add_argument("--request-timeout", type=float, default=None,
                    help="seconds a request may run before it ends with a 408 (default: no limit)")
     g.add_argument("--header-timeout", type=float, default=d.header_timeout_s,
@@ -59,14 +62,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def limits_from_args(args: argparse.Namespace) -> ServerLimits:
     positive = {"--max-body-bytes": args.max_body_bytes, "--max-request-sequences": args.max_request_sequences,
                 "--max-request-tokens": args.max_request_tokens, "--request-timeout": args.request_timeout,
-                "--header-timeout": args.header_timeout, "--body-timeout": args.body_timeout}
+                "--header-timeout": args.header_timeout, "--body-timeout": args.body_timeout,
+                "--max-waiting-requests": args.max_waiting_requests}
     for flag, value in positive.items():
         if value is not None and not value > 0:
             raise SpeculantError(f"{flag} must be > 0, got {value:g}")
     return ServerLimits(max_body_bytes=args.max_body_bytes, max_sequences=args.max_request_sequences,
                         max_request_tokens=args.max_request_tokens, request_timeout_s=args.request_timeout,
                         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-                        allowed_hosts=args.allowed_hosts, public_metrics=args.public_metrics)
+                        allowed_hosts=args.allowed_hosts, public_metrics=args.public_metrics,
+                        max_waiting_requests=args.max_waiting_requests)
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -100,6 +105,10 @@ def run(args: argparse.Namespace) -> None:
     speculant_log = logging.getLogger("speculant")
     if speculant_log.getEffectiveLevel() > logging.INFO:
         speculant_log.setLevel(logging.INFO)
+    if engine.adaptive is not None:
+        # Adaptive k's cost curve, measured now (or read from its cache) rather than in the engine thread at
+        # the first batch, where every stream would wait for it.
+        engine.adaptive.costs  # noqa: B018
     names = args.served_model_name or ([args.model] if args.model else None)
     app = create_app(engine, names, args.api_key, limits, bind_host=args.host)
     server_name = app.state.server.model_name

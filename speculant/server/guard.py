@@ -36,6 +36,8 @@ class ServerLimits:
     body_timeout_s: float = 30.0
     allowed_hosts: list[str] = field(default_factory=list)  # besides loopback names; "*": any
     public_metrics: bool = False  # /metrics without the API key, for a scraper
+    # Requests beyond the batch's rows that may wait for one; more get a 429 with Retry-After. None: no bound.
+    max_waiting_requests: int | None = 256
 
 
 def host_name(value: str) -> str:

@@ -265,10 +265,15 @@ class ChatCompletionRequest(SamplingRequest):
 # -- responses --------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # read from the prefix cache rather than computed
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class SpeculativeStats(BaseModel):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
 import time
@@ -42,6 +43,14 @@ class EngineFailure(Exception):
 
 class RequestTimedOut(Exception):
     """The request ran past the server's per-request time limit."""
+
+
+class Overloaded(Exception):
+    """Every batch row is taken and the waiting queue is full: the client should retry later."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass
@@ -123,10 +132,13 @@ class _Entry:
 
 
 class EngineWorker:
-    def __init__(self, engine: Engine, metrics: ServerMetrics, request_timeout_s: float | None = None):
+    def __init__(self, engine: Engine, metrics: ServerMetrics, request_timeout_s: float | None = None,
+                 max_waiting: int | None = None):
         self.engine = engine
         self.metrics = metrics
         self.request_timeout_s = request_timeout_s  # None: no limit
+        self.max_waiting = max_waiting  # requests beyond the batch's rows; None: no bound
+        self.mean_request_s = 10.0  # a running mean of requests' durations, for Retry-After
         self.in_flight: set[RequestStream] = set()  # event-loop side only
         self.accepting = True
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -151,6 +163,13 @@ class EngineWorker:
     def submit(self, request_id: str, prompts: list[tuple[list[int], SamplingParams]]) -> RequestStream:
         if not self.accepting:
             raise ShuttingDown("the server is shutting down")
+        waiting = len(self.in_flight) - self.engine.max_batch_size
+        if self.max_waiting is not None and waiting >= self.max_waiting:
+            # Each batch row frees in about a request's time; the queue ahead needs that many turns.
+            turns = 1 + waiting // self.engine.max_batch_size
+            raise Overloaded(f"the server is busy: {len(self.in_flight)} requests in flight, {waiting} of them "
+                             f"waiting (the queue holds {self.max_waiting}); retry later",
+                             max(1, math.ceil(turns * self.mean_request_s)))
         stream = RequestStream(self, request_id, prompts)
         self.in_flight.add(stream)
         self._send("add", stream)
@@ -280,6 +299,7 @@ class EngineWorker:
             return
         self.metrics.batch_size.observe(len(outputs))  # one output per sequence in the batch
         self.metrics.observe_spec(self.engine.stats)
+        self.metrics.observe_prefix_cache(self.engine.prefix_cache)
         now = time.perf_counter()
         for out in outputs:
             seq = out.seq
@@ -299,3 +319,4 @@ class EngineWorker:
             if seq.finished:
                 del self._entries[seq.request_id]
                 self.metrics.observe_finished(seq.finish_reason, now - entry.stream.arrival)
+                self.mean_request_s += 0.1 * (now - entry.stream.arrival - self.mean_request_s)

@@ -1,0 +1,137 @@
+"""Keys and values the engine computed before, kept for the next request that starts the same way.
+
+Agents and chat clients resend their whole conversation, or one long system prompt, at every call. Each
+sequence that leaves the engine leaves its cache row here, keyed by the exact tokens it holds; a new
+request copies the longest prefix it shares with any entry into its own row and prefills only the rest.
+
+This is llama.cpp's slot reuse widened to a pool of past sequences, evicted least-recently-used under a
+byte budget (SGLang's radix tree keeps the same thing as shared tree nodes; vLLM as hashed 16-token
+blocks of a paged cache). A pool of whole sequences fits this engine: its native kernels read one
+contiguous row per sequence, and on a CPU copying a prefix into a row costs milliseconds where
+recomputing it costs seconds. An entry that is a prefix of a newer one (the previous turn of the same
+conversation) is dropped when the newer one arrives, so a conversation holds one entry.
+
+A hit is exact because every pass computes a position's keys and values with the same bits whatever
+the pass (a whole prompt, a chunk, a decode step): the kernels' row invariance, docs/lossless.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from speculant.models.kv_cache import KVCache
+
+
+def default_capacity_bytes() -> int:
+    """An eighth of the machine's memory, at most 4 GiB: a few long conversations of a 1.5B model."""
+    return min(4 << 30, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8)
+
+
+@dataclass
+class Entry:
+    tokens: np.ndarray  # [n] int64: the tokens whose keys and values are held
+    k: torch.Tensor  # [layers, kv heads, n, head dim]
+    v: torch.Tensor
+    last_used: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up (all but each prompt's last, which is always computed)
+    hits: int = 0  # of them, tokens found
+    requests: int = 0
+    request_hits: int = 0
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hits / self.queries if self.queries else None
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+@dataclass
+class PrefixCache:
+    """The past sequences of one model's KV cache (the target's, or a draft model's), at most
+    `capacity_bytes` of keys and values."""
+
+    capacity_bytes: int
+    entries: list[Entry] = field(default_factory=list)
+    stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+
+    def __post_init__(self):
+        self._clock = itertools.count(1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(len(e.tokens) for e in self.entries)
+
+    def longest(self, tokens: list[int]) -> tuple[Entry | None, int]:
+        """The entry sharing the longest prefix with `tokens`, and that prefix's length."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        best, best_n = None, 0
+        for entry in self.entries:
+            n = common_prefix(entry.tokens, ids)
+            if n > best_n:
+                best, best_n = entry, n
+        return best, best_n
+
+    def load(self, tokens: list[int], cache: KVCache, slot: int, count: bool = True) -> int:
+        """Copy the longest cached prefix of `tokens` into row `slot` and set its length → that length.
+        `tokens` are what the row is about to be fed: the prompt but its last token."""
+        entry, n = self.longest(tokens)
+        if count:
+            self.stats.queries += len(tokens)
+            self.stats.hits += n
+            self.stats.requests += 1
+            self.stats.request_hits += n > 0
+        if entry is not None:
+            entry.last_used = next(self._clock)
+            cache.write_row(slot, entry.k[:, :, :n], entry.v[:, :, :n])
+        cache.rollback(slot, n)
+        return n
+
+    def store(self, tokens: list[int], cache: KVCache, slot: int) -> None:
+        """Keep row `slot`'s keys and values of `tokens` (its first len(tokens) positions)."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        if not len(ids) or self.capacity_bytes <= 0:
+            return
+        per_token = cache.row_bytes_per_token
+        fits = min(len(ids), self.capacity_bytes // per_token)
+        if fits == 0:
+            return
+        ids = ids[:fits]
+        covering = [e for e in self.entries if common_prefix(e.tokens, ids) == len(ids)]
+        if covering:  # already held: as part of this entry, or a longer one
+            covering[0].last_used = next(self._clock)
+            return
+        # Entries this one extends hold nothing it does not.
+        self.entries = [e for e in self.entries if common_prefix(e.tokens, ids) < len(e.tokens)]
+        self._evict(fits * per_token)
+        k, v = cache.read_row(slot, fits)
+        self.entries.append(Entry(ids, k, v, next(self._clock)))
+
+    def _evict(self, need: int) -> None:
+        self.entries.sort(key=lambda e: e.last_used)
+        total = self.nbytes
+        while self.entries and total + need > self.capacity_bytes:
+            total -= self.entries.pop(0).nbytes
+
+    def clear(self) -> None:
+        self.entries.clear()
