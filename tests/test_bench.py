@@ -159,6 +159,7 @@ def test_bench_quick_end_to_end(tiny_pair, tmp_path, monkeypatch, capsys, one_th
     assert all((out / name).stat().st_size > 0 for name in written)
     printed = capsys.readouterr().out
     assert LLAMA_CPP_MISSING in printed and "regime:" in printed
+    assert "cost per million generated tokens at $2.5/hour, batch 1, greedy, whole requests: plain $" in printed
 
     report = json.loads((out / "report.json").read_text())
     assert set(report["experiments"]) == {"k", "batch", "temperature"}
@@ -183,7 +184,7 @@ def test_bench_quick_end_to_end(tiny_pair, tmp_path, monkeypatch, capsys, one_th
 
     md = (out / "report.md").read_text()
     for heading in ("## Headline", "## Regime", "## Speed-up vs k", "## Speed-up vs batch size",
-                    "## Sampling", "## Peers", "## Cost per million output tokens at $2.5/hour"):
+                    "## Sampling", "## Peers", "## Cost per million generated tokens at $2.5/hour"):
         assert heading in md
     assert "![speed-up vs batch size](speedup_vs_batch.png)" in md
 
@@ -191,7 +192,7 @@ def test_bench_quick_end_to_end(tiny_pair, tmp_path, monkeypatch, capsys, one_th
     again = tmp_path / "again"
     rc = main(["bench", "--render", str(out / "report.json"), "--price-per-hour", "4", "--out", str(again)])
     assert rc == 0
-    assert "## Cost per million output tokens at $4/hour" in (again / "report.md").read_text()
+    assert "## Cost per million generated tokens at $4/hour" in (again / "report.md").read_text()
     assert {p.name for p in again.iterdir()} == written - {"report.json"}
 
 
@@ -203,6 +204,8 @@ def test_advise_end_to_end(tiny_pair, tmp_path, capsys, one_thread):
     assert rc == 0
     printed = capsys.readouterr().out
     assert "regime:" in printed and "expected speed-up" in printed
+    assert "cost per million generated tokens at $0.1/hour, batch 1, measured" in printed
+    assert "$/M tokens, plain" in printed and "$/M tokens, advised" in printed
     assert "--speculative-config '{" in printed or "no speculation at batch 1" in printed
     advice = json.loads(details.read_text())["advice"]
     assert [a["batch_size"] for a in advice] == [1, 2]

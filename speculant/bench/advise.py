@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from speculant.bench.cli import int_list
+from speculant.bench.cli import int_list, price_from_args
+from speculant.bench.cost import PRICE_HELP, cost_line, usd_per_million
 from speculant.bench.prompts import PROMPT_CLASSES, load_prompts
 from speculant.bench.regime import AcceptanceFit, regime_verdict
 from speculant.bench.runner import engine_runner, run_jobs, warm_up
@@ -80,6 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # is meant to be good to.
     p.add_argument("--per-class", type=int, default=3, help="prompts per class (default 3)")
     p.add_argument("--max-tokens", type=int, default=96, help="output tokens per prompt (default 96)")
+    p.add_argument("--price-per-hour", type=float, default=None, help=PRICE_HELP)
     p.add_argument("--json", default=None, help="also write the measurements and advice to this JSON file")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -118,6 +120,7 @@ def speculative_config_line(advice: Advice, configs: dict[str, SpeculativeConfig
 
 def run(args: argparse.Namespace) -> None:
     started = time.perf_counter()
+    price = price_from_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     progress = Progress(not args.no_progress)
@@ -144,8 +147,9 @@ def run(args: argparse.Namespace) -> None:
     jobs = make_jobs(prompts, 1, 0.0, args.max_tokens, 1, 0)
     warm_up(runners, jobs[0])
     measurements = run_jobs(runners, jobs, progress.phase("acceptance", len(jobs) * len(runners)))
-    rows = [r for r in summarize(measurements, [r.descriptor() for r in runners], curve, by_class=False)
-            if r.prompt_class == ALL and r.method and r.fit]
+    summary = summarize(measurements, [r.descriptor() for r in runners], curve, by_class=False)
+    rows = [r for r in summary if r.prompt_class == ALL and r.method and r.fit]
+    plain = next(r for r in summary if r.prompt_class == ALL and r.method is None)
     fits = {r.method: AcceptanceFit(**r.fit) for r in rows}
     advice = advise(curve, fits, args.batch_sizes)
     by_name = {c.proposer: c for c in configs}
@@ -162,8 +166,11 @@ def run(args: argparse.Namespace) -> None:
         lines.append(f"{r.method}: at batch 1, k={r.k}: measured {r.speedup or 0:.2f}×, model "
                      f"{r.predicted_speedup or 0:.2f}×; per-token acceptance α={fit.alpha:.2f}, drafts on "
                      f"{100 * fit.coverage:.0f}% of steps")
+    measured = [(f"{r.method} k={r.k}", r.e2e_tokens_per_s) for r in rows if r.e2e_tokens_per_s]
+    if plain.e2e_tokens_per_s:
+        lines.append(cost_line(price, plain.e2e_tokens_per_s, measured, "batch 1, measured, whole requests"))
     lines += notes
-    lines.append(_advice_table(advice))
+    lines.append(_advice_table(advice, curve, price))
     serve = min(advice, key=lambda a: abs(a.batch_size - args.batch_size))
     lines.append(f"at batch {serve.batch_size}: {speculative_config_line(serve, by_name)}")
     print("\n".join(lines))
@@ -171,15 +178,31 @@ def run(args: argparse.Namespace) -> None:
         Path(args.json).write_text(json.dumps({
             "machine": facts, "model": str(model_path), "cost_curve": curve.as_dict(),
             "regime": regime_verdict(curve), "fits": {m: f.as_dict() for m, f in fits.items()},
-            "measured": [r.as_dict() for r in rows], "advice": [a.__dict__ for a in advice], "notes": notes,
+            "measured": [r.as_dict() for r in [plain, *rows]], "advice": [a.__dict__ for a in advice],
+            "price_per_hour": price, "cost": advice_costs(advice, curve, price), "notes": notes,
         }, indent=1) + "\n")
         print(f"details: {args.json}", file=sys.stderr)
 
 
-def _advice_table(advice: list[Advice]) -> str:
+def advice_costs(advice: list[Advice], curve: CostCurve, price: float) -> list[dict]:
+    """Per advised batch size, dollars per million generated tokens, plain and as advised, from the cost curve:
+    B tokens a one-token pass of B rows, B × (the advised speed-up) with speculation. The passes alone: the
+    engine's own work per step is left out (the measured line above has it)."""
+    out = []
+    for a in advice:
+        plain = usd_per_million(a.batch_size / curve.cost(a.batch_size, 1), price)
+        out.append({"batch_size": a.batch_size, "plain": plain, "advised": plain / a.speedup})
+    return out
+
+
+def _advice_table(advice: list[Advice], curve: CostCurve, price: float) -> str:
+    costs = advice_costs(advice, curve, price)
     cells = [("batch size", [str(a.batch_size) for a in advice]),
              ("method", [a.method or "–" for a in advice]),
              ("k", [str(a.k) for a in advice]),
-             ("expected speed-up", [f"{a.speedup:.2f}×" for a in advice])]
+             ("expected speed-up", [f"{a.speedup:.2f}×" for a in advice]),
+             ("$/M tokens, plain", [f"{c['plain']:.3f}" for c in costs]),
+             ("$/M tokens, advised", [f"{c['advised']:.3f}" for c in costs])]
     width = max(len(c) for _, row in cells for c in row) + 2
-    return "\n".join(f"{label:<18}" + "".join(c.rjust(width) for c in row) for label, row in cells)
+    return "\n".join(f"{label:<20}" + "".join(c.rjust(width) for c in row) for label, row in cells) + (
+        f"\n(dollars per million generated tokens at ${price:g}/hour from the cost curve: target passes alone)")

@@ -8,6 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from speculant.bench.cost import DEFAULT_PRICE_PER_HOUR, PRICE_HELP
 from speculant.bench.prompts import PROMPT_CLASSES
 from speculant.bench.suite import DEFAULT_PROPOSERS, PEERS, PROPOSERS, BenchPlan, without_draft_options
 from speculant.cli import add_target_arguments
@@ -17,6 +18,14 @@ from speculant.errors import SpeculantError
 # What --quick changes; flags given explicitly still win.
 QUICK = dict(per_class=1, max_tokens=24, ks=[2, 4], batch_sizes=[1, 4], temperatures=[0.0, 0.7],
              cost_batch_sizes=[1, 4, 16], max_width=8, cost_reps=2)
+
+
+def price_from_args(args: argparse.Namespace) -> float:
+    """--price-per-hour, checked, or the default machine price."""
+    price = DEFAULT_PRICE_PER_HOUR if args.price_per_hour is None else args.price_per_hour
+    if not price > 0:
+        raise SpeculantError(f"--price-per-hour must be a positive number of dollars, got {price}")
+    return price
 
 
 def int_list(text: str) -> list[int]:
@@ -99,8 +108,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--max-width", type=int, default=None,
                    help="cost curve up to T tokens per pass (default 16)")
     c.add_argument("--cost-reps", type=int, default=None, help="timed passes per point (median; default 3)")
-    c.add_argument("--price-per-hour", type=float, default=None,
-                   help="machine price per hour: adds cost per million output tokens")
+    c.add_argument("--price-per-hour", type=float, default=None, help=PRICE_HELP)
     o = p.add_argument_group("output")
     o.add_argument("--out", "-o", default=None,
                    help="report folder (default ./speculant-bench; with --render, the JSON's folder)")
@@ -120,7 +128,7 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
                      batch_k=args.batch_k,
                      prompts=args.prompts,
                      reps=args.reps, repeat=args.repeat, chat=not args.no_chat, peers=args.peers, peer_k=args.peer_k,
-                     price_per_hour=args.price_per_hour, seed=args.seed, progress=not args.no_progress,
+                     price_per_hour=price_from_args(args), seed=args.seed, progress=not args.no_progress,
                      command=" ".join(["speculant", *map(shlex.quote, sys.argv[1:])]))
     if args.quick:
         for name, value in QUICK.items():
@@ -141,13 +149,13 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
 
 
 def run(args: argparse.Namespace) -> None:
-    from speculant.bench.report import headline_table, write_report
+    from speculant.bench.report import headline_cost, headline_table, write_report
     from speculant.bench.suite import BenchResult, run_bench
 
     if args.render:
         result = BenchResult.from_dict(json.loads(Path(args.render).read_text()))
-        if args.price_per_hour is not None:
-            result.plan.price_per_hour = args.price_per_hour
+        if args.price_per_hour is not None or result.plan.price_per_hour is None:
+            result.plan.price_per_hour = price_from_args(args)
         files = write_report(result, Path(args.out or Path(args.render).parent), with_json=False)
         print(f"report: {files['markdown']} ({len(files) - 1} plots)")
         return
@@ -155,6 +163,9 @@ def run(args: argparse.Namespace) -> None:
     files = write_report(result, Path(args.out or "speculant-bench"))
     print(headline_table(result))
     print(f"regime: {result.regime()['verdict']}")
+    cost = headline_cost(result)
+    if cost:
+        print(cost)
     for note in result.notes:
         print(note)
     print(f"report: {files['markdown']} (and {files['json'].name}, {len(files) - 2} plots)")

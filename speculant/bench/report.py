@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from speculant.bench.cost import cost_line, saving
 from speculant.bench.suite import BenchResult, cost_table
 from speculant.bench.summary import ALL, Row
 from speculant.speedup import MEMORY_BOUND_RATIO, CostCurve
@@ -149,6 +150,9 @@ def headline(result: BenchResult) -> list[str]:
            "Decode tokens/s of each configuration over plain decoding (k = 0) on the same prompts; peers "
            "over their own plain decoding.\n", headline_table(result)]
     out.append(f"**Regime:** {result.regime()['verdict']}.\n")
+    cost = headline_cost(result)
+    if cost:
+        out.append(f"**Cost:** {cost}.\n")
     if result.notes:
         out.append("Left out: " + "; ".join(result.notes) + ".\n")
     return out
@@ -245,6 +249,10 @@ def peers_section(result: BenchResult) -> list[str]:
             _table(header, body)]
 
 
+def _usd(v: float) -> str:
+    return f"${v:.3f}"
+
+
 def cost_section(result: BenchResult) -> list[str]:
     table = cost_table(result)
     if not table:
@@ -256,10 +264,31 @@ def cost_section(result: BenchResult) -> list[str]:
             continue
         usd = t["usd_per_million_tokens"]
         base = plain[t["batch_size"]]["usd_per_million_tokens"] if t["batch_size"] in plain else None
-        body.append([str(t["batch_size"]), t["runner"], f"${base:.2f}" if base else "–", f"${usd:.2f}",
-                     _pct(1 - usd / base) if base else "–"])
-    return [f"## Cost per million output tokens at ${result.plan.price_per_hour:g}/hour\n",
+        body.append([str(t["batch_size"]), t["runner"], _usd(base) if base else "–", _usd(usd),
+                     _pct(saving(base, usd)) if base else "–"])
+    basis = ("whole requests' time, prompt prefill included" if table[0]["rate"] == "end to end"
+             else "decode time (this report predates whole-request rates)")
+    return [f"## Cost per million generated tokens at ${result.plan.price_per_hour:g}/hour\n",
+            f"The machine's price over the tokens it writes an hour, from {basis}; `--render` with "
+            "`--price-per-hour` rewrites it at another price.\n",
             _table(["B", "configuration", "plain", "speculating", "saving"], body)]
+
+
+def headline_cost(result: BenchResult) -> str | None:
+    """At batch 1, greedy: plain decoding's cost per million generated tokens beside each proposer's at its best
+    k (whole requests' rates), or None where the report has no price or no such rates."""
+    price = result.plan.price_per_hour
+    rows = [r for r in result.experiments["k"].rows if r.prompt_class == ALL and r.family == "speculant"]
+    plain = next((r for r in rows if r.method is None), None)
+    if not price or plain is None or not plain.e2e_tokens_per_s:
+        return None
+    best: dict[str, Row] = {}
+    for r in rows:
+        if r.method and r.speedup and r.e2e_tokens_per_s and (r.method not in best
+                                                               or r.speedup > best[r.method].speedup):
+            best[r.method] = r
+    others = [(f"{m} k={r.k}", r.e2e_tokens_per_s) for m, r in best.items()]
+    return cost_line(price, plain.e2e_tokens_per_s, others, "batch 1, greedy, whole requests")
 
 
 def method_section(result: BenchResult) -> list[str]:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from speculant.bench.cost import DEFAULT_PRICE_PER_HOUR, usd_per_million
 from speculant.bench.peers import llama_cpp_peers, llama_server_peers, transformers_peers
 from speculant.bench.precisions import weight_bytes
 from speculant.bench.prompts import PROMPT_CLASSES, BenchPrompt, load_prompts
@@ -83,7 +84,7 @@ class BenchPlan:
     cost_batch_sizes: list[int] | None = None  # None: the batch sweep's sizes
     max_width: int = 16
     cost_reps: int = 3
-    price_per_hour: float | None = None
+    price_per_hour: float | None = DEFAULT_PRICE_PER_HOUR  # dollars; None in reports written before it
     seed: int = 0
     progress: bool = True
     command: str = ""  # as typed, for the report
@@ -184,6 +185,17 @@ def draft_paths(plan: BenchPlan) -> dict[str, Path | None]:
             "corpus": Path(plan.corpus) if plan.corpus else drafts.get("corpus")}
 
 
+def missing_draft(kind: str) -> str:
+    """Why a proposer that needs a draft of this kind cannot run, and how to get one."""
+    flag = {"draft_model": "--draft-model", "eagle": "--eagle", "corpus": "--corpus"}[kind]
+    why = f"no {kind.replace('_', ' ')} given ({flag} PATH) or shipped under speculant/data/drafts/"
+    if kind == "draft_model":
+        # The bundled model's distilled draft (30 MB) stays in the repository: an editable install sees it.
+        why += (" (the package leaves the distilled draft out: install from a checkout with pip install -e, or "
+                "make one with `speculant train-draft --kind draft_model --out DIR`)")
+    return why
+
+
 def proposer_configs(plan: BenchPlan, k: int) -> tuple[list[SpeculativeConfig], list[str]]:
     """The speculative configurations the plan asks for at this k, and why any is left out."""
     paths = draft_paths(plan)
@@ -192,9 +204,7 @@ def proposer_configs(plan: BenchPlan, k: int) -> tuple[list[SpeculativeConfig], 
         method, *options = name.split("+")
         needed = [d for d in (method, *options) if d in ("draft_model", "eagle", "corpus") and not paths.get(d)]
         if needed:
-            flag = {"draft_model": "--draft-model", "eagle": "--eagle", "corpus": "--corpus"}[needed[0]]
-            notes.append(f"{name} skipped: no {needed[0].replace('_', ' ')} given ({flag} PATH) or shipped "
-                         f"under speculant/data/drafts/")
+            notes.append(f"{name} skipped: {missing_draft(needed[0])}")
             continue
         config = {"method": method, "num_speculative_tokens": k}
         if "corpus" in options:
@@ -423,14 +433,15 @@ def temperature_sweep(plan: BenchPlan, target: LoadedModel, prompts: list[BenchP
 
 
 def cost_table(result: BenchResult) -> list[dict]:
-    """Cost per million output tokens at each batch size, plain and speculating, at the plan's price."""
+    """Cost per million generated tokens at each batch size, plain and speculating, at the plan's price: from
+    whole requests' rates (prefill included), or decode rates in a report written before those were kept."""
     price = result.plan.price_per_hour
     if not price or "batch" not in result.experiments:
         return []
     table = []
     for row in result.experiments["batch"].rows:
-        if row.prompt_class == ALL and row.tokens_per_s:
-            table.append({"runner": row.runner, "batch_size": row.batch_size,
-                          "tokens_per_s": row.tokens_per_s,
-                          "usd_per_million_tokens": price / 3600 / row.tokens_per_s * 1e6})
+        rate, basis = (row.e2e_tokens_per_s, "end to end") if row.e2e_tokens_per_s else (row.tokens_per_s, "decode")
+        if row.prompt_class == ALL and rate:
+            table.append({"runner": row.runner, "batch_size": row.batch_size, "tokens_per_s": rate,
+                          "rate": basis, "usd_per_million_tokens": usd_per_million(rate, price)})
     return table

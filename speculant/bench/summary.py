@@ -40,6 +40,9 @@ class Row:
     predicted_speedup: float | None = None
     draft_ms: float | None = None  # engine time proposing, per drafted token
     pass_ratio: float | None = None  # the target's mean pass over the plain run's: C(k+1)/C(1) as run
+    # Output tokens over whole requests' time (prefill and first token included): what a machine billed by the
+    # hour makes (bench/cost.py). None in reports written before it was recorded.
+    e2e_tokens_per_s: float | None = None
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -47,6 +50,11 @@ class Row:
 
 def _rate(ms: list[Measurement]) -> float | None:
     tokens, seconds = sum(m.decode_tokens for m in ms), sum(m.decode_s for m in ms)
+    return tokens / seconds if seconds > 0 and tokens else None
+
+
+def _e2e_rate(ms: list[Measurement]) -> float | None:
+    tokens, seconds = sum(m.output_tokens for m in ms), sum(m.ttft_s + m.decode_s for m in ms)
     return tokens / seconds if seconds > 0 and tokens else None
 
 
@@ -117,6 +125,7 @@ def _row(runner: Runner, b: int, temp: float, cls: str, ms: list[Measurement], r
               rate / ref_rate if rate and ref_rate else None, iqr,
               rate / plain_rate if rate and plain_rate and runner.family != "speculant" else None,
               identical, statistics.fmean(m.ttft_s for m in ms))
+    row.e2e_tokens_per_s = _e2e_rate(ms)
     if runner.family != "speculant":
         return row
     split = {part: sum(getattr(m, f"{part}_s") or 0 for m in ms) for part in ("draft", "target", "other")}
