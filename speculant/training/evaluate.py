@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,8 +66,9 @@ class Result:
 Case = tuple[str, int, dict | None]
 
 
-def configs(eagle: Path, draft: Path, ks: list[int], default: dict | None = None) -> list[Case]:
-    """(proposer, k, speculative config) of every run; `default` adds what `generate` uses by default."""
+def configs(eagle: Path, draft: Path | None, ks: list[int], default: dict | None = None) -> list[Case]:
+    """(proposer, k, speculative config) of every run; `default` adds what `generate` uses by default;
+    no draft: no draft_model runs."""
     out: list[Case] = [("baseline", 0, None)]
     if default is not None:
         out.append(("default: " + default["method"] + (" adaptive" if default.get("adaptive") else ""),
@@ -74,8 +76,9 @@ def configs(eagle: Path, draft: Path, ks: list[int], default: dict | None = None
     for k in ks:
         out.append(("ngram", k, {"method": "ngram", "num_speculative_tokens": k}))
         out.append(("eagle", k, {"method": "eagle", "model": str(eagle), "num_speculative_tokens": k}))
-        out.append(("draft_model", k,
-                    {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}))
+        if draft is not None:
+            out.append(("draft_model", k,
+                        {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}))
     return out
 
 
@@ -83,7 +86,7 @@ def make_engine(target: LoadedModel, spec: dict | None, max_len: int) -> Engine:
     return engine_for(target, SpeculativeConfig.parse(spec), 1, max_len)
 
 
-def run(target: LoadedModel, eagle: Path, draft: Path, ks: list[int], max_tokens: int,
+def run(target: LoadedModel, eagle: Path, draft: Path | None, ks: list[int], max_tokens: int,
         temperatures: list[float], max_len: int = 1024, out: Path | None = None,
         default: dict | None = None) -> dict:
     """Every configuration on every prompt; the report so far is written to `out` after each prompt."""
@@ -157,8 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    draft = args.draft_model if (args.draft_model / "model.safetensors").is_file() else None
+    if draft is None:
+        from speculant.bench.suite import missing_draft
+
+        print(f"draft_model left out: {missing_draft('draft_model')}", file=sys.stderr)
     target = load_model(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization)
-    result = run(target, args.eagle, args.draft_model, [int(k) for k in args.ks.split(",")],
+    result = run(target, args.eagle, draft, [int(k) for k in args.ks.split(",")],
                  args.max_tokens, [float(t) for t in args.temperatures.split(",")], out=args.out,
                  default=None if args.no_default else default_speculative_config(args.model))
     print(markdown(result))
