@@ -488,7 +488,8 @@ class Engine:
         for group in group_by_prompt(admitted):
             lead = group.lead
             if self.prefix_cache is not None:
-                lead.num_cached = self.prefix_cache.load(lead.tokens[:-1], self.cache, lead.slot)
+                live = [(s.tokens[:s.num_cached], s.slot) for s in self.running + [g.lead for g in self.prefilling]]
+                lead.num_cached = self.prefix_cache.load(lead.tokens[:-1], self.cache, lead.slot, live=live)
             for seq in group.seqs:
                 seq.cached_tokens = lead.num_cached
             self.prefilling.append(group)

@@ -92,18 +92,27 @@ class PrefixCache:
                 best, best_n = entry, n
         return best, best_n
 
-    def load(self, tokens: list[int], cache: KVCache, slot: int, count: bool = True) -> int:
+    def load(self, tokens: list[int], cache: KVCache, slot: int, count: bool = True,
+             live: list[tuple[list[int], int]] = ()) -> int:
         """Copy the longest cached prefix of `tokens` into row `slot` and set its length → that length.
-        `tokens` are what the row is about to be fed: the prompt but its last token."""
+        `tokens` are what the row is about to be fed: the prompt but its last token. `live`: rows of
+        sequences still running, (the tokens a row holds, the row), searched too: clients that send one
+        system prompt at once share it before the first of them has finished."""
         entry, n = self.longest(tokens)
+        ids = np.asarray(tokens, dtype=np.int64)
+        shared = max(((common_prefix(np.asarray(held, dtype=np.int64), ids), row) for held, row in live),
+                     default=(0, -1))
+        if shared[0] > n:
+            n = shared[0]
+            cache.share_prefix(shared[1], [slot], n)
+        elif entry is not None:
+            entry.last_used = next(self._clock)
+            cache.write_row(slot, entry.k[:, :, :n], entry.v[:, :, :n])
         if count:
             self.stats.queries += len(tokens)
             self.stats.hits += n
             self.stats.requests += 1
             self.stats.request_hits += n > 0
-        if entry is not None:
-            entry.last_used = next(self._clock)
-            cache.write_row(slot, entry.k[:, :, :n], entry.v[:, :, :n])
         cache.rollback(slot, n)
         return n
 

@@ -156,10 +156,10 @@ def assert_same_bits(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor
 class ShiftedPrefixCache(PrefixCache):
     """Mutant: serves the entry's keys one position late (a stale or shifted prefix)."""
 
-    def load(self, tokens, cache, slot, count=True):
+    def load(self, tokens, cache, slot, count=True, live=()):
         entry, n = self.longest(tokens)
         if entry is None or n < 2:
-            return super().load(tokens, cache, slot, count)
+            return super().load(tokens, cache, slot, count, live)
         cache.write_row(slot, torch.roll(entry.k[:, :, :n], 1, dims=2), entry.v[:, :, :n])
         cache.rollback(slot, n)
         return n
@@ -229,3 +229,20 @@ def test_common_prefix():
     assert common_prefix(a, a[:2]) == 2
     assert common_prefix(a, torch.tensor([1, 2, 9]).numpy()) == 2
     assert common_prefix(a, torch.tensor([5]).numpy()) == 0
+
+
+def test_a_running_request_shares_its_prompt(folders):
+    """Clients sending one system prompt at once: the second reads it from the first one's row while the
+    first still decodes."""
+    target = load_model(folders["small"], dtype="bfloat16")
+    system = conversation(6)[0][:30]
+    hot = engine_on(target, BUDGET, chunk=8)
+    first = hot.add_request(system + [4, 5], GREEDY)
+    while first not in hot.running:
+        hot.step()
+    hot.step()
+    second = hot.add_request(system + [6, 7, 8], GREEDY)
+    hot.generate([first, second])
+    assert second.cached_tokens == len(system)
+    cold = answer(engine_on(target, 0), [system + [6, 7, 8]])[0]
+    assert second.output_ids == cold
