@@ -267,7 +267,29 @@ def run(args: argparse.Namespace) -> dict:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+        (out / "report.md").write_text(markdown(report))
+        print(f"report: {out / 'report.md'}", file=sys.stderr)
     return report
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# Agent workloads ({report['date']}, {report['cpu']}, {report['threads']} threads)", "",
+             f"Model: `{Path(report['model']).name}`; streaming chat completions, greedy.", ""]
+    for w in report["workloads"]:
+        name = w["workload"]
+        if "ttft_ratio_later_calls_geomean" in w:
+            lines += [f"## {name}", "", "| call | time to first token, speculant | llama-server |", "|---|---|---|"]
+            lines += [f"| {i + 1} | {a:.2f} s | {b:.2f} s |"
+                      for i, (a, b) in enumerate(zip(w["ours_ttft_s"], w["theirs_ttft_s"]))]
+            lines += ["", f"- time to first token on calls 2…: **{w['ttft_ratio_later_calls_geomean']:.2f}×** "
+                          "llama-server's (geometric mean)",
+                      f"- whole wall time: speculant {w['ours_wall_s']:.1f} s, llama-server {w['theirs_wall_s']:.1f} s:"
+                      f" **{w['wall_speedup']:.2f}×** faster",
+                      f"- the same text as llama-server on {sum(w['same_text'])} of {len(w['same_text'])} calls", ""]
+        else:
+            lines += [f"## {name}", "", "```", json.dumps({k: v for k, v in w.items() if k != "workload"},
+                                                          indent=1, default=str), "```", ""]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:

