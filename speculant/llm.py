@@ -76,8 +76,10 @@ def build_engine(model: str | None = None, dtype: str = "float32", device: str =
     spec = resolve_speculative_config(model, speculative_config)
     target = load_model(model, dtype=dtype, device=device, quantization=quantization)
     context = context_for(target.config, max_model_len, max_batch_size, target.model.dtype, target.model.device)
-    engine = engine_for(target, spec, max_batch_size, context,
-                        default_capacity_bytes() if prefix_cache_bytes is None else prefix_cache_bytes)
+    if prefix_cache_bytes is None:
+        # CUDA attends prompts on blocked kernels whose sums depend on the pass: a hit would not be exact there.
+        prefix_cache_bytes = default_capacity_bytes() if target.model.device.type == "cpu" else 0
+    engine = engine_for(target, spec, max_batch_size, context, prefix_cache_bytes)
     engine.prefill_chunk = prefill_chunk
     return engine
 
