@@ -26,7 +26,7 @@ from speculant.prefix_cache import PrefixCache
 from speculant.proposers import Proposal, Proposer, TargetHidden
 from speculant.proposers.base import chain_padded, merged, pad_rows
 from speculant.sampling import SamplingBatch, constrain, request_key
-from speculant.scheduler import DEFAULT_PREFILL_CHUNK, Prefill, group_by_prompt, plan_chunks
+from speculant.scheduler import DEFAULT_PREFILL_CHUNK, ChunkSizer, Prefill, group_by_prompt, plan_chunks
 from speculant.sequence import Sequence, SpecStats, TokenLogprob
 from speculant.verify import verify_logits, verify_tree_logits
 
@@ -123,7 +123,7 @@ class Engine:
     log_interval_s: float = 10.0
     adaptive: AdaptiveK | None = None  # choose k per step; None: always num_speculative_tokens
     prefix_cache_bytes: int = 0  # keys and values kept for later requests (prefix_cache.py); 0: none
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens a pass feeds (scheduler.py)
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # the most prompt tokens a pass feeds (scheduler.py)
     stats: SpecStats = field(default_factory=SpecStats)
     timing: EngineTiming = field(default_factory=EngineTiming)
 
@@ -140,6 +140,7 @@ class Engine:
         self.free_slots = list(range(self.max_batch_size))
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Prefill] = []  # admitted, their prompts fed chunk by chunk
+        self.chunk_sizer = ChunkSizer()
         self.running: list[Sequence] = []
         self.prefix_cache = self._prefix_cache()
         self._ids = itertools.count()
@@ -236,8 +237,10 @@ class Engine:
         batch = list(self.running)
         if not batch:
             return failed
+        t0 = time.perf_counter()
         try:
             outputs = self._step(batch)
+            self.chunk_sizer.observe_step(time.perf_counter() - t0)
         except Exception as e:
             # propose, score and verify change no sequence: run each row alone to find the one that raises,
             # from the cache lengths the sequences agree on (a scoring pass moves them on).
@@ -496,7 +499,8 @@ class Engine:
 
     def _prefill_chunks(self) -> None:
         """Feed this step's prompt chunks; sequences whose prompt is all in join the running batch."""
-        for group, n in plan_chunks(self.prefilling, self.prefill_chunk, bool(self.running)):
+        decoding = bool(self.running)
+        for group, n in plan_chunks(self.prefilling, self.chunk_sizer.size(decoding, self.prefill_chunk), decoding):
             if group.lead.finished:  # an earlier chunk of its prompt failed
                 continue
             try:
@@ -536,6 +540,7 @@ class Engine:
             tokens, n_new = pad_rows([lead.tokens[start:start + n]], self.device)
             hidden = self.model(tokens, self.cache, torch.tensor([lead.slot], device=self.device), n_new)
             lead.num_cached += n
+            self.chunk_sizer.observe_chunk(n, time.perf_counter() - t0)
         group.started = True
         if self.proposer is not None:
             k = len(seqs)

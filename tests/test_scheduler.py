@@ -9,7 +9,7 @@ from conftest import save_tiny
 from speculant.config import SamplingParams
 from speculant.engine import Engine
 from speculant.models.loader import load_model
-from speculant.scheduler import Prefill, plan_chunks
+from speculant.scheduler import ChunkSizer, Prefill, plan_chunks
 from speculant.sequence import Sequence
 
 GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
@@ -49,13 +49,15 @@ def test_running_streams_go_on_while_a_long_prompt_is_fed(target):
     running = [engine.add_request([5, 6, 7], GREEDY), engine.add_request([9, 10], GREEDY)]
     engine.step()
     long = engine.add_request([3 + i % 90 for i in range(100)], GREEDY)
-    chunks = 0
+    steps = 0
     while long not in engine.running:
+        fed = long.num_cached
         outputs = engine.step()
         # Every step still gives each running stream its tokens, and feeds one chunk of the new prompt.
         assert {o.seq.request_id for o in outputs if o.new_token_ids} >= {s.request_id for s in running}
-        chunks += 1
-    assert chunks == -(-99 // 16)
+        assert 0 < long.num_cached - fed <= 16 or long in engine.running
+        steps += 1
+    assert steps >= -(-99 // 16)
     engine.generate(running + [long])
     assert long.output_ids == alone(target, long.prompt_ids)
     assert [s.output_ids for s in running] == [alone(target, s.prompt_ids) for s in running]
@@ -77,3 +79,18 @@ def test_a_group_goes_on_when_its_first_sequence_is_aborted(target):
     assert first.finish_reason == "abort"
     assert second.output_ids == alone(target, prompt)
     assert not engine.prefilling and sorted(engine.free_slots) == list(range(4))
+
+
+def test_a_chunk_beside_decoding_costs_about_one_step():
+    sizer = ChunkSizer()
+    assert sizer.size(decoding=False, max_chunk=512) == 512
+    assert sizer.size(decoding=True, max_chunk=512) == 16  # nothing timed yet
+    for n in (16, 32, 64, 16, 8):
+        sizer.observe_chunk(n, 0.025 + 0.01 * n)  # a fixed 25 ms a pass, 10 ms a token
+    sizer.observe_step(0.106)
+    assert sizer.fit() == pytest.approx((0.025, 0.01))
+    assert sizer.size(decoding=True, max_chunk=512) == 8  # 25 ms + 8 × 10 ms fits in one 106 ms step
+    assert sizer.size(decoding=True, max_chunk=6) == 6
+    sizer.observe_step(0.0)
+    sizer.step_s = 0.01  # steps far cheaper than any chunk: the smallest chunk still moves the prompt on
+    assert sizer.size(decoding=True, max_chunk=512) == 4
