@@ -69,7 +69,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false",
                    help="recompute every prompt whole")
     c.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
-                   help=f"prompt tokens fed per pass while other requests decode (default {DEFAULT_PREFILL_CHUNK})")
+                   help=f"the most prompt tokens a pass feeds (default {DEFAULT_PREFILL_CHUNK}; beside decoding, "
+                        "about one decode step's worth)")
     s = p.add_argument_group("speculation")
     s.add_argument("--speculative-config", default=None,
                    help='JSON object or a JSON/YAML file, as vLLM: \'{"method": "ngram", '
