@@ -74,6 +74,7 @@ def context_for(cfg: ModelConfig, requested: int | None, max_batch_size: int, dt
                  max_batch_size)
     return n
 
+
 def token_logprobs(logits: torch.Tensor, tokens: list[int], n_top: int) -> list[TokenLogprob]:
     """logits [N, V] at the positions that produced `tokens` [N] → each token's log-probability
     and the n_top most likely alternatives."""
