@@ -4,8 +4,8 @@ For draft token d_j drawn from q_j, with target distribution p_j (both after the
 transforms): accept with probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection draw
 from normalize(max(0, p_j - q_j)); when all drafts pass, draw a bonus token from p_{k+1}.
 
-Deterministic drafts (lookup, the corpus table, a draft tree's candidates: q one-hot) are verified by
-coupling instead: the target's token t_j at each position is drawn as plain decoding draws it there
+Deterministic drafts (lookup, the corpus table, a grammar's forced tokens, a draft tree's candidates: q
+one-hot) are verified by coupling instead, row by row, whatever rows share the step: the target's token t_j at each position is drawn as plain decoding draws it there
 (the request's uniform for that position, sampling.py), and a draft is kept while it equals t_j. A draft
 is then kept with probability p_j(d_j), and on a mismatch t_j is a draw from p_j without d_j: the
 one-hot case of the rule, and at a tree's node, of recursive rejection over its candidates. And the
@@ -25,17 +25,36 @@ from speculant.sampling import ACCEPT, TOKEN, SamplingBatch, argmax, inverse_cdf
 
 
 def verify_logits(draft: torch.Tensor, n_draft: torch.Tensor, logits: torch.Tensor, q: torch.Tensor | None,
-                  sb: SamplingBatch) -> tuple[list[int], list[int]]:
+                  sb: SamplingBatch, by_rule: list[bool] | None = None) -> tuple[list[int], list[int]]:
     """Each row's accepted drafts and next token from the target's logits [B, k+1, V] under the batch's
-    sampling transforms: a draft model's drafts (they carry q) by the rule (`verify`), deterministic ones
-    (q None) by coupling (`follow_chain`)."""
-    if q is not None and not sb.all_greedy:
-        n_accepted, next_tokens = verify(draft, n_draft, probabilities(logits, sb), q, sb)
-        return n_accepted.tolist(), next_tokens.tolist()
-    target = TargetTokens(logits, sb)
-    rows = [follow_chain(tokens[:n], functools.partial(target.at, b))
-            for b, (tokens, n) in enumerate(zip(draft.tolist(), n_draft.tolist()))]
-    return [n for n, _ in rows], [token for _, token in rows]
+    sampling transforms: sampled rows with drafts drawn from q (`by_rule`, see Proposal.by_rule) by the rule
+    (`verify`), every other row by coupling (`follow_chain`) whatever shares its step: deterministic drafts,
+    rows without drafts, greedy rows. So those rows write plain decoding's tokens in any batch."""
+    counts = n_draft.tolist()
+    ruled = rule_rows(q, by_rule, counts, sb)
+    accepted, tokens = [0] * len(counts), [0] * len(counts)
+    if ruled:
+        at = torch.tensor(ruled, device=draft.device) if len(ruled) < len(counts) else slice(None)
+        sub = sb.select(ruled)
+        n, t = verify(draft[at], n_draft[at], probabilities(logits[at], sub), q[at], sub)
+        for b, n_b, t_b in zip(ruled, n.tolist(), t.tolist()):
+            accepted[b], tokens[b] = n_b, t_b
+    coupled = sorted(set(range(len(counts))) - set(ruled))
+    if coupled:
+        target = TargetTokens(logits, sb)
+        drafts = draft.tolist()
+        for b in coupled:
+            accepted[b], tokens[b] = follow_chain(drafts[b][:counts[b]], functools.partial(target.at, b))
+    return accepted, tokens
+
+
+def rule_rows(q: torch.Tensor | None, by_rule: list[bool] | None, n_draft: list[int], sb: SamplingBatch) -> list[int]:
+    """The rows the acceptance rule verifies: sampled rows with drafts drawn from q (every such row with a
+    draft where by_rule is None)."""
+    if q is None:
+        return []
+    return [b for b, (key, n) in enumerate(zip(sb.keys, n_draft))
+            if key is not None and n > 0 and (by_rule is None or by_rule[b])]
 
 
 def verify_tree_logits(draft: torch.Tensor, n_draft: torch.Tensor, parents: list[list[int]], logits: torch.Tensor,

@@ -3,6 +3,8 @@ that is what shows they have teeth. Each mutant replaces one seam of the real co
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 import speculant.verify as verify_module
@@ -75,6 +77,29 @@ def patch_verifier(name: str, monkeypatch) -> None:
 
 
 VERIFIER_MUTANTS = ["residual_not_renormalized", "acceptance_ignores_q"]
+
+
+def patch_mixed_rows(name: str, monkeypatch) -> None:
+    """Break the per-row choice of verification in a step that mixes deterministic and model drafts."""
+    import speculant.engine as engine_module
+    import speculant.proposers.base as base_module
+    import speculant.proposers.lookup_first as lookup_first_module
+
+    if name == "every_row_by_the_rule":  # once a row carries q, every row goes through the rule (one-hot q)
+        real = base_module.merged
+
+        def merged(a, b):
+            out = real(a, b)
+            if out.q is None:
+                return out
+            deterministic = torch.tensor([not r for r in out.rule_list()])[:, None, None]
+            one_hot = torch.nn.functional.one_hot(out.tokens, out.q.shape[-1]).to(out.q.dtype)
+            return replace(out, q=torch.where(deterministic, one_hot, out.q), by_rule=None)
+
+        monkeypatch.setattr(lookup_first_module, "merged", merged)
+        monkeypatch.setattr(engine_module, "merged", merged)
+    else:
+        raise ValueError(name)
 
 
 def patch_coupling(name: str, monkeypatch) -> None:

@@ -17,6 +17,7 @@ from mutants import (
     VERIFIER_MUTANTS,
     inverse_cdf_sample,
     patch_coupling,
+    patch_mixed_rows,
     patch_verifier,
 )
 from scipy.stats import power_divergence
@@ -25,6 +26,7 @@ from speculant.config import SamplingParams
 from speculant.engine import Engine
 from speculant.models.loader import load_model
 from speculant.proposers.draft_model import DraftModelProposer
+from speculant.proposers.lookup_first import LookupFirstProposer
 from speculant.proposers.ngram import NgramProposer
 from speculant.sampling import SamplingBatch, probabilities
 
@@ -146,6 +148,45 @@ def test_seeded_lookup_sampling_writes_the_plain_tokens(models, native_sampler, 
     engine = Engine(models[0], NgramProposer(1, 3), 3, max_batch_size=BATCH, max_model_len=32)
     assert [s.output_ids for s in engine.generate([engine.add_request(PROMPT, r) for r in requests])] == expected
     assert engine.stats.num_accepted_tokens > 500
+
+
+class LookupBesideModelRows(LookupFirstProposer):
+    """Lookup drafts in the seeded rows, the draft model's in the others: both kinds of row in every step."""
+
+    def propose(self, seqs, ks, sb):
+        seeded = [s.params.seed is not None for s in seqs]
+        found = self.lookup.propose(seqs, [k if s else 0 for k, s in zip(ks, seeded)], sb)
+        return self.complete(seqs, found, [0 if s else k for k, s in zip(ks, seeded)], sb)
+
+
+def seeded_lookup_beside_model_rows(models) -> tuple[list[list[int]], list[list[int]], Engine]:
+    """200 seeded requests with lookup drafts beside 200 unseeded ones with the draft model's, in one batch
+    → (their outputs, plain decoding's, the engine)."""
+    requests = [replace(NGRAM_SETTINGS[s], seed=i, max_tokens=12, ignore_eos=True)
+                for i in range(BATCH // 4) for s in ("t0.7_topk", "topp")]
+    plain = Engine(models[0], max_batch_size=BATCH, max_model_len=32)
+    expected = [s.output_ids for s in plain.generate([plain.add_request(PROMPT, r) for r in requests])]
+    proposer = LookupBesideModelRows(NgramProposer(1, 3), DraftModelProposer(models[1], 8, BATCH, 64))
+    engine = Engine(models[0], proposer, 3, max_batch_size=BATCH, max_model_len=32)
+    others = [replace(r, seed=None) for r in requests]
+    seqs = engine.generate([engine.add_request(PROMPT, r) for r in requests + others])
+    return [s.output_ids for s in seqs[:len(requests)]], expected, engine
+
+
+def test_seeded_lookup_rows_beside_model_rows_write_the_plain_tokens(models):
+    """A step's rows are verified each its own way: the seeded lookup rows by coupling, the model's by the
+    rule, so the lookup rows write plain decoding's tokens in a batch with draft-model rows as alone."""
+    got, expected, engine = seeded_lookup_beside_model_rows(models)
+    assert got == expected
+    assert engine.stats.num_accepted_tokens > 500
+
+
+def test_every_row_by_the_rule_is_caught(models, monkeypatch):
+    """Every row through the rule once one carries q (lookup rows with a one-hot q): the distribution is
+    still the target's, the tokens are not plain decoding's."""
+    patch_mixed_rows("every_row_by_the_rule", monkeypatch)
+    got, expected, _ = seeded_lookup_beside_model_rows(models)
+    assert sum(g != e for g, e in zip(got, expected)) > 0.2 * len(got)
 
 
 @pytest.mark.parametrize("mutant", ["one_draw_for_every_position", "rejected_position_drawn_again"])

@@ -85,8 +85,8 @@ def small(small_vocab_pair):
 
 
 class LookupRowsReportUniformQ(LookupFirstProposer):
-    """Reports a uniform q for the lookup's rows: their drafts were not drawn from it (the rule then
-    accepts them with probability 8·p instead of p)."""
+    """Reports the lookup's rows as drawn from a uniform q: they were not (the rule then accepts their drafts
+    with probability 8·p instead of p)."""
 
     def complete(self, seqs, found, ks, sb):
         out = super().complete(seqs, found, ks, sb)
@@ -94,7 +94,7 @@ class LookupRowsReportUniformQ(LookupFirstProposer):
             return out
         lookup_rows = torch.tensor([key != MODEL_BUCKET for key in out.bucket_list()])
         q = torch.where(lookup_rows[:, None, None], torch.full_like(out.q, 1 / out.q.shape[-1]), out.q)
-        return Proposal(out.tokens, out.n_draft, q, out.buckets)
+        return Proposal(out.tokens, out.n_draft, q, out.buckets)  # by_rule None: every row by the rule
 
 
 def small_engine(small, proposer_cls=LookupFirstProposer) -> Engine:
@@ -105,8 +105,8 @@ def small_engine(small, proposer_cls=LookupFirstProposer) -> Engine:
 
 @pytest.mark.parametrize("setting", ["t1", "t0.7_topk"])
 def test_sampling_matches_target(small, setting):
-    """Vocabulary of 8: lookup finds matches in some rows and not in others of the same step; each
-    kind of draft goes through the acceptance rule with its own q."""
+    """Vocabulary of 8: lookup finds matches in some rows and not in others of the same step; the lookup's
+    rows are verified by coupling, the model's by the acceptance rule with their q."""
     engine = small_engine(small)
     seen = count_drafts(engine)
     params = SETTINGS[setting]
@@ -165,9 +165,9 @@ def test_lookup_first_needs_a_model():
     assert cfg.proposer == "eagle+lookup"
 
 
-def test_sampled_lookup_rows_get_one_hot_q(small):
-    """The q the verifier sees for a lookup row is one-hot at each real draft; the draft model ran
-    for the other row only."""
+def test_sampled_lookup_rows_are_coupled(small):
+    """A lookup row is verified by coupling (by_rule False), the model's row by the rule with its q; the
+    draft model ran for the other row only."""
     engine = small_engine(small)
     seq = engine.add_request([1, 5, 3, 6, 1, 5], SETTINGS["t1"])
     other = engine.add_request([7, 4], SETTINGS["t1"])
@@ -176,8 +176,7 @@ def test_sampled_lookup_rows_get_one_hot_q(small):
     sb = SamplingBatch.build([seq.params, other.params], [seq.key, other.key], engine.device)
     out = engine.proposer.propose([seq, other], [2, 2], sb)
     assert out.bucket_list()[0] != MODEL_BUCKET and out.bucket_list()[1] == MODEL_BUCKET
-    n = int(out.n_draft[0])
-    assert n and torch.equal(out.q[0, :n], torch.nn.functional.one_hot(out.tokens[0, :n], 8).float())
+    assert int(out.n_draft[0]) and out.by_rule == [False, True]
     assert out.q[1].sum(-1).allclose(torch.ones(2))
     fed = engine.proposer.model.fed
     assert fed[seq.request_id] == len(seq.tokens) - 1  # the prompt from prefill, nothing drafted

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from torch.nn.functional import one_hot, pad
+from torch.nn.functional import pad
 
 from speculant.models.llama import tree_layout
 from speculant.sampling import DRAFT, SamplingBatch, argmax, constrain, probabilities, sample
@@ -39,7 +39,7 @@ def chain_padded(parents: list[int], width: int) -> list[int]:
 class Proposal:
     tokens: torch.Tensor  # [B, k] draft tokens, padded with 0 past n_draft
     n_draft: torch.Tensor  # [B] how many of row b's tokens are real (0..k)
-    q: torch.Tensor | None  # [B, k, V] the distribution each token was drawn from; None: deterministic
+    q: torch.Tensor | None  # [B, k, V] the distribution each token was drawn from (rows of by_rule); None: none was
     # Row b's drafts are judged by the acceptance seen in its bucket (adaptive.py); n-gram lookup: the
     # length of the suffix that matched. None: one bucket for all.
     buckets: list[int] | None = None
@@ -47,6 +47,10 @@ class Proposal:
     # continues (-1: the sequence's last token), parents before children. None: a chain, each draft
     # continues the one before.
     parents: list[list[int]] | None = None
+    # Rows whose drafts were drawn from q (a model's, sampled): the acceptance rule verifies them. The other
+    # rows' drafts are deterministic (lookup, a grammar's forced tokens) and are verified by coupling, whatever
+    # shares the step. None: every row where q is set.
+    by_rule: list[bool] | None = None
 
     @classmethod
     def from_lists(cls, drafts: list[list[int]], device: torch.device, buckets: list[int] | None = None) -> Proposal:
@@ -85,33 +89,45 @@ class Proposal:
             parents = [chain_padded([], self.tokens.shape[1]) for _ in range(batch_size)]
             for row, p in zip(rows, self.parents):
                 parents[row] = p
-        return Proposal(tokens, n_draft, q, parents=parents)
+        by_rule = None
+        if q is not None:
+            by_rule = [False] * batch_size
+            for row, ruled in zip(rows, self.rule_list()):
+                by_rule[row] = ruled
+        return Proposal(tokens, n_draft, q, parents=parents, by_rule=by_rule)
+
+    def rule_list(self) -> list[bool]:
+        """Per row, whether the acceptance rule verifies its drafts (given q; see by_rule)."""
+        if self.q is None:
+            return [False] * len(self.n_draft)
+        return self.by_rule if self.by_rule is not None else [True] * len(self.n_draft)
 
 
 _EMPTY: dict[tuple[int, torch.device], Proposal] = {}
 
 
 def merged(a: Proposal, b: Proposal) -> Proposal:
-    """Row by row, b's drafts where b has any, a's elsewhere. Where one side carries q and the other does
-    not, the deterministic drafts get a one-hot q (the rule then accepts each with probability p(token));
-    where one side is a tree, the other's rows are chains."""
+    """Row by row, b's drafts where b has any, a's elsewhere; q where either carries it, each row keeping
+    its own verification (by_rule: deterministic rows are coupled in any batch). Where one side is a tree,
+    the other's rows are chains."""
     width = max(a.tokens.shape[1], b.tokens.shape[1])
     take_b = b.n_draft > 0  # [B]
     a_tokens, b_tokens = (pad(p.tokens, (0, width - p.tokens.shape[1])) for p in (a, b))
     tokens = torch.where(take_b[:, None], b_tokens, a_tokens)
     n_draft = torch.where(take_b, b.n_draft, a.n_draft)
-    q = None
+    rows = take_b.tolist()
+    q, by_rule = None, None
     if a.q is not None or b.q is not None:
-        V = (a.q if a.q is not None else b.q).shape[-1]
-        dtype = (a.q if a.q is not None else b.q).dtype
+        like = a.q if a.q is not None else b.q
 
-        def q_of(p: Proposal, tokens: torch.Tensor) -> torch.Tensor:
+        def q_of(p: Proposal) -> torch.Tensor:
+            # A deterministic side's rows are never read (by_rule is False there).
             if p.q is None:
-                return one_hot(tokens, V).to(dtype)
+                return like.new_zeros(len(rows), width, like.shape[-1])
             return pad(p.q, (0, 0, 0, width - p.q.shape[1]))
 
-        q = torch.where(take_b[:, None, None], q_of(b, b_tokens), q_of(a, a_tokens))
-    rows = take_b.tolist()
+        q = torch.where(take_b[:, None, None], q_of(b), q_of(a))
+        by_rule = [rb if t else ra for t, ra, rb in zip(rows, a.rule_list(), b.rule_list())]
     buckets = [kb if t else ka for t, ka, kb in zip(rows, a.bucket_list(), b.bucket_list())]
     parents = None
     if a.parents is not None or b.parents is not None:
@@ -119,7 +135,7 @@ def merged(a: Proposal, b: Proposal) -> Proposal:
             return chain_padded(p.parents[row] if p.parents is not None else [], width)
 
         parents = [tree(b, i) if t else tree(a, i) for i, t in enumerate(rows)]
-    return Proposal(tokens, n_draft, q, buckets, parents)
+    return Proposal(tokens, n_draft, q, buckets, parents, by_rule)
 
 
 @dataclass
