@@ -9,6 +9,11 @@ AVX512 or AVX2; quantized.cpp and the AMX files exist on AVX512 alone.
   AMX at every row count a verify pass has. The int4 model's Q8_0 lm_head the same way (on AMX's bf16
   tiles its weights were unpacked to bf16 at every pass).
 - bf16_amx.cpp: bf16 weight × bf16 activation products on AMX tiles, every row alike at any row count.
+- bf16_dot.cpp: the same products without AMX (vdpbf16ps, or two FMAs a pair below AVX512), on the same layout,
+  each output one chain of products in input order: every row alike at any row count, where oneDNN's bf16
+  kernel was not (from 2 rows on, on a 1.5B model's shapes).
+- f32_mm.cpp: fp32 (or fp16) weights stored transposed × fp32 activations, each output one chain of FMAs in
+  input order, where PyTorch's matmul gave a row other bits from 5 rows on.
 - attention.cpp: bf16 decode attention, one query row over exactly its keys, so rows score alike alone
   or in a verify pass or batch, faster than PyTorch's attention called row by row (its exact use).
 - attention_amx.cpp: the same on AMX tiles (attention.cpp calls it where the CPU has AMX), the rows that
@@ -41,8 +46,8 @@ from speculant.models import notice
 log = logging.getLogger("speculant")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ["quantized.cpp", "ggml_mm.cpp", "bf16_amx.cpp", "attention.cpp", "attention_amx.cpp", "layer_ops.cpp",
-           "argmax.cpp", "sampling.cpp", "decoder.cpp"]
+SOURCES = ["quantized.cpp", "ggml_mm.cpp", "bf16_amx.cpp", "bf16_dot.cpp", "f32_mm.cpp", "attention.cpp",
+           "attention_amx.cpp", "layer_ops.cpp", "argmax.cpp", "sampling.cpp", "decoder.cpp"]
 HEADERS = ["amx.h", "attention.h", "bf16.h", "kernels.h", "team.h", "tensor.h", "vec.h"]
 # The binding unit (decoder.cpp: pybind11 and PyTorch's Python headers) compiles longest: first, so that it does
 # not run alone at the end of the build.
@@ -233,7 +238,9 @@ def int8_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch
 
 
 def bf16_usable(out_features: int, in_features: int) -> bool:
-    return out_features % 16 == 0 and in_features % 32 == 0 and amx()
+    """Whether bf16_mm takes this shape here: on AMX tiles (bf16_amx.cpp) or, without them, bf16_dot.cpp's
+    vector kernel, at every level."""
+    return out_features % 16 == 0 and in_features % 32 == 0 and level() != "off"
 
 
 def bf16_layout(w: torch.Tensor) -> torch.Tensor:
@@ -245,8 +252,17 @@ def bf16_layout(w: torch.Tensor) -> torch.Tensor:
 
 
 def bf16_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] bf16 → [M, N] bf16."""
+    """x [M, K] bf16 → [M, N] bf16, on AMX tiles where they run, else on bf16_dot.cpp's kernel."""
     return kernels().bf16_mm(x, w)
+
+
+def f32_usable() -> bool:
+    return level() != "off"
+
+
+def f32_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] fp32, w [K, N] fp32 or fp16 (a weight stored transposed) → [M, N] fp32 (f32_mm.cpp)."""
+    return kernels().f32_mm(x, w)
 
 
 def attention_usable(head_dim: int) -> bool:

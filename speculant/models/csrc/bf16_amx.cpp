@@ -17,6 +17,7 @@
 // x [M, K] bf16; w bf16 [N/16, K/32, 16, 32]: block b, group g, input pair r, output j, member e holds
 // W[16 b + j, 32 g + 2 r + e] (see native.bf16_layout) → y [M, N] bf16.
 void bf16_mm_into(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& y) {
+  if (!speculant::amx_usable()) return bf16_dot_into(x, w, y);  // no AMX, or a lower level forced
   TORCH_CHECK(speculant::amx_permitted(), "the kernel asked Linux for AMX tile state and was refused");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && w.scalar_type() == at::kBFloat16, "bf16, 2-D x");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * 16, G = K / 32;
@@ -59,13 +60,12 @@ void bf16_mm_into(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor&
   });
 }
 
+#else
+void bf16_mm_into(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& y) { bf16_dot_into(x, w, y); }
+#endif
+
 torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor w) {
   auto y = torch::empty({x.size(0), w.size(0) * 16}, x.options());
   bf16_mm_into(x, w, y);
   return y;
 }
-
-#else
-void bf16_mm_into(const torch::Tensor&, const torch::Tensor&, torch::Tensor&) { TORCH_CHECK(false, "bf16_mm needs AMX"); }
-torch::Tensor bf16_mm(torch::Tensor, torch::Tensor) { TORCH_CHECK(false, "bf16_mm needs AMX"); }
-#endif

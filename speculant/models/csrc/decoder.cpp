@@ -234,6 +234,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("int8_mm", &int8_mm);
   mod.def("ggml_mm", &ggml_mm);
   mod.def("bf16_mm", &bf16_mm);
+  mod.def("f32_mm", &f32_mm);
   mod.def("attention", &attention, pybind11::arg("q"), pybind11::arg("keys"), pybind11::arg("values"),
           pybind11::arg("n_keys"), pybind11::arg("scale"), pybind11::arg("slots") = pybind11::none(),
           pybind11::arg("tree") = pybind11::none(), pybind11::arg("amx") = true);

@@ -20,9 +20,14 @@ torch::Tensor int8_mm(torch::Tensor x, torch::Tensor q, torch::Tensor d);
 torch::Tensor ggml_mm(torch::Tensor x, std::vector<torch::Tensor> p);
 void ggml_mm_into(const torch::Tensor& x, const std::vector<torch::Tensor>& p, torch::Tensor& y);
 
-// bf16_amx.cpp: x [M, K] bf16 × bf16 weights in the kernel's layout (native.bf16_layout) → [M, N] bf16.
+// bf16_amx.cpp: x [M, K] bf16 × bf16 weights in the kernel's layout (native.bf16_layout) → [M, N] bf16, on AMX
+// tiles where they run, else bf16_dot.cpp's vector kernel (the same layout).
 torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor w);
 void bf16_mm_into(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& y);
+void bf16_dot_into(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& y);
+
+// f32_mm.cpp: x [M, K] fp32 × weights stored transposed [K, N], fp32 or fp16 → [M, N] fp32.
+torch::Tensor f32_mm(torch::Tensor x, torch::Tensor w);
 
 // attention.cpp: each query row over exactly its keys; `amx` false keeps the vector kernel on an AMX CPU.
 torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor n_keys,
