@@ -15,7 +15,7 @@ from speculant.sampling import DRAFT, probabilities, sample
 class GreedyDraftSoftmaxQ(DraftModelProposer):
     """Drafts the argmax but reports the softmax as q."""
 
-    def draw(self, logits, sb):
+    def draw(self, logits, sb, vocab=None):
         q = probabilities(logits, sb)[:, 0]
         return q.argmax(dim=-1), q
 
@@ -23,7 +23,7 @@ class GreedyDraftSoftmaxQ(DraftModelProposer):
 class TransformsOnTargetOnly(DraftModelProposer):
     """Samples under the request's transforms but reports q from the raw logits."""
 
-    def draw(self, logits, sb):
+    def draw(self, logits, sb, vocab=None):
         token = sample(probabilities(logits, sb)[:, 0], sb.draws(DRAFT))
         return token, torch.softmax(logits[:, 0].float(), dim=-1)
 
@@ -102,6 +102,24 @@ def patch_mixed_rows(name: str, monkeypatch) -> None:
         raise ValueError(name)
 
 
+def patch_draft_draws(name: str, monkeypatch) -> None:
+    """Break the draft model's draws (Proposer.draw's uniforms, sampling.SamplingBatch.draws)."""
+    from speculant.sampling import SamplingBatch, uniform
+
+    if name == "by_batch_row":  # a row's draft draws come from its place in the batch, not from its key alone
+        draws = SamplingBatch.draws
+
+        def by_row(self, purpose, offset=0):
+            if purpose != DRAFT:
+                return draws(self, purpose, offset)
+            return [None if key is None else uniform(key + b, position + offset, purpose)
+                    for b, (key, position) in enumerate(zip(self.keys, self.positions))]
+
+        monkeypatch.setattr(SamplingBatch, "draws", by_row)
+    else:
+        raise ValueError(name)
+
+
 def patch_coupling(name: str, monkeypatch) -> None:
     """Break verification by coupling (deterministic drafts: verify.TargetTokens, follow_chain, follow_tree)."""
     if name == "one_draw_for_every_position":  # a step's positions share the first one's uniform
@@ -135,8 +153,8 @@ def patch_coupling(name: str, monkeypatch) -> None:
 class ReducedVocabFullQ(DraftModelProposer):
     """Draws from the reduced vocabulary's distribution but reports the whole vocabulary's as q."""
 
-    def draw(self, logits, sb):
-        token, _ = super().draw(logits, sb)
+    def draw(self, logits, sb, vocab=None):
+        token, _ = super().draw(logits, sb, vocab)
         head, self.head = self.head, None
         q = probabilities(self._logits(self._last_hidden), sb)[:, 0]
         self.head = head
@@ -160,8 +178,8 @@ class StopsOnTheDrawnToken(DraftModelProposer):
         """Per row, whether the token just drawn at a later position cuts the draft there."""
         return q.gather(-1, token[:, None]).squeeze(-1) < self.p_min
 
-    def draw(self, logits, sb):
-        token, q = super().draw(logits, sb)
+    def draw(self, logits, sb, vocab=None):
+        token, q = super().draw(logits, sb, vocab)
         i, self._position = self._position, self._position + 1
         unsure = self.unsure(logits, token, q)
         if i:

@@ -5,6 +5,8 @@ same significance); a mutant of each rule is caught."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from mutants import DRAFT_RULE_MUTANTS
@@ -26,6 +28,7 @@ from speculant.errors import SpeculantError
 from speculant.models.loader import load_model
 from speculant.proposers.draft_model import DraftModelProposer
 from speculant.proposers.draft_vocab import HeadRows, draft_vocab_ids
+from speculant.sampling import SamplingBatch
 
 # Where the small-vocabulary draft stops at about half its positions (its likeliest token's probability there).
 P_MIN = 0.45
@@ -122,8 +125,6 @@ def test_sampling_matches_target(small, rule, setting):
 
 
 def test_p_min_leaves_positions_undrafted(small):
-    from dataclasses import replace
-
     def drafted(engine):
         params = replace(SETTINGS["t1"], max_tokens=12, ignore_eos=True)
         engine.generate([engine.add_request([1, 5, 3, 6, 1, 5], replace(params, seed=i)) for i in range(BATCH)])
@@ -199,3 +200,62 @@ def test_draft_quantization_needs_a_gguf_draft():
     with pytest.raises(SpeculantError, match="choose \"q4_0\""):
         SpeculativeConfig.parse({"method": "draft_model", "model": "d.gguf", "num_speculative_tokens": 4,
                                  "draft_quantization": "q2"})
+
+
+class AllowsOnly:
+    """A grammar state that allows only `ids` next (the seam draw() reads: vocab_size, bitmask, push)."""
+
+    def __init__(self, ids: list[int], vocab_size: int):
+        self.vocab_size, self.pushed = vocab_size, []
+        bits = bytearray((vocab_size + 7) // 8)
+        for i in ids:
+            bits[i // 8] |= 1 << (i % 8)
+        self.mask = bytes(bits)
+
+    def bitmask(self) -> bytes:
+        return self.mask
+
+    def push(self, token: int) -> bool:
+        self.pushed.append(token)
+        return False
+
+
+def ready_proposer(models, prompt: list[int], params, **rule) -> tuple[Engine, object]:
+    """An engine whose draft has read `prompt` (one plain step run) → (engine, its sequence)."""
+    target, draft = models
+    engine = Engine(target, DraftModelProposer(draft, target.config.vocab_size, 2, 64, **rule), 3,
+                    max_batch_size=2, max_model_len=32)
+    seq = engine.add_request(prompt, replace(params, max_tokens=8, ignore_eos=True))
+    engine.step()
+    return engine, seq
+
+
+def test_a_grammar_beyond_the_draft_vocabulary_gives_a_finite_q(small):
+    """The grammar allows ids 6 and 7 alone, the reduced draft scores 0..4: the draft's masked row would be all
+    −inf (a NaN q). It is left unmasked instead, so the draft draws a token of its vocabulary with a finite q
+    (the engine then cuts that draft: drop_forbidden)."""
+    engine, seq = ready_proposer(small, [1, 5, 3, 6, 1, 5], replace(SETTINGS["t1"], seed=3), vocab_size=SMALL_VOCAB)
+    grammar = AllowsOnly([6, 7], 8)
+    sb = SamplingBatch.build([seq.params], [seq.key], engine.device, [seq.num_generated], [grammar])
+    out = engine.proposer.propose([seq], [3], sb)
+    assert set(out.tokens[0].tolist()) <= set(range(SMALL_VOCAB))
+    assert grammar.pushed
+    assert out.q is not None and torch.isfinite(out.q).all()
+    assert torch.allclose(out.q[0].sum(-1), torch.ones(out.q.shape[1]))
+
+
+def test_a_chain_ended_everywhere_runs_no_further_head(small):
+    """p_chain near 1 ends every draft after its first token: the draft's logits are computed once, and no
+    pass feeds the drawn token."""
+    engine, seq = ready_proposer(small, [1, 5, 3, 6, 1, 5], SETTINGS["t1"], p_chain=0.999)
+    proposer = engine.proposer
+    heads, passes = [], []
+    logits = proposer._logits
+    proposer._logits = lambda hidden: heads.append(1) or logits(hidden)
+    hook = proposer.model.register_forward_pre_hook(lambda module, args: passes.append(1))
+    sb = SamplingBatch.build([seq.params], [seq.key], engine.device, [seq.num_generated])
+    out = proposer.propose([seq], [4], sb)
+    hook.remove()
+    assert out.n_draft.tolist() == [1]
+    assert len(heads) == 1
+    assert len(passes) == 1  # the catch-up pass over the unseen token alone

@@ -70,6 +70,8 @@ class DraftModelProposer(Proposer):
         self.vocab = target_vocab_size
         self.p_min, self.p_chain = p_min, p_chain
         self.head: HeadRows | None = None  # the reduced vocabulary's head; None: the whole vocabulary
+        self.draft_ids: torch.Tensor | None = None  # the target ids the reduced head scores, sorted
+        self.vocab_size = target_vocab_size  # q's width where the draft scores part of the vocabulary
         if vocab_size:
             added = list(draft.eos_token_ids)
             if draft.tokenizer is not None:
@@ -143,16 +145,18 @@ class DraftModelProposer(Proposer):
         drafts, qs, fed = [], [], 0
         chain = torch.ones(len(seqs), device=device)  # the draft's probability of the drafts drawn so far
         for i in range(max(ks)):
-            logits = self._logits(hidden)
+            if max(n_draft) <= i:  # p_chain ended every row's draft at i: no head, no softmax there
+                break
+            logits = self._logits(hidden)  # over the draft's vocabulary: self.draft_ids, or all of it
             # The draft's own distribution (temperature 1, whatever the request's transforms), for the rules.
             confidence = torch.softmax(logits[:, 0], dim=-1) if self.p_chain or (self.p_min and i) else None
             if i and self.p_min:
                 n_draft = self.stop_unsure(confidence, n_draft, i)
-            if max(n_draft) <= i:
-                break
-            token, q = self.draw(logits, sb.ahead(i))
+                if max(n_draft) <= i:
+                    break
+            token, q = self.draw(logits, sb.ahead(i), self.draft_ids)
             if self.p_chain:
-                chain = chain * confidence.gather(-1, token[:, None]).squeeze(-1)
+                chain = chain * confidence.gather(-1, self._column(token)[:, None]).squeeze(-1)
                 n_draft = self.end_chain(chain, n_draft, i)
             drafts.append(token)
             qs.append(q)
@@ -163,7 +167,7 @@ class DraftModelProposer(Proposer):
             self.fed[s.request_id] += fed
         if not drafts:
             return Proposal.empty(len(seqs), device)
-        q = None if sb.all_greedy else torch.stack(qs, dim=1)  # greedy q is one-hot: deterministic
+        q = None if qs[0] is None else torch.stack(qs, dim=1)  # None from draw: deterministic drafts
         return Proposal(torch.stack(drafts, dim=1), torch.tensor(n_draft, device=device), q)
 
     def stop_unsure(self, confidence: torch.Tensor, n_draft: list[int], i: int) -> list[int]:
@@ -181,18 +185,21 @@ class DraftModelProposer(Proposer):
         return [n if ok else min(n, i + 1) for n, ok in zip(n_draft, (chain >= self.p_chain).tolist())]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The draft's logits [B, 1, N] over its vocabulary: the reduced one's ids (self.draft_ids), else
+        the target's whole vocabulary."""
         if self.head is not None:
             scores = self.head(hidden).float()
-            if self.kept is not None:
-                scores = scores[..., self.kept]
-            out = scores.new_full((*scores.shape[:-1], self.vocab), float("-inf"))
-            return out.index_copy_(-1, self.draft_ids, scores)
+            return scores if self.kept is None else scores[..., self.kept]
         # Draft and target may pad their vocabularies differently: compare on the target's ids.
         logits = self.model.logits(hidden)
         V = logits.shape[-1]
         if V >= self.vocab:
             return logits[..., :self.vocab]
         return torch.nn.functional.pad(logits, (0, self.vocab - V), value=float("-inf"))
+
+    def _column(self, token: torch.Tensor) -> torch.Tensor:
+        """Target ids [B] drawn by the draft → their columns in its logits (draft_ids is sorted)."""
+        return token if self.draft_ids is None else torch.searchsorted(self.draft_ids, token)
 
     def commit(self, seqs: list[Sequence], target: TargetHidden) -> None:
         # The draft fed its own guesses; only those the verifier kept are still valid.
