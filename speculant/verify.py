@@ -5,11 +5,12 @@ transforms): accept with probability min(1, p_j(d_j) / q_j(d_j)); at the first r
 from normalize(max(0, p_j - q_j)); when all drafts pass, draw a bonus token from p_{k+1}.
 
 Deterministic drafts (lookup, the corpus table, a grammar's forced tokens, a draft tree's candidates: q
-one-hot) are verified by coupling instead, row by row, whatever rows share the step: the target's token t_j at each position is drawn as plain decoding draws it there
-(the request's uniform for that position, sampling.py), and a draft is kept while it equals t_j. A draft
-is then kept with probability p_j(d_j), and on a mismatch t_j is a draw from p_j without d_j: the
-one-hot case of the rule, and at a tree's node, of recursive rejection over its candidates. And the
-tokens are the ones plain decoding writes: a seeded request's output does not change with speculation.
+one-hot) are verified by coupling instead, row by row whatever rows share the step: the target's token t_j
+at each position is drawn as plain decoding draws it there (the request's uniform for that position,
+sampling.py), and a draft is kept while it equals t_j. A draft is then kept with probability p_j(d_j), and
+on a mismatch t_j is a draw from p_j without d_j: the one-hot case of the rule, and at a tree's node, of
+recursive rejection over its candidates. And the tokens are the ones plain decoding writes: a seeded
+request's output does not change with speculation, nor with the rows beside it.
 Greedy rows draw no randomness (t_j is the argmax), which makes this plain greedy verification.
 """
 
