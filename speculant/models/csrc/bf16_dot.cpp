@@ -13,6 +13,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "bf16.h"
 #include "kernels.h"
@@ -24,23 +25,34 @@ namespace vec = speculant::vec;
 using vec::F;
 
 #if defined(__AVX512F__)
-// 6 rows × 4 blocks of 16 outputs: 24 accumulators and 4 weight vectors of AVX512's 32 registers.
-constexpr int kRows = 6, kBlocks = 4;
+// Tiles of up to 10 rows × 2 blocks of 16 outputs (20 accumulators), or 5 rows × 4 blocks: a few rows take more
+// blocks at once (a decode pass's chains), prompts more rows per weight vector loaded (measured best of 6×4, 8×3,
+// 10×2 and 4×6 on a 1.5B model's shapes). Threads take runs of kBlocks blocks.
+constexpr int kRows = 10, kBlocks = 4;
+constexpr int blocks_for(int rows) { return rows <= 5 ? 4 : 2; }
 
 struct Pairs {  // 16 outputs' bf16 pairs (2i, 2i + 1): one row of a weight tile
   __m512i v;
 };
 inline Pairs load_pairs(const uint16_t* p) { return {_mm512_loadu_si512(p)}; }
 
-// acc + each lane's pair of w times the pair at x, broadcast: the broadcast folded into the instruction.
-inline F dot_at(F acc, const Pairs& w, const uint16_t* x) {
-  __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc.v) : "v"(w.v), "m"(*(const uint32_t*)x));
-  return acc;
+struct Pair {  // one input pair (2i, 2i + 1) of a row, in every lane
+  __m512bh v;
+};
+inline Pair pair_at(const uint16_t* x) {
+  int32_t bits;
+  memcpy(&bits, x, 4);
+  return {(__m512bh)_mm512_set1_epi32(bits)};
 }
 
+// acc + each lane's pair of w times the row's pair. A broadcast of its own, shared by a tile's blocks: with the
+// broadcast folded into the instruction (asm), GCC stored every accumulator at every step, 3× slower.
+inline F dot(F acc, const Pairs& w, const Pair& x) { return {_mm512_dpbf16_ps(acc.v, (__m512bh)w.v, x.v)}; }
+
 #else
-// AVX2's 16 registers: each block's pairs take 4 (even and odd members, lanes 0-7 and 8-15).
+// AVX2's 16 registers: each block's pairs take 4 (even and odd members, lanes 0-7 and 8-15), a tile one block.
 constexpr int kRows = 4, kBlocks = 1;
+constexpr int blocks_for(int) { return 1; }
 
 struct Pairs {
   __m256 even_lo, even_hi, odd_lo, odd_hi;
@@ -52,39 +64,46 @@ inline Pairs load_pairs(const uint16_t* p) {
           _mm256_castsi256_ps(_mm256_and_si256(lo, high)), _mm256_castsi256_ps(_mm256_and_si256(hi, high))};
 }
 
-// The same sum as two FMAs, the even member's product first: exact products (bf16 × bf16 fits fp32), each
-// sum rounded once.
-inline F dot_at(F acc, const Pairs& w, const uint16_t* x) {
+struct Pair {
+  __m256 even, odd;
+};
+inline Pair pair_at(const uint16_t* x) {
   uint32_t even = (uint32_t)x[0] << 16, odd = (uint32_t)x[1] << 16;
   float xe, xo;
   memcpy(&xe, &even, 4), memcpy(&xo, &odd, 4);
-  const __m256 e = _mm256_set1_ps(xe), o = _mm256_set1_ps(xo);
-  acc.lo = _mm256_fmadd_ps(w.odd_lo, o, _mm256_fmadd_ps(w.even_lo, e, acc.lo));
-  acc.hi = _mm256_fmadd_ps(w.odd_hi, o, _mm256_fmadd_ps(w.even_hi, e, acc.hi));
+  return {_mm256_set1_ps(xe), _mm256_set1_ps(xo)};
+}
+
+// The same sum as two FMAs, the even member's product first: exact products (bf16 × bf16 fits fp32), each
+// sum rounded once.
+inline F dot(F acc, const Pairs& w, const Pair& x) {
+  acc.lo = _mm256_fmadd_ps(w.odd_lo, x.odd, _mm256_fmadd_ps(w.even_lo, x.even, acc.lo));
+  acc.hi = _mm256_fmadd_ps(w.odd_hi, x.odd, _mm256_fmadd_ps(w.even_hi, x.even, acc.hi));
   return acc;
 }
 #endif
 
-// Groups of 32 inputs a chunk of K when rows come in several tiles: kBlocks blocks' weights for a chunk
-// (kBlocks × 32 KB) stay in L2 while every tile of rows reads them.
-constexpr int64_t kChunkGroups = 32;
+// Groups of 32 inputs a chunk of K, where rows come in several tiles: a run's weights for a chunk (256 KB) are
+// read from memory once for all the tiles, the rows' inputs for a chunk (4 KB a row) once for all the runs. One
+// chunk (no partial sums) up to K = 2048, a 1.5B model's but for its down projection.
+constexpr int64_t kChunkGroups = 64;
 
 struct Operands {
   const uint16_t* X;  // [M, K]
   const uint16_t* W;  // [N/16, G, 16, 32]
   uint16_t* Y;        // [M, N]
-  float* partial;     // [M, N]: accumulators between chunks of K (only where K is chunked)
   int64_t M, K, N, G;
 };
 
-// Rows r0 .. r0 + R, blocks b .. b + C, groups g0 .. g1: accumulators from 0 (g0 = 0) or from `partial`, to
-// `partial` or, after the last group, rounded to bf16 into Y.
+// Rows r0 .. r0 + R, blocks b .. b + C, groups g0 .. g1: accumulators from 0 (g0 = 0) or from `part` (the run's
+// partial sums, [M][kBlocks × 16] from its block `at`, b's place in it), to `part` or, after the last group,
+// rounded to bf16 into Y.
 template <int R, int C>
-void tile(const Operands& o, int64_t r0, int64_t b, int64_t g0, int64_t g1) {
+void tile(const Operands& o, float* part, int64_t r0, int64_t b, int at, int64_t g0, int64_t g1) {
   F acc[R][C];
+  float* rows = part + (r0 * kBlocks + at) * 16;
   for (int i = 0; i < R; i++)
-    for (int c = 0; c < C; c++)
-      acc[i][c] = g0 == 0 ? vec::zero() : vec::load(o.partial + (r0 + i) * o.N + (b + c) * 16);
+    for (int c = 0; c < C; c++) acc[i][c] = g0 == 0 ? vec::zero() : vec::load(rows + (i * kBlocks + c) * 16);
   const uint16_t* x = o.X + r0 * o.K;
   for (int64_t g = g0; g < g1; g++) {
     for (int c = 0; c < C; c++)  // this block's stream 4 groups (4 KB) ahead
@@ -93,8 +112,10 @@ void tile(const Operands& o, int64_t r0, int64_t b, int64_t g0, int64_t g1) {
     for (int p = 0; p < 16; p++) {
       Pairs w[C];
       for (int c = 0; c < C; c++) w[c] = load_pairs(o.W + (((b + c) * o.G + g) * 16 + p) * 32);
-      for (int i = 0; i < R; i++)
-        for (int c = 0; c < C; c++) acc[i][c] = dot_at(acc[i][c], w[c], x + i * o.K + g * 32 + 2 * p);
+      for (int i = 0; i < R; i++) {
+        const Pair xi = pair_at(x + i * o.K + g * 32 + 2 * p);
+        for (int c = 0; c < C; c++) acc[i][c] = dot(acc[i][c], w[c], xi);
+      }
     }
   }
   for (int i = 0; i < R; i++)
@@ -102,36 +123,25 @@ void tile(const Operands& o, int64_t r0, int64_t b, int64_t g0, int64_t g1) {
       if (g1 == o.G)
         vec::store_bf16(o.Y + (r0 + i) * o.N + (b + c) * 16, acc[i][c]);
       else
-        vec::store(o.partial + (r0 + i) * o.N + (b + c) * 16, acc[i][c]);
+        vec::store(rows + (i * kBlocks + c) * 16, acc[i][c]);
     }
 }
 
-template <int R>
-void tile_rows(const Operands& o, int64_t r0, int64_t b, int blocks, int64_t g0, int64_t g1) {
-  if constexpr (kBlocks == 4) {
-    switch (blocks) {
-      case 4: return tile<R, 4>(o, r0, b, g0, g1);
-      case 3: return tile<R, 3>(o, r0, b, g0, g1);
-      case 2: return tile<R, 2>(o, r0, b, g0, g1);
-    }
-  }
-  tile<R, 1>(o, r0, b, g0, g1);
+// A run's `blocks` blocks from b for rows r0 .. r0 + R, blocks_for(R) at a time. Each row and block count its own
+// instance: loops over exactly the rows and blocks there are.
+template <int R, int C = blocks_for(R)>
+void tile_blocks(const Operands& o, float* part, int64_t r0, int64_t b, int at, int blocks, int64_t g0, int64_t g1) {
+  if constexpr (C > 1)
+    if (blocks < C) return tile_blocks<R, C - 1>(o, part, r0, b, at, blocks, g0, g1);
+  tile<R, C>(o, part, r0, b, at, g0, g1);
+  if (blocks > C) tile_blocks<R>(o, part, r0, b + C, at + C, blocks - C, g0, g1);
 }
 
-// Each row count its own instance: loops over exactly the rows there are.
-void any_tile(const Operands& o, int64_t r0, int rows, int64_t b, int blocks, int64_t g0, int64_t g1) {
-  switch (rows) {
-    case 1: return tile_rows<1>(o, r0, b, blocks, g0, g1);
-    case 2: return tile_rows<2>(o, r0, b, blocks, g0, g1);
-    case 3: return tile_rows<3>(o, r0, b, blocks, g0, g1);
-  }
-  if constexpr (kRows == 6) {
-    switch (rows) {
-      case 4: return tile_rows<4>(o, r0, b, blocks, g0, g1);
-      case 5: return tile_rows<5>(o, r0, b, blocks, g0, g1);
-    }
-  }
-  tile_rows<kRows>(o, r0, b, blocks, g0, g1);
+template <int R = kRows>
+void any_tile(const Operands& o, float* part, int64_t r0, int rows, int64_t b, int blocks, int64_t g0, int64_t g1) {
+  if constexpr (R > 1)
+    if (rows < R) return any_tile<R - 1>(o, part, r0, rows, b, blocks, g0, g1);
+  tile_blocks<R>(o, part, r0, b, 0, blocks, g0, g1);
 }
 
 }  // namespace
@@ -144,18 +154,23 @@ void bf16_dot_into(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor
   TORCH_CHECK(K % 32 == 0 && w.size(1) == G, "input size must be a multiple of 32 matching the weight");
   check_output(y, M * N);
   auto xc = x.contiguous();
-  // One tile of rows reads all of K at once; more tiles share each chunk of K's weights while they are in L2.
-  const bool chunked = M > kRows && G > kChunkGroups;
-  torch::Tensor partial = chunked ? torch::empty({M, N}, x.options().dtype(torch::kFloat)) : torch::Tensor();
   const Operands o{(const uint16_t*)xc.data_ptr<at::BFloat16>(), (const uint16_t*)w.data_ptr<at::BFloat16>(),
-                   (uint16_t*)y.data_ptr<at::BFloat16>(), chunked ? partial.data_ptr<float>() : nullptr, M, K, N, G};
-  const int64_t chunk = chunked ? kChunkGroups : G;
+                   (uint16_t*)y.data_ptr<at::BFloat16>(), M, K, N, G};
+  // One tile of rows reads all of K at once.
+  const int64_t chunk = M > kRows ? kChunkGroups : G;
   speculant::Team::parallel_for(0, N / 16, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; b += kBlocks) {
-      const int blocks = (int)std::min<int64_t>(kBlocks, b1 - b);
-      for (int64_t g0 = 0; g0 < G; g0 += chunk)
+    // Partial sums between chunks, each run's rows side by side ([M, N] rows lay N apart, a page each): the
+    // thread's share of the output in fp32, kept from call to call as quantized.cpp's buffers are.
+    static thread_local std::vector<float> partial;
+    const int64_t run_floats = M * kBlocks * 16;
+    if (chunk < G) partial.resize(std::max<size_t>(partial.size(), (b1 - b0 + kBlocks - 1) / kBlocks * run_floats));
+    // Chunks of K outside, runs inside: a chunk of the rows' inputs stays in L2 for every run.
+    for (int64_t g0 = 0; g0 < G; g0 += chunk)
+      for (int64_t b = b0; b < b1; b += kBlocks) {
+        float* part = chunk < G ? partial.data() + (b - b0) / kBlocks * run_floats : nullptr;
         for (int64_t r0 = 0; r0 < M; r0 += kRows)
-          any_tile(o, r0, (int)std::min<int64_t>(kRows, M - r0), b, blocks, g0, std::min(G, g0 + chunk));
-    }
+          any_tile(o, part, r0, (int)std::min<int64_t>(kRows, M - r0), b, (int)std::min<int64_t>(kBlocks, b1 - b),
+                   g0, std::min(G, g0 + chunk));
+      }
   });
 }
