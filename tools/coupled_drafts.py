@@ -1,5 +1,5 @@
 """Acceptance of a draft model's drafts verified by the acceptance rule against drafts coupled with the
-target's draws (docs/lossless.md, "Seeded"): the bundled SmolLM2 GGUF with its shipped distilled draft (or
+target's draws (docs/lossless.md, "Seeded"): the bundled SmolLM2 GGUF with its distilled draft (made by train-draft) (or
 its own file requantized to Q4_0, a draft close to it), fixed k, a few chat and code prompts. Counts only
 (accepted / drafted, tokens a target pass), no timings.
 
@@ -18,14 +18,15 @@ from pathlib import Path
 import torch
 
 from speculant import sampling
+from speculant.bench.suite import MADE_DRAFTS_DIR
 from speculant.config import SamplingParams, SpeculativeConfig
-from speculant.defaults import SHIPPED
 from speculant.engine import Engine
 from speculant.models.loader import default_model_path, load_model
 from speculant.proposers import build_proposer
 from speculant.proposers.draft_model import DraftModelProposer
 from speculant.verify import TargetTokens
 
+DISTILLED = MADE_DRAFTS_DIR / "smollm2-135m-instruct" / "draft_model"
 PROMPTS = Path(sampling.__file__).parent / "data" / "prompts"
 
 
@@ -52,7 +53,7 @@ class CoupledDraft(DraftModelProposer):
 
 def run(target, verified: str, k: int, params: list[SamplingParams], rows: list[list[int]],
         p_chain: float, draft: str) -> tuple[Engine, list]:
-    spec = {"method": "draft_model", "model": str(SHIPPED / "draft_model"), "num_speculative_tokens": k,
+    spec = {"method": "draft_model", "model": str(DISTILLED), "num_speculative_tokens": k,
             "draft_p_chain": p_chain}
     if draft == "q4_0":  # the target's own file with its wider matrices as Q4_0: a draft close to the target
         spec |= {"model": str(default_model_path()), "draft_quantization": "q4_0"}
@@ -106,7 +107,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=2, help="of each kind (chat, code)")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--draft", choices=["distilled", "q4_0"], default="distilled",
-                        help="the shipped distilled draft, or the target's own file requantized to Q4_0")
+                        help="the distilled draft (made by train-draft), or the target's own file requantized to Q4_0")
     parser.add_argument("--p-chain", type=float, default=0.0, help="draft_p_chain (the default draft's: 0.7)")
     args = parser.parse_args()
     torch.set_num_threads(2)

@@ -1,6 +1,6 @@
 """A SmolLM2-135M-shaped model with random weights, as a Hugging Face folder: for timing where the real
-weights cannot travel (a pass costs the same whatever the weights' values). The tokenizer is the shipped
-draft model's (SmolLM2's own).
+weights cannot travel (a pass costs the same whatever the weights' values). The tokenizer is the bundled
+GGUF's (SmolLM2's own), as its conversion writes it.
 
     python tools/random_smollm2.py OUT_FOLDER
 """
@@ -12,7 +12,9 @@ from pathlib import Path
 import torch
 import transformers
 
-DRAFT = Path(__file__).resolve().parents[1] / "speculant/data/drafts/smollm2-135m-instruct/draft_model"
+from speculant.models.gguf import convert_gguf
+from speculant.models.loader import default_model_path
+
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
                     rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
@@ -23,5 +25,5 @@ torch.manual_seed(0)
 model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMOLLM2_135M))
 model.save_pretrained(out)
 for name in ("tokenizer.json", "tokenizer_config.json"):
-    shutil.copy(DRAFT / name, out / name)
+    shutil.copy(convert_gguf(default_model_path())[0] / name, out / name)
 print(f"{out}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
