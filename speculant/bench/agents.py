@@ -7,8 +7,10 @@ server after the other for each workload:
 
 - conversation: a 6-turn coding conversation, each call the whole conversation so far;
 - system: 5 calls sharing a ~660-token system prompt of tool descriptions, different questions;
-- concurrent: 4 clients × 3 requests at once, aggregate tokens/s (llama-server with -np 4);
-- long-prompt: 3 streams decode while a 4,000-token prompt arrives: their inter-token latency.
+- concurrent: 4 clients × 3 requests at once on a fresh server (no cost curve cached), aggregate tokens/s
+  (llama-server with -np 4), beside the engine's own batch-4 throughput on the same requests (`LLM.chat`);
+- long-prompt: 3 streams decode while a 4,000-token prompt arrives: the gaps between their steps while it is
+  prefilled, against their gaps before it arrived (chunked prefill, and one pass for the whole prompt).
 """
 
 from __future__ import annotations
@@ -39,50 +41,54 @@ START_S = 900  # a fresh machine builds the kernels and measures the cost curve 
 class Call:
     ttft_s: float
     total_s: float
-    tokens: int  # streamed content chunks (llama-server and speculant send about one per token)
+    tokens: int  # completion tokens as the usage says, else the streamed content chunks
     text: str
-    itl_s: list[float] = field(default_factory=list)  # gaps between chunks after the first
+    times: list[float] = field(default_factory=list)  # perf_counter() at each chunk
 
 
-def chat(url: str, messages: list[dict], max_tokens: int, model: str = "m") -> Call:
-    """One streaming chat completion, greedy."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+def chat(url: str, messages: list[dict], max_tokens: int, model: str = "m", **extra) -> Call:
+    """One streaming chat completion, greedy; `tokens` from the usage the server reports, else the chunks."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, **extra}
     req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     t0 = time.perf_counter()
-    first, last, text, gaps, n = None, None, [], [], 0
+    first, text, times, n, usage = None, [], [], 0, None
     with urllib.request.urlopen(req, timeout=1200) as r:
         for line in r:
             line = line.strip()
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
-            choices = json.loads(line[6:]).get("choices") or []
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            choices = chunk.get("choices") or []
             piece = choices[0].get("delta", {}).get("content") if choices else None
             if not piece:
                 continue
             now = time.perf_counter()
-            if first is None:
-                first = now
-            else:
-                gaps.append(now - last)
-            last = now
+            first = first or now
+            times.append(now)
             text.append(piece)
             n += 1
     end = time.perf_counter()
-    return Call((first or end) - t0, end - t0, n, "".join(text), gaps)
+    n = usage["completion_tokens"] if usage and usage.get("completion_tokens") else n
+    return Call((first or end) - t0, end - t0, n, "".join(text), times)
 
 
 class SpeculantServer:
     """`speculant serve` as a user starts it, on a free loopback port."""
 
-    def __init__(self, model: str, threads: int, n_ctx: int, extra: tuple[str, ...] = ()):
+    def __init__(self, model: str, threads: int, n_ctx: int, extra: tuple[str, ...] = (),
+                 env: dict | None = None):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile()
         cmd = [sys.executable, "-m", "speculant.cli", "serve", "--model", model, "--threads", str(threads),
                "--max-model-len", str(n_ctx), "--port", str(self.port), "--served-model-name", "m", *extra]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env)
         self._finalizer = weakref.finalize(self, _stop, self.proc)
+        self.started_s = time.perf_counter()
         deadline = time.monotonic() + START_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -90,6 +96,7 @@ class SpeculantServer:
                 raise RuntimeError(f"speculant serve exited: {self.log.read().decode()[-2000:]}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2):
+                    self.started_s = time.perf_counter() - self.started_s
                     return
             except OSError:
                 time.sleep(0.5)
@@ -143,27 +150,75 @@ def concurrent(url: str, questions: list[str], clients: int, per_client: int, ma
             "median_latency_s": statistics.median(c.total_s for c in calls)}
 
 
+def engine_batch(model: str, questions: list[str], batch: int, max_tokens: int, n_ctx: int, threads: int) -> dict:
+    """The engine's own throughput on the same requests, `batch` at a time, in this process (`LLM.chat`): what
+    the server's concurrent clients are held against."""
+    import torch
+
+    from speculant.config import SamplingParams
+    from speculant.llm import LLM
+
+    torch.set_num_threads(threads)
+    llm = LLM(model, max_batch_size=batch, max_model_len=n_ctx)
+    llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0, max_tokens=4))  # first passes
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    t0 = time.perf_counter()
+    outs = llm.chat([[{"role": "user", "content": q}] for q in questions], params)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall}
+
+
+def fresh_cache() -> dict:
+    """The environment of a freshly installed server: the cache holds the converted model files (a fresh
+    machine makes them once, before the server answers) but no measured cost curve."""
+    from speculant.models.gguf import cache_dir
+
+    real, fresh = cache_dir(None), Path(tempfile.mkdtemp(prefix="speculant-fresh-"))
+    for entry in real.iterdir() if real.is_dir() else []:
+        if entry.name != "cost_curves":
+            (fresh / entry.name).symlink_to(entry)
+    return {**os.environ, "SPECULANT_CACHE": str(fresh)}
+
+
+def step_spans(times: list[float], same_step_s: float = 0.002) -> list[tuple[float, float]]:
+    """(start, end) of the waits between the steps that sent tokens: a speculative step streams its accepted
+    tokens as chunks microseconds apart, which are one wait for the reader, not several."""
+    steps = [t for i, t in enumerate(times) if i == 0 or t - times[i - 1] > same_step_s]
+    return list(zip(steps, steps[1:]))
+
+
 def long_prompt(url: str, questions: list[str], filler: str, max_tokens: int) -> dict:
-    """3 streams decode; once they are under way a ~4,000-token prompt arrives. Their gaps between tokens
-    while it is prefilled, against their gaps before it arrives."""
+    """3 streams decode; once they are under way a ~4,000-token prompt arrives. The waits between their steps
+    while it is prefilled (from its arrival to its first token), against their waits before it arrived."""
     results: list[Call] = [None] * 3  # type: ignore[list-item]
     started = threading.Barrier(4)
 
     def stream(i: int) -> None:
         started.wait()
-        results[i] = chat(url, [{"role": "user", "content": questions[i]}], max_tokens)
+        # ignore_eos: the streams must outlast the long prompt's prefill for the comparison to mean anything.
+        results[i] = chat(url, [{"role": "user", "content": questions[i]}], max_tokens, ignore_eos=True)
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
     started.wait()
-    time.sleep(3.0)  # the streams are decoding
+    time.sleep(4.0)  # the streams are decoding
+    sent = time.perf_counter()
     arrival = chat(url, [{"role": "user", "content": filler + "\n\nSummarize the text above in one line."}], 8)
+    prefilled = sent + arrival.ttft_s
     for t in threads:
         t.join()
-    gaps = sorted(g for c in results for g in c.itl_s)
-    return {"itl_median_s": statistics.median(gaps), "itl_p99_s": gaps[int(0.99 * (len(gaps) - 1))],
-            "itl_max_s": gaps[-1], "long_prompt_ttft_s": arrival.ttft_s,
+    spans = [span for c in results for span in step_spans(c.times)]
+    alone = [b - a for a, b in spans if b < sent]
+    during = sorted(b - a for a, b in spans if b > sent and a < prefilled)
+    median_alone = statistics.median(alone)
+    p99 = during[int(0.99 * (len(during) - 1))] if during else float("nan")
+    return {"step_wait_alone_median_s": median_alone, "step_wait_during_p99_s": p99,
+            "step_wait_during_max_s": during[-1] if during else float("nan"),
+            "p99_during_over_median_alone": p99 / median_alone, "steps_during": len(during),
+            "long_prompt_ttft_s": arrival.ttft_s,
+            "streams_outlasted_prefill": all(c.times[-1] > prefilled for c in results),
             "stream_tokens": sum(c.tokens for c in results)}
 
 
@@ -226,8 +281,9 @@ def run(args: argparse.Namespace) -> dict:
                     "workloads": []}
     ours_cmd = tuple(args.serve_args.split())
 
-    def with_ours(fn, extra=()):
-        server = SpeculantServer(args.model, args.threads, args.ctx, ours_cmd + tuple(extra))
+    def with_ours(fn, extra=(), env=None):
+        server = SpeculantServer(args.model, args.threads, args.ctx, ours_cmd + tuple(extra), env)
+        print(f"  speculant serve answered after {server.started_s:.0f} s", file=sys.stderr, flush=True)
         try:
             return fn(server.url)
         finally:
@@ -244,11 +300,12 @@ def run(args: argparse.Namespace) -> dict:
             server.close()
 
     filler = long_filler()
+    concurrent_questions = (data["questions"] + data["conversation"])[:12]
     workloads = {
         "conversation": lambda url: conversation(url, data["conversation"], args.max_tokens),
         "system": lambda url: shared_system(url, data["system"], data["questions"], args.max_tokens),
-        "concurrent": lambda url: concurrent(url, data["questions"] + data["conversation"], 4, 3, 128),
-        "long-prompt": lambda url: long_prompt(url, data["questions"], filler, 160),
+        "concurrent": lambda url: concurrent(url, concurrent_questions, 4, 3, 128),
+        "long-prompt": lambda url: long_prompt(url, data["questions"], filler, 1024),
     }
     for w in args.workloads:
         print(f"workload {w} …", file=sys.stderr, flush=True)
@@ -257,7 +314,15 @@ def run(args: argparse.Namespace) -> dict:
             ours, theirs = with_ours(fn), with_theirs(fn)
             entry = summarize(w, ours, theirs) if theirs else {"workload": w, "ours": [asdict(c) for c in ours]}
         elif w == "concurrent":
-            entry = {"workload": w, "ours": with_ours(fn), "theirs_np4": with_theirs(fn, slots=4)}
+            entry = {"workload": w, "ours_fresh_server": with_ours(fn, env=fresh_cache()),
+                     "theirs_np4": with_theirs(fn, slots=4),
+                     "engine_batch4": engine_batch(args.model, concurrent_questions, 4, 128, args.ctx,
+                                                      args.threads)}
+            entry["ours_over_engine"] = entry["ours_fresh_server"]["tokens_per_s"] / entry["engine_batch4"][
+                "tokens_per_s"]
+            if entry["theirs_np4"]:
+                entry["ours_over_theirs"] = entry["ours_fresh_server"]["tokens_per_s"] / entry["theirs_np4"][
+                    "tokens_per_s"]
         else:
             entry = {"workload": w, "ours": with_ours(fn),
                      "ours_unchunked": with_ours(fn, ("--prefill-chunk", "100000"))}
