@@ -94,6 +94,8 @@ class AdaptiveK:
     model_drafted: bool = False  # the last step verified a model's drafts
     # Nodes a model's drafts bring beyond k (a draft tree's other first candidates): they widen the pass.
     extra_nodes: int = 0
+    # The same at each batch size (Proposer.extra_nodes_at); None: extra_nodes at all of them.
+    extra_at: Callable[[int], int] | None = None
     # The smallest batch whose drafts it chooses and whose steps it learns from: a smaller one drafts the fixed
     # k. With from_batch 2 a run that never batches never measures the curve (seconds on a 1.5B).
     from_batch: int = 1
@@ -215,7 +217,9 @@ class AdaptiveK:
         expected = {key: expected_tokens_upto([1.0] * self.k_max if key in optimistic else self.acceptance(key))
                     for key in set(buckets)}
         batch = len(buckets)
-        extra = self.extra_nodes if any(n and key == MODEL_BUCKET for key, n in zip(buckets, available)) else 0
+        extra = 0
+        if any(n and key == MODEL_BUCKET for key, n in zip(buckets, available)):
+            extra = self.extra_nodes if self.extra_at is None else self.extra_at(batch)
         scale = self.calibration(batch)
         fixed_share = min(self.costs.cost(1, 1) / self.costs.cost(batch, 1), 1.0)
         catch_up = None if remaining is None or batch == 1 else [max(remaining) / max(r, 1) for r in remaining]

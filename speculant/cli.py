@@ -95,9 +95,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="with a draft model or EAGLE head: verify prompt-lookup drafts where the text repeats "
                         "(free), the model's drafts elsewhere (\"lookup_first\": true)")
     s.add_argument("--tree-width", type=int, default=None,
-                   help="with an EAGLE head: verify a draft tree of k + N - 1 nodes in one pass, N children for "
-                        "each of the N likeliest nodes of a depth, the likeliest kept (\"tree_width\": N, "
-                        "default 1)")
+                   help="with an EAGLE head or a draft model: verify a draft tree of k + N - 1 nodes in one pass, N "
+                        "children for each of the N likeliest nodes of a depth, the likeliest kept (\"tree_width\": "
+                        "N, default 1; a draft model's: fewer nodes where the target's cost curve says so, chains "
+                        "in a batch)")
     s.add_argument("-k", "--num-speculative-tokens", type=int, default=None,
                    help="draft length k (default 4)")
     s.add_argument("--adaptive", action="store_true",
@@ -158,7 +159,8 @@ def _speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
         raise SpeculantError("--lookup-first puts prompt lookup ahead of a model's drafts: give --draft-model "
                              "PATH or --eagle PATH with it")
     if args.tree_width is not None:
-        raise SpeculantError("--tree-width is the width of an EAGLE head's draft tree: give --eagle PATH with it")
+        raise SpeculantError("--tree-width is the width of a draft tree: give --eagle PATH or --draft-model PATH "
+                             "with it")
     if args.ngram or args.num_speculative_tokens is not None:
         return SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": k, "adaptive": args.adaptive})
     # No flags: the bundled model speculates with its best measured proposer, adaptively (k per step,

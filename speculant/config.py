@@ -140,9 +140,10 @@ class SpeculativeConfig:
     # Our extension, for draft_model and eagle: where prompt lookup finds a match (prompt_lookup_min
     # to _max tokens) its drafts are verified instead, free; the model drafts the other steps.
     lookup_first: bool = False
-    # Our extension, for eagle: the drafts are a tree of num_speculative_tokens + tree_width - 1 nodes at
-    # most num_speculative_tokens deep, grown where the head is confident (proposers/draft_tree.py) and
-    # verified in one pass.
+    # Our extension, for eagle and draft_model: the drafts are a tree of num_speculative_tokens + tree_width - 1
+    # nodes at most num_speculative_tokens deep, grown where the drafter is confident (proposers/draft_tree.py)
+    # and verified in one pass (a draft model's: fewer where the target's cost curve says so, and chains in a
+    # batch; proposers/draft_model_tree.py).
     tree_width: int = 1
     # Our extension, for ngram and lookup_first: a corpus table (proposers/corpus.py, a file or its folder)
     # whose drafts are verified where prompt lookup matches fewer than 2 tokens.
@@ -242,8 +243,8 @@ CHECKS: tuple[tuple[Callable[[SpeculativeConfig], bool], Callable[[SpeculativeCo
      lambda c: "lookup_first puts prompt lookup ahead of a model's drafts; it needs method draft_model or eagle"),
     (lambda c: _is_int(c.tree_width) and 1 <= c.tree_width <= MAX_TREE_WIDTH,
      lambda c: f"tree_width={c.tree_width!r} is out of range [1, {MAX_TREE_WIDTH}]"),
-    (lambda c: c.tree_width == 1 or c.method == "eagle",
-     lambda c: "tree_width (a draft tree) needs method eagle"),
+    (lambda c: c.tree_width == 1 or c.method in ("eagle", "draft_model"),
+     lambda c: "tree_width (a draft tree) needs method eagle or draft_model"),
     (lambda c: c.num_speculative_tokens + c.tree_width - 1 <= MAX_SPECULATIVE_TOKENS,
      lambda c: f"num_speculative_tokens + tree_width - 1 = {c.num_speculative_tokens + c.tree_width - 1} drafts "
                f"a step; at most {MAX_SPECULATIVE_TOKENS}"),

@@ -97,7 +97,7 @@ def engine_for(target: LoadedModel, spec: SpeculativeConfig | None, max_batch_si
 
         batched = spec.adaptive == ADAPTIVE_BATCHED
         adaptive = AdaptiveK(None if batched else load_curve(), k, extra_nodes=extra, from_batch=2 if batched else 1,
-                             load_curve=load_curve)
+                             load_curve=load_curve, extra_at=proposer.extra_nodes_at)
     return Engine(target, proposer, k, max_batch_size, max_model_len, adaptive=adaptive,
                   prefix_cache_bytes=prefix_cache_bytes)
 

@@ -27,6 +27,19 @@ def build_proposer(cfg: SpeculativeConfig, target: LoadedModel, max_batch_size: 
                            quantization=target.quantization, requantize_q4_0=cfg.draft_quantization == "q4_0")
         check_vocab(target, draft)
         warn_if_not_cheaper(target, draft)
+        if cfg.tree_width > 1:
+            from speculant.adaptive import cost_curve_for
+            from speculant.proposers.draft_model_tree import DraftModelTreeProposer
+
+            k = cfg.num_speculative_tokens
+
+            def costs():
+                # The curve adaptive k reads (llm.engine_for), the same file in the cache: measured once.
+                return cost_curve_for(target.model, max_batch_size, k + cfg.tree_width)
+
+            return DraftModelTreeProposer(draft, target.config.vocab_size, max_batch_size, max_len,
+                                          cfg.draft_vocab_size, cfg.draft_p_min, cfg.draft_p_chain, cfg.tree_width,
+                                          k, costs)
         return DraftModelProposer(draft, target.config.vocab_size, max_batch_size, max_len, cfg.draft_vocab_size,
                                   cfg.draft_p_min, cfg.draft_p_chain)
     if cfg.method == "eagle":

@@ -158,6 +158,11 @@ class Proposer:
     # Drafts a row may get beyond the k asked for: a tree's other candidates (they add width, not depth).
     extra_nodes = 0
 
+    def extra_nodes_at(self, batch_size: int) -> int:
+        """The drafts beyond k a row brings to a pass of this batch size (a proposer may draft trees for a
+        sequence alone, chains in a batch)."""
+        return self.extra_nodes
+
     def add(self, seq: Sequence) -> None:
         """A sequence joins the running batch."""
 

@@ -135,12 +135,13 @@ class DraftModelProposer(Proposer):
                 return Proposal.empty(len(seqs), device)
             sub = self.propose([seqs[b] for b in rows], [ks[b] for b in rows], sb.select(rows))
             return sub.placed(rows, len(seqs))
+        return self.draft_chain(seqs, ks, sb)
+
+    def draft_chain(self, seqs: list[Sequence], ks: list[int], sb: SamplingBatch) -> Proposal:
+        """Up to ks[b] > 0 drafts for every row b, one draft pass a position."""
+        device = self.model.device
         slots = torch.tensor([self.slot[s.request_id] for s in seqs], device=device)
-        # Catch up on what the draft has not seen yet: the verifier's last tokens.
-        unseen = [s.tokens[self.fed[s.request_id]:] for s in seqs]
-        hidden = self._feed(seqs, unseen)
-        last = torch.tensor([len(u) - 1 for u in unseen], device=device)
-        hidden = hidden[torch.arange(len(seqs), device=device), last][:, None]  # [B, 1, D]
+        hidden = self.catch_up(seqs)
         n_draft = list(ks)
         drafts, qs, fed = [], [], 0
         chain = torch.ones(len(seqs), device=device)  # the draft's probability of the drafts drawn so far
@@ -169,6 +170,15 @@ class DraftModelProposer(Proposer):
             return Proposal.empty(len(seqs), device)
         q = None if qs[0] is None else torch.stack(qs, dim=1)  # None from draw: deterministic drafts
         return Proposal(torch.stack(drafts, dim=1), torch.tensor(n_draft, device=device), q)
+
+    def catch_up(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Feed each row what the draft has not seen yet (the verifier's last tokens) → the final hidden
+        state of each row's newest token [B, 1, D]."""
+        device = self.model.device
+        unseen = [s.tokens[self.fed[s.request_id]:] for s in seqs]
+        hidden = self._feed(seqs, unseen)
+        last = torch.tensor([len(u) - 1 for u in unseen], device=device)
+        return hidden[torch.arange(len(seqs), device=device), last][:, None]
 
     def stop_unsure(self, confidence: torch.Tensor, n_draft: list[int], i: int) -> list[int]:
         """Rows whose draft gives its likeliest token at position i less than p_min draft i tokens at most.

@@ -30,6 +30,9 @@ class LookupFirstProposer(Proposer):
         self.name = "+".join((method, "lookup", *behind, *options))  # as SpeculativeConfig.proposer names it
         self.extra_nodes = model.extra_nodes
 
+    def extra_nodes_at(self, batch_size: int) -> int:
+        return self.model.extra_nodes_at(batch_size)
+
     def add(self, seq: Sequence) -> None:
         self.model.add(seq)
 
