@@ -70,7 +70,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="recompute every prompt whole")
     c.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                    help=f"the most prompt tokens a pass feeds (default {DEFAULT_PREFILL_CHUNK}; beside decoding, "
-                        "about one decode step's worth)")
+                        "about one decode step's worth); 0: every prompt in one pass, running streams wait")
     s = p.add_argument_group("speculation")
     s.add_argument("--speculative-config", default=None,
                    help='JSON object or a JSON/YAML file, as vLLM: \'{"method": "ngram", '
@@ -175,8 +175,8 @@ def engine_from_args(args: argparse.Namespace):
 
     if args.prefix_cache_gb is not None and args.prefix_cache_gb < 0:
         raise SpeculantError(f"--prefix-cache-gb must be at least 0, got {args.prefix_cache_gb:g}")
-    if args.prefill_chunk < 1:
-        raise SpeculantError(f"--prefill-chunk must be at least 1, got {args.prefill_chunk}")
+    if args.prefill_chunk < 0:
+        raise SpeculantError(f"--prefill-chunk must be at least 0 (0: no chunks), got {args.prefill_chunk}")
     cache_bytes = None if args.prefix_cache_gb is None else int(args.prefix_cache_gb * 2**30)
     return build_engine(args.model, args.dtype, args.device, speculative_config_from_args(args),
                         args.max_batch_size, args.max_model_len, args.quantization,

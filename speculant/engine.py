@@ -124,7 +124,7 @@ class Engine:
     log_interval_s: float = 10.0
     adaptive: AdaptiveK | None = None  # choose k per step; None: always num_speculative_tokens
     prefix_cache_bytes: int = 0  # keys and values kept for later requests (prefix_cache.py); 0: none
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # the most prompt tokens a pass feeds (scheduler.py)
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # the most prompt tokens a pass feeds (scheduler.py); 0: all
     stats: SpecStats = field(default_factory=SpecStats)
     timing: EngineTiming = field(default_factory=EngineTiming)
 
@@ -501,7 +501,11 @@ class Engine:
     def _prefill_chunks(self) -> None:
         """Feed this step's prompt chunks; sequences whose prompt is all in join the running batch."""
         decoding = bool(self.running)
-        for group, n in plan_chunks(self.prefilling, self.chunk_sizer.size(decoding, self.prefill_chunk), decoding):
+        if self.prefill_chunk == 0:  # no chunks: each prompt in one pass while the running streams wait
+            chunk, decoding = self.max_model_len, False
+        else:
+            chunk = self.chunk_sizer.size(decoding, self.prefill_chunk)
+        for group, n in plan_chunks(self.prefilling, chunk, decoding):
             if group.lead.finished:  # an earlier chunk of its prompt failed
                 continue
             try:

@@ -96,3 +96,16 @@ def test_a_chunk_beside_decoding_costs_about_one_step():
     sizer.observe_step(0.0)
     sizer.step_s = 0.01  # steps far cheaper than any chunk: the smallest chunk still moves the prompt on
     assert sizer.size(decoding=True, max_chunk=512) == 4
+
+
+def test_without_chunks_a_prompt_arriving_is_fed_whole_in_one_step(target):
+    """--prefill-chunk 0, what the engine did before chunks (kept for comparison): the streams wait once."""
+    engine = Engine(target, max_batch_size=4, max_model_len=256)
+    engine.prefill_chunk = 0
+    running = engine.add_request([5, 6, 7], GREEDY)
+    engine.step()
+    long = engine.add_request([3 + i % 90 for i in range(100)], GREEDY)
+    engine.step()
+    assert long in engine.running and long.num_cached >= 99 and running.output_ids
+    engine.generate([running, long])
+    assert long.output_ids == alone(target, long.prompt_ids)

@@ -325,7 +325,7 @@ def run(args: argparse.Namespace) -> dict:
                     "tokens_per_s"]
         else:
             entry = {"workload": w, "ours": with_ours(fn),
-                     "ours_unchunked": with_ours(fn, ("--prefill-chunk", "100000"))}
+                     "ours_unchunked": with_ours(fn, ("--prefill-chunk", "0"))}
         report["workloads"].append(entry)
         print(json.dumps(entry, default=str), file=sys.stderr, flush=True)
     if args.out:
