@@ -140,7 +140,7 @@ class DraftModelTreeProposer(DraftModelProposer):
         self.add_children(trees, [[-1] for _ in trees], hidden)
         while any(grown := [self.to_grow(tree) for tree in trees]):
             self.grow(trees, grown, slots, real)
-        self.cache.lengths[slots] = real  # the branches' entries were guesses
+        self.forget_branches(seqs, slots, real)
         probs = [sorted((math.exp(s) for s in tree.scores), reverse=True) for tree in trees]
         n = self.size.choose(probs, batch_size, time.perf_counter() - t0)
         for tree, s, p in zip(trees, seqs, probs):
@@ -150,6 +150,11 @@ class DraftModelTreeProposer(DraftModelProposer):
         proposal = Proposal.from_lists(list(drafts), device)
         proposal.parents = [chain_padded(p, proposal.tokens.shape[1]) for p in parents]
         return proposal
+
+    def forget_branches(self, seqs: list[Sequence], slots: torch.Tensor, real: torch.Tensor) -> None:
+        """Back to the entries of the sequences' own tokens: the branches' were guesses, and the pass that grew
+        them holds any branch's keys, not the one the verifier keeps (it is fed at the next step)."""
+        self.cache.lengths[slots] = real
 
     def to_grow(self, tree: DraftTree) -> list[int]:
         """The frontier of the newest depth (DraftTree.frontier), those nodes whose branch the draft gives at
