@@ -45,9 +45,10 @@ def random_call(gen, B, T, H, Hkv, D, first, S):
 
 
 # (B, T, Hq, Hkv, D, keys before the pass, cache length): SmolLM2's heads; a key count on a tile edge, the
-# cache ending inside a key block; 24 rows (two row blocks); head size 128; a row block mixing positions.
+# cache ending inside a key block; 24 rows (two row blocks); head size 128; a row block mixing positions; a
+# prompt chunk of 40 tokens × 6 heads a key head (tasks of several tokens, ragged key counts).
 SHAPES = [(1, 1, 9, 3, 64, 300, 400), (1, 8, 9, 3, 64, 31, 64), (2, 5, 9, 3, 64, 37, 45),
-          (1, 6, 4, 2, 128, 100, 120), (1, 7, 32, 8, 64, 15, 40)]
+          (1, 6, 4, 2, 128, 100, 120), (1, 7, 32, 8, 64, 15, 40), (2, 40, 12, 2, 128, 500, 560)]
 
 
 @pytest.mark.parametrize("amx", KERNELS)
