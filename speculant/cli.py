@@ -228,11 +228,21 @@ def report_run(m: dict, engine, load_s: float) -> None:
         lines.append(f"speculation: {engine.proposer.name}, k={engine.k} | drafted {m['num_draft_tokens']} | "
                      f"accepted {m['num_accepted_tokens']} ({100 * (m['acceptance_rate'] or 0):.1f}%) | "
                      f"mean acceptance length {m['mean_acceptance_length'] or 0:.2f} | "
-                     f"target passes {m['target_passes']} | per-position {per_pos}")
+                     f"target passes {m['target_passes']} | per-position {per_pos}"
+                     + tree_stats(engine.timing, m, engine.proposer.name))
     t = engine.timing
     lines.append(f"time: draft {t.draft_s:.2f}s, target {t.target_s:.2f}s, rest {t.other_s:.2f}s"
                  + (f" | {cost_split(t, m['num_draft_tokens'])}" if engine.k else ""))
     print("\n".join(lines), file=sys.stderr)
+
+
+def tree_stats(t, m: dict, proposer: str) -> str:
+    """Draft trees: the nodes a drafting pass verified (its width − 1) and the drafts it kept, on average."""
+    widened = {w: n for w, (n, _) in t.passes.items() if w > 1}
+    if "tree" not in proposer.split("+") or not m["num_drafts"] or not widened:
+        return ""
+    nodes = sum((w - 1) * n for w, n in widened.items()) / sum(widened.values())
+    return f" | nodes verified per pass {nodes:.2f}, accepted per pass {m['num_accepted_tokens'] / m['num_drafts']:.2f}"
 
 
 def cost_split(t, draft_tokens: int) -> str:

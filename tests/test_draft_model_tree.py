@@ -387,3 +387,14 @@ def test_tree_width_for_a_draft_model():
     args = build_parser().parse_args(["generate", "hi", "--draft-model", "/d", "--tree-width", "3"])
     cfg = speculative_config_from_args(args)
     assert (cfg.method, cfg.tree_width, cfg.lookup_first) == ("draft_model", 3, True)
+
+
+def test_generate_reports_nodes_and_accepted_drafts_per_pass():
+    from speculant.cli import tree_stats
+    from speculant.engine import EngineTiming
+
+    timing = EngineTiming(passes={1: [2, 0.1], 4: [3, 0.3], 6: [1, 0.1]})  # 3 passes of 3 nodes, 1 of 5
+    m = {"num_drafts": 4, "num_accepted_tokens": 6}
+    assert tree_stats(timing, m, "draft_model+lookup+tree") == (" | nodes verified per pass 3.50, accepted per "
+                                                                  "pass 1.50")
+    assert tree_stats(timing, m, "draft_model+lookup") == ""

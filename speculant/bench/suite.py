@@ -48,7 +48,8 @@ from speculant.proposers.corpus import FILE as CORPUS_FILE
 from speculant.speedup import CostCurve, measure_cost_curve
 
 PROPOSERS = ("ngram", "ngram+corpus", "ngram+history", "ngram+corpus+history", "draft_model", "eagle",
-             "draft_model+lookup", "eagle+lookup", "eagle+tree", "eagle+lookup+tree", "eagle+lookup+corpus+tree")
+             "draft_model+lookup", "draft_model+tree", "draft_model+lookup+tree", "eagle+lookup", "eagle+tree",
+             "eagle+lookup+tree", "eagle+lookup+corpus+tree")
 # The +history proposers' answer history (proposers/history.py): ~220 MB at most.
 HISTORY_TOKENS = 1_000_000
 DEFAULT_PROPOSERS = ("ngram", "ngram+corpus", "draft_model", "eagle")
