@@ -125,6 +125,7 @@ class Engine:
     adaptive: AdaptiveK | None = None  # choose k per step; None: always num_speculative_tokens
     prefix_cache_bytes: int = 0  # keys and values kept for later requests (prefix_cache.py); 0: none
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # the most prompt tokens a pass feeds (scheduler.py); 0: all
+    first_token_alone: bool = True  # a request's first step drafts nothing (_k_for)
     stats: SpecStats = field(default_factory=SpecStats)
     timing: EngineTiming = field(default_factory=EngineTiming)
 
@@ -474,7 +475,11 @@ class Engine:
     # -- helpers ----------------------------------------------------------------------------
 
     def _k_for(self, seq: Sequence, k: int) -> int:
-        # A step yields accepted + 1 tokens: never draft past max_tokens.
+        # The first token is what a caller waits on: it comes from a pass over the prompt's last token alone,
+        # before the proposer has caught up on the prompt. A step yields accepted + 1 tokens: never draft past
+        # max_tokens.
+        if self.first_token_alone and seq.num_generated == 0:
+            return 0
         return max(0, min(k, seq.max_tokens - seq.num_generated - 1))
 
     def _admit(self) -> None:
@@ -545,11 +550,12 @@ class Engine:
             tokens, n_new = pad_rows([lead.tokens[start:start + n]], self.device)
             hidden = self.model(tokens, self.cache, torch.tensor([lead.slot], device=self.device), n_new)
             lead.num_cached += n
-            self.chunk_sizer.observe_chunk(n, time.perf_counter() - t0)
         group.started = True
         if self.proposer is not None:
             k = len(seqs)
             self.proposer.prefill(seqs, TargetHidden(hidden.expand(k, -1, -1), [start] * k, [n] * k))
+        # What the running streams wait for: the draft's share of the chunk too.
+        self.chunk_sizer.observe_chunk(n, time.perf_counter() - t0)
         self.timing.target_s += time.perf_counter() - t0
 
     def _append(self, seq: Sequence, new_ids: list[int], logprobs: list[TokenLogprob] | None) -> StepOutput:

@@ -48,16 +48,18 @@ class ChunkSizer:
         return max(min(MIN_CHUNK, max_chunk), min(max_chunk, int((self.step_s - fixed) / per_token)))
 
     def fit(self) -> tuple[float, float] | None:
-        """Least squares (fixed, per_token) over the recent chunks; None until two sizes were timed."""
+        """Least squares (fixed, per_token) over the recent chunks; None until a chunk was timed. Chunks of one
+        size (the smallest, once the prompt's keys make every token dear) give no slope: their whole cost is
+        taken as per token, which only errs towards smaller chunks."""
         n = len(self.chunks)
+        if n == 0:
+            return None
         xs, ys = [c[0] for c in self.chunks], [c[1] for c in self.chunks]
-        mx, my = sum(xs) / max(n, 1), sum(ys) / max(n, 1)
+        mx, my = sum(xs) / n, sum(ys) / n
         var = sum((x - mx) ** 2 for x in xs)
-        if n < 2 or var == 0:
-            return None
-        per_token = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
+        per_token = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
         if per_token <= 0:
-            return None
+            return 0.0, my / mx
         return max(0.0, my - per_token * mx), per_token
 
 

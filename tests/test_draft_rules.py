@@ -104,7 +104,8 @@ def small(small_vocab_pair):
 def rule_engine(models, proposer_cls=DraftModelProposer, **rule) -> Engine:
     target, draft = models
     proposer = proposer_cls(draft, target.config.vocab_size, BATCH, 64, **rule)
-    return Engine(target, proposer, 3, max_batch_size=BATCH, max_model_len=32)
+    # Drafts from the first token on: with 3 tokens a sample, the rules at draft positions 1 and 2 need them.
+    return Engine(target, proposer, 3, max_batch_size=BATCH, max_model_len=32, first_token_alone=False)
 
 
 # At P_CHAIN with the small vocabulary the chain ends where p_min does: "all" takes a bound that ends it elsewhere.

@@ -179,7 +179,7 @@ def test_sampled_lookup_rows_are_coupled(small):
     assert int(out.n_draft[0]) and out.by_rule == [False, True]
     assert out.q[1].sum(-1).allclose(torch.ones(2))
     fed = engine.proposer.model.fed
-    assert fed[seq.request_id] == len(seq.tokens) - 1  # the prompt from prefill, nothing drafted
+    assert fed[seq.request_id] == 0  # the prompt's last chunk waits for the model's first draft, none yet
     assert fed[other.request_id] == len(other.tokens) + 1  # its last token, then its first draft
 
 

@@ -109,3 +109,23 @@ def test_without_chunks_a_prompt_arriving_is_fed_whole_in_one_step(target):
     assert long in engine.running and long.num_cached >= 99 and running.output_ids
     engine.generate([running, long])
     assert long.output_ids == alone(target, long.prompt_ids)
+
+
+def test_the_first_token_does_not_wait_for_the_draft_model(tiny_pair):
+    """The prompt's last chunk goes through the target alone and the first step drafts nothing: a draft model
+    catches up on the prompt at its first draft, after the first token. The answer is plain decoding's."""
+    from speculant.config import SpeculativeConfig
+    from speculant.proposers import build_proposer
+
+    target = load_model(tiny_pair[0], dtype="float32")
+    cfg = SpeculativeConfig.parse({"method": "draft_model", "model": str(tiny_pair[1]), "num_speculative_tokens": 4})
+    engine = Engine(target, build_proposer(cfg, target, 2, 256 + 5), 4, max_batch_size=2, max_model_len=256)
+    prompt = [3 + i % 90 for i in range(30)]
+    seq = engine.add_request(prompt, GREEDY)
+    engine.step()
+    assert len(seq.output_ids) == 1 and engine.stats.num_draft_tokens == 0
+    assert engine.proposer.fed[seq.request_id] == 0
+    engine.step()
+    assert engine.stats.num_draft_tokens > 0 and engine.proposer.fed[seq.request_id] >= len(prompt)
+    engine.generate([seq])
+    assert seq.output_ids == alone(target, prompt)

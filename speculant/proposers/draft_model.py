@@ -111,8 +111,11 @@ class DraftModelProposer(Proposer):
 
     def prefill(self, seqs: list[Sequence], target: TargetHidden) -> None:
         """Feed each sequence's prompt up to the end of the target's chunk, from where its draft row is (its
-        own cached prefix may be shorter or longer than the target's)."""
-        rows = [s.tokens[self.fed[s.request_id]:start + n] for s, start, n in zip(seqs, target.start, target.n_valid)]
+        own cached prefix may be shorter or longer than the target's). The chunk that ends the prompt is left
+        to the first draft (catch_up): the first token does not wait for the draft, whose row may also lag by
+        the answer before (tokens that prompt lookup drafted)."""
+        rows = [s.tokens[self.fed[s.request_id]:start + n] if start + n < len(s.tokens) - 1 else []
+                for s, start, n in zip(seqs, target.start, target.n_valid)]
         fed = [(s, r) for s, r in zip(seqs, rows) if r]
         if fed:
             self._feed([s for s, _ in fed], [r for _, r in fed])
