@@ -32,14 +32,12 @@ def build_proposer(cfg: SpeculativeConfig, target: LoadedModel, max_batch_size: 
             from speculant.proposers.draft_model_tree import DraftModelTreeProposer
 
             k = cfg.num_speculative_tokens
-
-            def costs():
-                # The curve adaptive k reads (llm.engine_for), the same file in the cache: measured once.
-                return cost_curve_for(target.model, max_batch_size, k + cfg.tree_width)
-
+            # The curve adaptive k reads (llm.engine_for: the same file in the cache), measured now if it is not
+            # cached: a sequence alone needs it at its first step, and a first step is timed.
+            curve = cost_curve_for(target.model, max_batch_size, k + cfg.tree_width)
             return DraftModelTreeProposer(draft, target.config.vocab_size, max_batch_size, max_len,
                                           cfg.draft_vocab_size, cfg.draft_p_min, cfg.draft_p_chain, cfg.tree_width,
-                                          k, costs)
+                                          k, lambda: curve)
         return DraftModelProposer(draft, target.config.vocab_size, max_batch_size, max_len, cfg.draft_vocab_size,
                                   cfg.draft_p_min, cfg.draft_p_chain)
     if cfg.method == "eagle":

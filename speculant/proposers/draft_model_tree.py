@@ -141,7 +141,7 @@ class DraftModelTreeProposer(DraftModelProposer):
         while any(grown := [self.to_grow(tree) for tree in trees]):
             self.grow(trees, grown, slots, real)
         self.forget_branches(seqs, slots, real)
-        probs = [sorted((math.exp(s) for s in tree.scores), reverse=True) for tree in trees]
+        probs = [sorted((math.exp(s) for s in tree.scores), reverse=True)[:tree.budget] for tree in trees]
         n = self.size.choose(probs, batch_size, time.perf_counter() - t0)
         for tree, s, p in zip(trees, seqs, probs):
             tree.budget = min(tree.budget, n)
