@@ -1,5 +1,5 @@
-"""The native bf16 attention kernels (csrc/attention.cpp, the vector one; csrc/attention_amx.cpp, the AMX
-one): close to an fp32 reference, and each row's bits independent of the call it is in: a verify pass row
+"""The native attention kernels (csrc/attention.cpp, the vector one, bf16 and fp32; csrc/attention_amx.cpp, the
+AMX one, bf16): close to an fp32 reference, and each row's bits independent of the call it is in: a verify pass row
 equals the row alone, a draft tree's node equals its branch laid out and decoded alone. These are the
 properties bf16 speculation's exactness rests on (test_models, test_tree check them end to end)."""
 
@@ -12,11 +12,16 @@ pytestmark = pytest.mark.skipif(not native.attention_usable(64),
                                 reason="the native attention kernel does not run here (no AVX2, or no compiler)")
 
 KERNELS = [pytest.param(False, id="vector"),
-           pytest.param(True, id="amx", marks=pytest.mark.skipif(not native.amx(), reason="this CPU has no AMX"))]
+           pytest.param(True, id="amx", marks=pytest.mark.skipif(not native.amx(), reason="this CPU has no AMX")),
+           pytest.param("fp32", id="vector-fp32")]
+TOLERANCE = {False: 0.02, True: 0.02, "fp32": 1e-4}  # bf16 output of values ~N(0, 1): a few bf16 steps
 
 
 def attend(q, keys, values, n_keys, tree=None, amx=True):
-    return native.kernels().attention(q, keys, values, n_keys, q.shape[-1] ** -0.5, None, tree, amx)
+    """amx "fp32": the vector kernel on fp32 copies of the bf16 inputs."""
+    if amx == "fp32":
+        q, keys, values = q.float(), keys.float(), values.float()
+    return native.kernels().attention(q, keys, values, n_keys, q.shape[-1] ** -0.5, None, tree, amx is True)
 
 
 def reference(q, keys, values, n_keys, tree=None):
@@ -57,8 +62,7 @@ def test_attention_is_close_to_fp32_and_a_row_scores_as_alone(shape, amx):
     B, T, H, Hkv, D, first, S = shape
     q, keys, values, n_keys = random_call(torch.Generator().manual_seed(sum(shape)), *shape)
     out = attend(q, keys, values, n_keys, amx=amx)
-    # bf16 output of values ~N(0, 1): a few bf16 steps
-    assert (out.float() - reference(q, keys, values, n_keys)).abs().max() < 0.02
+    assert (out.float() - reference(q, keys, values, n_keys)).abs().max() < TOLERANCE[amx]
     for t in range(T):
         alone = attend(q[:, t:t + 1], keys, values, n_keys[:, t:t + 1], amx=amx)
         assert torch.equal(alone[:, 0], out[:, t]), f"row {t}"
@@ -77,7 +81,7 @@ def test_a_tree_node_attends_as_its_branch_decoded_alone(first, amx):
     q, keys, values, n_keys = random_call(torch.Generator().manual_seed(first), 1, T, 9, 3, 64, first, first + 16)
     tree = torch.tensor([bits])
     out = attend(q, keys, values, n_keys, tree, amx=amx)
-    assert (out.float() - reference(q, keys, values, n_keys, tree)).abs().max() < 0.02
+    assert (out.float() - reference(q, keys, values, n_keys, tree)).abs().max() < TOLERANCE[amx]
     for t in range(T):
         branch = [t]
         while parents[branch[-1]] >= 0:

@@ -213,9 +213,10 @@ class Rope:
 
 
 def native_attention_usable(dtype: torch.dtype, window: int | None, device: torch.device, head_dim: int) -> bool:
-    """Whether a verify-width pass attends on the native kernel (each row over exactly its keys): bf16 on CPU,
-    no sliding window, a head size the kernel takes."""
-    return dtype == torch.bfloat16 and window is None and device.type == "cpu" and native.attention_usable(head_dim)
+    """Whether a pass attends on the native kernel (each row over exactly its keys): bf16 or fp32 on CPU, no
+    sliding window, a head size the kernel takes."""
+    return (dtype in (torch.bfloat16, torch.float32) and window is None and device.type == "cpu"
+            and native.attention_usable(head_dim))
 
 
 def prepare_pass(cache: KVCache, slots: torch.Tensor, T: int, n_new: torch.Tensor | None, rope: Rope,

@@ -271,7 +271,7 @@ def attention_usable(head_dim: int) -> bool:
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n_keys: torch.Tensor,
               tree: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, T, Hq, D] (a strided view will do), keys/values [B, Hkv, S, D] bf16, n_keys [B, T]: row (b, t)
+    """q [B, T, Hq, D] (a strided view will do), keys/values [B, Hkv, S, D] bf16 or fp32, n_keys [B, T]: row (b, t)
     attends to the first n_keys[b, t] keys (a draft tree's, `tree`: see llama.Pass) → [B, T, Hq, D], scaled
     by 1/√D as scaled_dot_product_attention does; on the AMX kernel where the CPU has AMX."""
     return kernels().attention(q, keys, values, n_keys, q.shape[-1] ** -0.5, tree=tree)

@@ -9,7 +9,7 @@
 namespace speculant {
 
 struct AttentionArgs {
-  const uint16_t *q, *k, *v;
+  const uint16_t *q, *k, *v;  // bf16; an fp32 call's floats, reinterpreted (attention.cpp)
   uint16_t* out;  // [B, T, Hq, D]
   const int64_t *n_keys, *slots, *tree;  // [B, T], [B], [B, T] or null
   int64_t B, T, Hq, Hkv, D, S;
