@@ -41,6 +41,9 @@ class ServerMetrics:
         def counter(name: str, doc: str) -> Counter:
             return Counter(f"speculant:{name}", doc, label, registry=r).labels(model_name)
 
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"speculant:{name}", doc, label, registry=r).labels(model_name)
+
         self.num_drafts = counter("spec_decode_num_drafts", "Verify steps that checked drafts.")
         self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
         self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
@@ -51,10 +54,8 @@ class ServerMetrics:
                                        label + ["finished_reason"], registry=r)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted sequences.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
-        self.running = Gauge("speculant:num_requests_running", "Sequences in the running batch.",
-                             label, registry=r).labels(model_name)
-        self.waiting = Gauge("speculant:num_requests_waiting", "Sequences waiting for a batch slot.",
-                             label, registry=r).labels(model_name)
+        self.running = gauge("num_requests_running", "Sequences in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Sequences waiting for a batch slot.")
         self.ttft = Histogram("speculant:time_to_first_token_seconds", "Request arrival to first token.",
                               label, buckets=TTFT_BUCKETS, registry=r).labels(model_name)
         self.itl = Histogram("speculant:inter_token_latency_seconds", "Time per token after the first.",
@@ -63,12 +64,9 @@ class ServerMetrics:
                              label, buckets=E2E_BUCKETS, registry=r).labels(model_name)
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed).")
-        self.prefix_hit_rate = Gauge("speculant:prefix_cache_hit_rate", "Prompt tokens found / looked up, so far.",
-                                     label, registry=r).labels(model_name)
-        self.prefix_cached = Gauge("speculant:prefix_cache_cached_tokens", "Tokens the prefix cache holds.",
-                                   label, registry=r).labels(model_name)
-        self.prefix_bytes = Gauge("speculant:prefix_cache_bytes", "Bytes of keys and values it holds.",
-                                  label, registry=r).labels(model_name)
+        self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prompt tokens found / looked up, so far.")
+        self.prefix_cached = gauge("prefix_cache_cached_tokens", "Tokens the prefix cache holds.")
+        self.prefix_bytes = gauge("prefix_cache_bytes", "Bytes of keys and values it holds.")
         self._prefix_seen = (0, 0)
         self.batch_size = Histogram("speculant:iteration_batch_size", "Sequences decoded in one step.",
                                     label, buckets=BATCH_BUCKETS, registry=r).labels(model_name)
