@@ -36,6 +36,9 @@ constexpr int64_t kChunk = 256;  // inputs a chunk of K when rows come in severa
 // One tile of rows: chunks of 8 inputs across all of a thread's columns, W' streaming row by row as it lies in
 // memory (as fast as MKL's, where chunks of 64 were 0.65× and all of K at once 0.5×, one row, 1.5B shapes).
 constexpr int64_t kDecodeChunk = 8;
+// One row streams W' as it lies (a decode pass's head is fastest so); more rows take it in runs of a tile's
+// columns, chunk by chunk of K, which reuses each weight for every row while it is in a register.
+constexpr int64_t kStreamedRows = 1;
 
 inline F load_w(const float* p) { return vec::load(p); }
 inline F load_w(const uint16_t* p) { return vec::load_fp16(p); }
@@ -99,10 +102,11 @@ template <class T>
 void f32_mm_impl(const Operands<T>& o) {
   const int64_t M = o.M, K = o.K, N = o.N, vectors = N / 16;
   // One tile of rows reads all of K at once; more tiles share each chunk of K's weights while they are in L2.
-  const int64_t chunk = M > kRows ? kChunk : kDecodeChunk;
+  const bool streamed = M <= kStreamedRows;
+  const int64_t chunk = streamed ? kDecodeChunk : kChunk;
   // Threads take runs of 16 columns; a run of cols_for(1) vectors is a decode pass's unit.
   speculant::Team::parallel_for(0, vectors, 1, [&](int64_t v0, int64_t v1) {
-    const int64_t run = M > kRows ? cols_for(kRows) : v1 - v0;
+    const int64_t run = streamed ? v1 - v0 : cols_for(std::min<int64_t>(M, kRows));
     for (int64_t a = v0; a < v1; a += run)
       for (int64_t k0 = 0; k0 < K; k0 += chunk)
         for (int64_t r0 = 0; r0 < M; r0 += kRows)
