@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import torch
 
 from speculant.models.loader import LoadedModel
-from speculant.proposers.base import Proposal, TargetHidden, chain_padded, pad_rows
+from speculant.proposers.base import Proposal, TargetHidden, chain_padded
 from speculant.proposers.draft_model import DraftModelProposer
-from speculant.proposers.draft_tree import DraftTree
+from speculant.proposers.draft_tree import DraftTree, branch_pass
 from speculant.sampling import SamplingBatch
 from speculant.sequence import Sequence
 from speculant.speedup import CostCurve
@@ -166,15 +166,11 @@ class DraftModelTreeProposer(DraftModelProposer):
         """One draft pass over the branches of the nodes grown[b] of each row, from its `real` entries, a tree so
         each node sees its own ancestors only; the grown nodes get their children."""
         device = slots.device
-        rows = [b for b, nodes in enumerate(grown) if nodes]
-        branches = [trees[b].branches(grown[b]) for b in rows]
-        tokens, n_new = pad_rows([[trees[b].tokens[n] for n in nodes] for b, nodes in zip(rows, branches)], device)
-        where = [{n: i for i, n in enumerate(nodes)} for nodes in branches]  # node → its place in the pass
-        parents = [chain_padded([w.get(trees[b].parents[n], -1) for n in nodes], tokens.shape[1])
-                   for b, nodes, w in zip(rows, branches, where)]
+        layout = branch_pass(trees, grown, device)
+        rows, where = layout.rows, layout.where
         at = torch.tensor(rows, device=device)
         self.cache.lengths[slots[at]] = real[at]
-        hidden = self.model(tokens, self.cache, slots[at], n_new, parents)  # [B', T, D]
+        hidden = self.model(layout.tokens, self.cache, slots[at], layout.n_new, layout.parents)  # [B', T, D]
         most = max(len(grown[b]) for b in rows)
         index = torch.tensor([[w[n] for n in grown[b]] + [0] * (most - len(grown[b])) for b, w in zip(rows, where)],
                              device=device)

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from speculant.models.llama import MAX_TREE_NODES
+from speculant.proposers.base import chain_padded, pad_rows
 
 
 @dataclass
@@ -68,3 +71,25 @@ class DraftTree:
         chosen = sorted(sorted(range(len(self.tokens)), key=lambda n: (-self.scores[n], n))[:self.budget])
         where = {n: i for i, n in enumerate(chosen)}
         return [self.tokens[n] for n in chosen], [where[p] if (p := self.parents[n]) >= 0 else -1 for n in chosen]
+
+
+@dataclass
+class BranchPass:
+    """One drafting pass over the branches of the nodes grown[b] of each row's tree, laid out as a tree pass
+    takes it: each node sees its own ancestors only."""
+    rows: list[int]  # the rows that grow a node
+    branches: list[list[int]]  # each such row's nodes in the pass, parents first
+    tokens: torch.Tensor  # [B', T]
+    n_new: torch.Tensor  # [B']
+    where: list[dict[int, int]]  # node → its place in the pass
+    parents: list[list[int]]  # each row's parents as places in the pass (-1: the cache), padded to T
+
+
+def branch_pass(trees: list[DraftTree], grown: list[list[int]], device: torch.device) -> BranchPass:
+    rows = [b for b, nodes in enumerate(grown) if nodes]
+    branches = [trees[b].branches(grown[b]) for b in rows]
+    tokens, n_new = pad_rows([[trees[b].tokens[n] for n in nodes] for b, nodes in zip(rows, branches)], device)
+    where = [{n: i for i, n in enumerate(nodes)} for nodes in branches]
+    parents = [chain_padded([w.get(trees[b].parents[n], -1) for n in nodes], tokens.shape[1])
+               for b, nodes, w in zip(rows, branches, where)]
+    return BranchPass(rows, branches, tokens, n_new, where, parents)

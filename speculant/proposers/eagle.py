@@ -33,7 +33,7 @@ from speculant.models.kv_cache import KVCache
 from speculant.models.llama import Block, ModelConfig, RMSNorm, Rope, Transformer, prepare_pass, rope_inv_freq
 from speculant.models.loader import LoadedModel
 from speculant.proposers.base import Proposal, Proposer, TargetHidden, chain_padded, pad_rows
-from speculant.proposers.draft_tree import DraftTree
+from speculant.proposers.draft_tree import DraftTree, branch_pass
 from speculant.sampling import SamplingBatch
 from speculant.sequence import Sequence
 
@@ -274,17 +274,14 @@ class EagleProposer(Proposer):
         """One head pass over the branches of the nodes grown[b] of each row, from its `real` head
         entries; the grown nodes' predicted features go to `features` (see _draft_tree)."""
         device = features.device
-        rows = [b for b, nodes in enumerate(grown) if nodes]
-        branches = [trees[b].branches(grown[b]) for b in rows]
-        tokens, n_new = pad_rows([[trees[b].tokens[n] for n in nodes] for b, nodes in zip(rows, branches)], device)
-        where = [{n: i for i, n in enumerate(nodes)} for nodes in branches]  # node → its place in the pass
-        parents = [chain_padded([w.get(trees[b].parents[n], -1) for n in nodes], tokens.shape[1])
-                   for b, nodes, w in zip(rows, branches, where)]
-        inputs = pad_rows([[trees[b].parents[n] + 1 for n in nodes] for b, nodes in zip(rows, branches)], device)[0]
+        layout = branch_pass(trees, grown, device)
+        rows, where = layout.rows, layout.where
+        inputs = pad_rows([[trees[b].parents[n] + 1 for n in nodes] for b, nodes in zip(rows, layout.branches)],
+                          device)[0]
         at = torch.tensor(rows, device=device)
         self.cache.lengths[slots[at]] = real[at]
-        out = self.head(self.target.model.embed_tokens(tokens), features[at[:, None], inputs], self.cache,
-                        slots[at], n_new, parents)  # [B', T, D]
+        out = self.head(self.target.model.embed_tokens(layout.tokens), features[at[:, None], inputs], self.cache,
+                        slots[at], layout.n_new, layout.parents)  # [B', T, D]
         for i, b in enumerate(rows):
             features[b, torch.tensor(grown[b], device=device) + 1] = out[i, [where[i][n] for n in grown[b]]]
 
