@@ -151,6 +151,8 @@ class Engine:
         self.device = self.model.device
         self._batch: list[Sequence] = []  # the rows _batch_tensors last built for
         self._failed: list[StepOutput] = []  # sequences whose prefill raised, reported by the next step
+        self._width = 1  # the last decode pass's width, without prompt chunks
+        self._rode = 0  # positions the last decode pass gave prompt chunks
         self._grammars = None  # the structured-output compiler, built at the first constrained request
 
     def _prefix_cache(self) -> PrefixCache | None:
@@ -234,21 +236,22 @@ class Engine:
         """One pass for the running batch. A sequence whose serving raises finishes as "error" (its
         StepOutput carries the exception); the others go on as if it had never been in the batch."""
         self._admit()
-        self._prefill_chunks()
+        riders = self._prefill_chunks()
         failed, self._failed = self._failed, []
         batch = list(self.running)
         if not batch:
             return failed
         t0 = time.perf_counter()
         try:
-            outputs = self._step(batch)
-            self.chunk_sizer.observe_step(time.perf_counter() - t0)
+            outputs = self._step(batch, riders)
+            self.chunk_sizer.observe_step(time.perf_counter() - t0, self._rode, self._width)
         except Exception as e:
             # propose, score and verify change no sequence: run each row alone to find the one that raises,
             # from the cache lengths the sequences agree on (a scoring pass moves them on).
             log.warning("engine step over %d sequences failed (%s: %s); retrying them one by one",
                         len(batch), type(e).__name__, e)
-            self.cache.set_lengths([s.slot for s in batch], [s.num_cached for s in batch])
+            leads = [g.lead for g, _ in riders]  # a chunk that did not ride is fed again next step
+            self.cache.set_lengths([s.slot for s in batch + leads], [s.num_cached for s in batch + leads])
             outputs = []
             for seq in batch:
                 self._reset_proposer(seq)
@@ -260,8 +263,9 @@ class Engine:
         self._release_finished()
         return failed + outputs
 
-    def _step(self, batch: list[Sequence]) -> list[StepOutput]:
-        """propose → score → verify → commit for `batch`; raises only before commit changed a sequence."""
+    def _step(self, batch: list[Sequence], riders: list[tuple[Prefill, int]] = ()) -> list[StepOutput]:
+        """propose → score → verify → commit for `batch`, its pass carrying the prompt chunks `riders`
+        (scheduler.py); raises only before commit changed a sequence."""
         t0 = time.perf_counter()
         sb, slots = self._batch_tensors(batch)
         constrained = sb.grammars is not None
@@ -272,14 +276,14 @@ class Engine:
             self.settle_grammars(batch)
             proposal = self.drop_forbidden(batch, proposal)
         t1 = time.perf_counter()
-        hidden, raw_logits = self.score(batch, slots, proposal)
+        hidden, raw_logits = self.score(batch, slots, proposal, riders)
         t2 = time.perf_counter()
         logits = self.constrain(batch, proposal, raw_logits) if constrained else raw_logits
         self.timing.grammar_s += time.perf_counter() - t2
         accepted, next_tokens = self.verify(proposal, logits, sb)
         n_accepted = [len(a) for a in accepted]
         drafted = proposal.depths()
-        if self.adapts(batch):
+        if self.adapts(batch) and not self._rode:  # chunks would read as a dearer pass
             self.adaptive.observe(StepRecord(proposal.bucket_list(), drafted, n_accepted, len(batch), t1 - t0,
                                              t2 - t1, proposal.tokens.shape[1] + 1))
         start = [s.num_cached for s in batch]
@@ -389,13 +393,23 @@ class Engine:
         self._sb.positions = [s.num_generated for s in batch]
         return self._sb, self._slots
 
-    def score(self, batch: list[Sequence], slots: torch.Tensor,
-              proposal: Proposal) -> tuple[torch.Tensor, torch.Tensor]:
-        """One target pass over each row's unseen tokens plus its drafts → (the final hidden states
-        of every fed token [B, T, D], the logits at each draft position and after the last [B, k+1, V])."""
+    def score(self, batch: list[Sequence], slots: torch.Tensor, proposal: Proposal,
+              riders: list[tuple[Prefill, int]] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """One target pass over each row's unseen tokens plus its drafts, and the prompt chunks `riders`
+        as rows of their own → (the final hidden states of every fed token of `batch` [B, T, D], the logits
+        at each draft position and after the last [B, k+1, V])."""
         n_draft = proposal.n_draft.tolist()
         drafts = proposal.tokens.tolist()
         rows = [s.tokens[s.num_cached:] + d[:n] for s, d, n in zip(batch, drafts, n_draft)]
+        self._width = max(len(r) for r in rows)
+        self._rode = 0
+        if riders and proposal.parents is not None:  # a tree's pass has its own layout: chunks go apart
+            for group, n in riders:
+                self.prefill_apart(group, n)
+            riders = ()
+        if riders:
+            rows += [g.next_chunk(n) for g, n in riders]
+            slots = torch.cat((slots, torch.tensor([g.lead.slot for g, _ in riders], device=self.device)))
         tokens, n_new = pad_rows(rows, self.device)
         parents = None
         if proposal.parents is not None:
@@ -406,7 +420,11 @@ class Engine:
                 unseen = len(row) - n
                 fed = chain_padded([], unseen) + [unseen - 1 if p < 0 else unseen + p for p in tree[:n]]
                 parents.append(chain_padded(fed, T))
-        hidden = self.model(tokens, self.cache, slots, n_new, parents)  # [B, T, D]
+        hidden = self.model(tokens, self.cache, slots, n_new, parents)  # [B + riders, T, D]
+        if riders:
+            self._rode = tokens.numel() - len(batch) * self._width
+            self.ride(riders, hidden[len(batch):])
+            hidden, rows = hidden[:len(batch)], rows[:len(batch)]
         # Row b's last unseen token predicts its first draft: positions n_unseen-1 .. n_new-1 (all of a
         # row that fed one unseen token and k drafts: decoding's usual pass).
         k = proposal.tokens.shape[1]
@@ -503,20 +521,24 @@ class Engine:
                 seq.cached_tokens = lead.num_cached
             self.prefilling.append(group)
 
-    def _prefill_chunks(self) -> None:
-        """Feed this step's prompt chunks; sequences whose prompt is all in join the running batch."""
+    def _prefill_chunks(self) -> list[tuple[Prefill, int]]:
+        """Feed prompt chunks: with nothing decoding, in passes of their own; beside decoding, the chunks are
+        returned to ride in this step's pass. Sequences whose prompt is all in join the running batch."""
         decoding = bool(self.running)
         if self.prefill_chunk == 0:  # no chunks: each prompt in one pass while the running streams wait
             chunk, decoding = self.max_model_len, False
+        elif decoding:
+            chunk = self.chunk_sizer.size(len(self.running), self.prefill_chunk)
         else:
-            chunk = self.chunk_sizer.size(decoding, self.prefill_chunk)
+            chunk = self.prefill_chunk
+        riders = []
         for group, n in plan_chunks(self.prefilling, chunk, decoding):
             if group.lead.finished:  # an earlier chunk of its prompt failed
                 continue
-            try:
-                self.prefill(group, n)
-            except Exception as e:
-                self._failed += [self._fail(s, e) for s in group.seqs]
+            if decoding and n:
+                riders.append((group, n))
+            else:
+                self.prefill_apart(group, n)
         self._release_finished()
         joined = [g for g in self.prefilling if g.done]
         self.prefilling = [g for g in self.prefilling if not g.done]
@@ -527,6 +549,7 @@ class Engine:
         self.running.sort(key=lambda s: s.slot)
         if joined and len(self.running) == 1 and self.adaptive:
             self.adaptive.new_request()
+        return riders
 
     def _join(self, group: Prefill) -> None:
         """A group's prompt is in its first row: the others copy it, and all join the running batch."""
@@ -538,25 +561,45 @@ class Engine:
         self.running += group.seqs
 
     def prefill(self, group: Prefill, n: int) -> None:
-        """Feed the next n tokens of new sequences' shared prompt into the first one's row, apart from the
-        running batch (a long prompt joining does not widen every running sequence's pass), and show them
-        to the proposer. A chunk computes each position as any other pass would (prepare_pass), so the
-        prompt's keys do not depend on how it was cut, nor on which requests arrived with it."""
+        """Feed the next n tokens of new sequences' shared prompt into the first one's row in a pass of its
+        own, and show them to the proposer. A chunk computes each position as any other pass would
+        (prepare_pass), so the prompt's keys do not depend on how it was cut, nor on which requests
+        arrived with it."""
         t0 = time.perf_counter()
-        seqs, lead = group.seqs, group.lead
-        start = lead.num_cached
+        lead = group.lead
         hidden = torch.zeros(1, 0, self.model.cfg.dim, device=self.device, dtype=self.model.dtype)
         if n:
-            tokens, n_new = pad_rows([lead.tokens[start:start + n]], self.device)
+            tokens, n_new = pad_rows([group.next_chunk(n)], self.device)
             hidden = self.model(tokens, self.cache, torch.tensor([lead.slot], device=self.device), n_new)
-            lead.num_cached += n
+        self.show_chunk(group, n, hidden)
+        self.timing.target_s += time.perf_counter() - t0
+
+    def prefill_apart(self, group: Prefill, n: int) -> None:
+        """prefill, and a prompt that fails fails its own group alone."""
+        try:
+            self.prefill(group, n)
+        except Exception as e:
+            self._failed += [self._fail(s, e) for s in group.seqs]
+
+    def ride(self, riders: list[tuple[Prefill, int]], hidden: torch.Tensor) -> None:
+        """After a decode pass that carried prompt chunks (hidden [riders, T, D]): each group's chunk is in;
+        a proposer that fails on one fails that group alone."""
+        for (group, n), h in zip(riders, hidden):
+            try:
+                self.show_chunk(group, n, h[None, :n])
+            except Exception as e:
+                self._failed += [self._fail(s, e) for s in group.seqs]
+
+    def show_chunk(self, group: Prefill, n: int, hidden: torch.Tensor) -> None:
+        """The target has fed a group's next n prompt tokens (their hidden states [1, n, D]): count them and
+        show them to the proposer."""
+        seqs, lead = group.seqs, group.lead
+        start = lead.num_cached
+        lead.num_cached += n
         group.started = True
         if self.proposer is not None:
             k = len(seqs)
             self.proposer.prefill(seqs, TargetHidden(hidden.expand(k, -1, -1), [start] * k, [n] * k))
-        # What the running streams wait for: the draft's share of the chunk too.
-        self.chunk_sizer.observe_chunk(n, time.perf_counter() - t0)
-        self.timing.target_s += time.perf_counter() - t0
 
     def _append(self, seq: Sequence, new_ids: list[int], logprobs: list[TokenLogprob] | None) -> StepOutput:
         kept = []

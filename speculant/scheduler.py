@@ -1,14 +1,15 @@
 """Prompt chunks: how much of the new sequences' prompts each engine step feeds.
 
-A prompt is fed in chunks, one chunk's worth a step while other sequences decode, so a long prompt
-arriving holds every running stream back by one chunk's pass, never by its whole prefill; with nothing
-decoding, every chunk goes in the same step. A prompt's tokens cost compute (on a CPU, tens of
-milliseconds each for a 1.5B model), so the chunk that runs beside decoding is sized to cost about one
-decode step (`ChunkSizer`): a stream's gap between tokens stays within about twice its usual. Sequences
-with the same prompt (the API's n) are fed once: the first one's row takes the chunks and the others copy
-it when it is done.
+While other sequences decode, a prompt rides in their step: its next chunk is one more row of the running
+batch's verify pass (an engine step's `riders`), so a long prompt arriving holds every running stream back by
+that row's compute, never by its whole prefill, and costs no read of the weights of its own (on a CPU that
+read is most of a decode step). The chunk is sized to cost about one decode step more (`ChunkSizer`): a
+stream's gap between tokens stays within about twice its usual. With nothing decoding, every prompt goes in
+passes of its own, `max_chunk` tokens each. Sequences with the same prompt (the API's n) are fed once: the
+first one's row takes the chunks and the others copy it when it is done.
 
-Chunks change no bits: every pass computes a position's keys the same way (models/llama.py, prepare_pass).
+Chunks change no bits: every pass computes a position's keys the same way (models/llama.py, prepare_pass),
+and a row's bits do not depend on the other rows of its pass.
 """
 
 from __future__ import annotations
@@ -19,48 +20,59 @@ from dataclasses import dataclass, field
 from speculant.sequence import Sequence
 
 DEFAULT_PREFILL_CHUNK = 512
-MIN_CHUNK = 4  # tokens: below this a chunk's pass is all fixed cost, and a long prompt would never finish
-FIRST_CHUNK = 16  # beside decoding, before any chunk has been timed
+MIN_CHUNK = 4  # tokens: a long prompt must move on even where every step is dear
+
+
+def rider_positions(tokens: int, rows: int, width: int) -> int:
+    """Positions a chunk of `tokens` adds to a pass of `rows` rows `width` wide: its own row, padded to the
+    pass's width, and the running rows' padding where the chunk is wider than they are."""
+    return max(tokens, width) + rows * max(0, tokens - width)
 
 
 @dataclass
 class ChunkSizer:
-    """The prompt tokens a step feeds beside decoding: as many as cost about one decode step, from a
-    chunk's measured cost, time = fixed + per_token × tokens, fitted on the recent chunks."""
+    """The prompt tokens a decode step carries: as many as cost about one step more. A step's extra cost is
+    fitted as fixed + per_position × the positions its chunks add (rider_positions), on the recent steps
+    that carried chunks, against the recent steps that did not."""
 
-    chunks: deque = field(default_factory=lambda: deque(maxlen=32))  # (tokens, seconds)
-    step_s: float | None = None  # the running batch's recent step time
+    extra: deque = field(default_factory=lambda: deque(maxlen=32))  # (positions added, seconds added)
+    step_s: float | None = None  # the running batch's recent step time, without chunks
+    width: int = 1  # the running batch's recent pass width
 
-    def observe_chunk(self, tokens: int, seconds: float) -> None:
-        if tokens:
-            self.chunks.append((tokens, seconds))
+    def observe_step(self, seconds: float, positions: int = 0, width: int = 1) -> None:
+        if not positions:
+            self.step_s = seconds if self.step_s is None else 0.8 * self.step_s + 0.2 * seconds
+            self.width = width
+        elif self.step_s is not None:
+            self.extra.append((positions, max(0.0, seconds - self.step_s)))
 
-    def observe_step(self, seconds: float) -> None:
-        self.step_s = seconds if self.step_s is None else 0.8 * self.step_s + 0.2 * seconds
-
-    def size(self, decoding: bool, max_chunk: int) -> int:
-        if not decoding:
-            return max_chunk
+    def size(self, rows: int, max_chunk: int) -> int:
+        """A chunk's tokens beside `rows` decoding rows, at most max_chunk: before any step carried one, the
+        batch's own width (it adds a row and no padding)."""
         fit = self.fit()
         if fit is None or self.step_s is None:
-            return min(max_chunk, FIRST_CHUNK)
-        fixed, per_token = fit
-        return max(min(MIN_CHUNK, max_chunk), min(max_chunk, int((self.step_s - fixed) / per_token)))
+            return min(max_chunk, max(MIN_CHUNK, self.width))
+        fixed, per_position = fit
+        afford = (self.step_s - fixed) / per_position if per_position > 0 else float("inf")
+        n = MIN_CHUNK
+        while n < max_chunk and rider_positions(n + 1, rows, self.width) <= afford:
+            n += 1
+        return min(n, max_chunk)
 
     def fit(self) -> tuple[float, float] | None:
-        """Least squares (fixed, per_token) over the recent chunks; None until a chunk was timed. Chunks of one
-        size (the smallest, once the prompt's keys make every token dear) give no slope: their whole cost is
-        taken as per token, which only errs towards smaller chunks."""
-        n = len(self.chunks)
+        """Least squares (fixed, per_position) over the recent steps with chunks; None until one was timed.
+        Steps that added one size give no slope: their whole cost is taken per position, which only errs
+        towards smaller chunks."""
+        n = len(self.extra)
         if n == 0:
             return None
-        xs, ys = [c[0] for c in self.chunks], [c[1] for c in self.chunks]
+        xs, ys = [c[0] for c in self.extra], [c[1] for c in self.extra]
         mx, my = sum(xs) / n, sum(ys) / n
         var = sum((x - mx) ** 2 for x in xs)
-        per_token = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
-        if per_token <= 0:
+        per_position = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+        if per_position <= 0:
             return 0.0, my / mx
-        return max(0.0, my - per_token * mx), per_token
+        return max(0.0, my - per_position * mx), per_position
 
 
 @dataclass
@@ -83,6 +95,10 @@ class Prefill:
     def done(self) -> bool:
         return self.started and self.remaining == 0
 
+    def next_chunk(self, n: int) -> list[int]:
+        """The next n prompt tokens to feed."""
+        return self.lead.tokens[self.lead.num_cached:self.lead.num_cached + n]
+
 
 def group_by_prompt(seqs: list[Sequence]) -> list[Prefill]:
     groups: dict[tuple[int, ...], list[Sequence]] = {}
@@ -93,8 +109,9 @@ def group_by_prompt(seqs: list[Sequence]) -> list[Prefill]:
 
 def plan_chunks(prefills: list[Prefill], chunk: int, decoding: bool) -> list[tuple[Prefill, int]]:
     """This step's chunks, (group, tokens) in arrival order: `chunk` tokens in all while other sequences
-    decode (ChunkSizer.size), every prompt's whole rest otherwise (in passes of at most `chunk`). A group
-    whose whole prompt came from the prefix cache gets one empty chunk, which shows the proposer its prompt."""
+    decode (ChunkSizer.size: they ride in the decode pass), every prompt's whole rest otherwise (in passes of
+    at most `chunk`). A group whose whole prompt came from the prefix cache gets one empty chunk, which shows
+    the proposer its prompt."""
     budget: int | None = chunk if decoding else None
     plan = []
     for group in prefills:

@@ -9,7 +9,7 @@ from conftest import save_tiny
 from speculant.config import SamplingParams
 from speculant.engine import Engine
 from speculant.models.loader import load_model
-from speculant.scheduler import ChunkSizer, Prefill, plan_chunks
+from speculant.scheduler import ChunkSizer, Prefill, plan_chunks, rider_positions
 from speculant.sequence import Sequence
 
 GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
@@ -68,7 +68,7 @@ def test_a_group_goes_on_when_its_first_sequence_is_aborted(target, monkeypatch)
     engine = Engine(target, max_batch_size=4, max_model_len=256)
     engine.prefill_chunk = 8
     # Chunks of 8 whatever the passes' timings (beside decoding the sizer would fit them to a step's cost).
-    monkeypatch.setattr(engine.chunk_sizer, "size", lambda decoding, max_chunk: max_chunk)
+    monkeypatch.setattr(engine.chunk_sizer, "size", lambda rows, max_chunk: max_chunk)
     busy = engine.add_request([5, 6], GREEDY)
     engine.step()
     prompt = [3 + i % 90 for i in range(40)]
@@ -85,17 +85,25 @@ def test_a_group_goes_on_when_its_first_sequence_is_aborted(target, monkeypatch)
 
 def test_a_chunk_beside_decoding_costs_about_one_step():
     sizer = ChunkSizer()
-    assert sizer.size(decoding=False, max_chunk=512) == 512
-    assert sizer.size(decoding=True, max_chunk=512) == 16  # nothing timed yet
-    for n in (16, 32, 64, 16, 8):
-        sizer.observe_chunk(n, 0.025 + 0.01 * n)  # a fixed 25 ms a pass, 10 ms a token
-    sizer.observe_step(0.106)
-    assert sizer.fit() == pytest.approx((0.025, 0.01))
-    assert sizer.size(decoding=True, max_chunk=512) == 8  # 25 ms + 8 × 10 ms fits in one 106 ms step
-    assert sizer.size(decoding=True, max_chunk=6) == 6
-    sizer.observe_step(0.0)
-    sizer.step_s = 0.01  # steps far cheaper than any chunk: the smallest chunk still moves the prompt on
-    assert sizer.size(decoding=True, max_chunk=512) == 4
+    sizer.observe_step(0.050, width=5)
+    assert sizer.size(rows=3, max_chunk=512) == 5  # nothing timed yet: a row as wide as the batch's
+    # Steps that carried chunks: a fixed 10 ms (the chunk's draft pass, say) and 2 ms a position added.
+    for n in (5, 8, 12, 5, 16):
+        positions = rider_positions(n, 3, 5)
+        sizer.observe_step(0.050 + 0.010 + 0.002 * positions, positions, width=5)
+    assert sizer.fit() == pytest.approx((0.010, 0.002))
+    # 40 ms to spend: a chunk of 8 adds 8 + 3 × 3 positions (the running rows' padding), 34 ms; 9 adds 42 ms.
+    assert sizer.size(rows=3, max_chunk=512) == 8
+    assert rider_positions(9, 3, 5) * 0.002 > 0.040
+    assert sizer.size(rows=3, max_chunk=6) == 6
+    assert sizer.size(rows=0, max_chunk=512) == 20  # alone, the chunk's own row is all it adds
+    sizer.step_s = 0.005  # steps far cheaper than any chunk: the smallest chunk still moves the prompt on
+    assert sizer.size(rows=3, max_chunk=512) == 4
+
+
+def test_rider_positions_count_the_padding_a_chunk_causes():
+    assert rider_positions(3, 4, 5) == 5  # narrower than the pass: its own row, padded
+    assert rider_positions(9, 4, 5) == 9 + 4 * 4
 
 
 def test_without_chunks_a_prompt_arriving_is_fed_whole_in_one_step(target):
@@ -129,3 +137,59 @@ def test_the_first_token_does_not_wait_for_the_draft_model(tiny_pair):
     assert engine.stats.num_draft_tokens > 0 and engine.proposer.fed[seq.request_id] >= len(prompt)
     engine.generate([seq])
     assert seq.output_ids == alone(target, prompt)
+
+
+def rides(engine: Engine) -> list[int]:
+    """Spy: the chunk sizes fed in passes of their own while other sequences decode (none should be)."""
+    apart = []
+    prefill = engine.prefill
+
+    def spy(group, n):
+        if engine.running and n:
+            apart.append(n)
+        prefill(group, n)
+
+    engine.prefill = spy
+    return apart
+
+
+def feed_long_prompt_beside_streams(engine: Engine) -> tuple[list[Sequence], int]:
+    """Two streams decode, a 100-token prompt arrives → (all three, done; the steps its prompt took)."""
+    running = [engine.add_request([5, 6, 7], GREEDY), engine.add_request([9, 10, 11, 12], GREEDY)]
+    engine.step()
+    long = engine.add_request([3 + (7 * i) % 90 for i in range(100)], GREEDY)
+    steps = 0
+    while long not in engine.running:
+        engine.step()
+        steps += 1
+    engine.generate(running + [long])
+    return running + [long], steps
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_chunks_ride_in_the_draft_models_verify_pass(tiny_pair, dtype):
+    """Beside decoding a prompt's chunks are rows of the running batch's verify pass, never passes of their
+    own, and every sequence, the new one included, writes what it writes alone."""
+    from speculant.config import SpeculativeConfig
+    from speculant.proposers import build_proposer
+
+    target = load_model(tiny_pair[0], dtype=dtype)
+    cfg = SpeculativeConfig.parse({"method": "draft_model", "model": str(tiny_pair[1]), "num_speculative_tokens": 4})
+    engine = Engine(target, build_proposer(cfg, target, 4, 256 + 5), 4, max_batch_size=4, max_model_len=256)
+    engine.prefill_chunk = 16
+    apart = rides(engine)
+    seqs, steps = feed_long_prompt_beside_streams(engine)
+    assert apart == [] and steps >= -(-99 // 16)
+    plain = load_model(tiny_pair[0], dtype=dtype)
+    assert [s.output_ids for s in seqs] == [alone(plain, s.prompt_ids) for s in seqs]
+
+
+def test_a_shifted_chunk_is_caught(target, monkeypatch):
+    """Mutant: a chunk read one token late (a stale or shifted prefix) must change some answer."""
+    monkeypatch.setattr(Prefill, "next_chunk", lambda self, n: self.lead.tokens[self.lead.num_cached + 1:
+                                                                                self.lead.num_cached + 1 + n])
+    engine = Engine(target, max_batch_size=4, max_model_len=256)
+    engine.prefill_chunk = 16
+    seqs, _ = feed_long_prompt_beside_streams(engine)
+    monkeypatch.undo()
+    assert [s.output_ids for s in seqs] != [alone(target, s.prompt_ids) for s in seqs]
