@@ -195,3 +195,30 @@ def test_each_row_keeps_the_drafter_that_promises_more():
     assert policy.keep_lookup([4, 1, 2, MODEL_BUCKET], [4, 3, 0, 0]) == [4, 0, 0, 0]
     policy.draft_ratio = 2.0  # a draft costs two passes: the model never pays
     assert policy.keep_lookup([4, 1], [4, 3]) == [4, 3]
+
+
+def test_a_row_far_behind_catches_up_apart(tiny_pair, target):
+    """A row whose draft lags by many tokens (an answer prompt lookup drafted) is fed its lag in a pass of
+    its own: the batch's catch-up pass stays as narrow as its rows usually are, and every row's draft state
+    is what it is when fed alone."""
+    cfg = SpeculativeConfig.parse({"method": "draft_model", "model": str(tiny_pair[1]), "num_speculative_tokens": 4,
+                                   "lookup_first": False})
+
+    def caught_up(prompts: list[list[int]], lag: list[int]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        proposer = build_proposer(cfg, target, 4, 128)
+        assert isinstance(proposer, DraftModelProposer)
+        engine = Engine(target)
+        seqs = [engine.add_request(p, GREEDY) for p in prompts]
+        for s, behind in zip(seqs, lag):
+            proposer.add(s)
+            proposer._feed([s], [s.tokens[:len(s.tokens) - behind]])
+        shapes = []
+        forward = proposer.model.forward
+        proposer.model.forward = lambda tokens, *a, **k: shapes.append(tuple(tokens.shape)) or forward(tokens, *a, **k)
+        return proposer.catch_up(seqs), shapes
+
+    prompts = [list(range(3, 60)), [5, 6, 7, 8], [9, 10, 11]]
+    hidden, shapes = caught_up(prompts, [50, 2, 1])
+    assert shapes == [(1, 48), (3, 2)]
+    alone = torch.cat([caught_up([p], [n])[0] for p, n in zip(prompts, [50, 2, 1])])
+    assert torch.equal(hidden, alone)

@@ -179,6 +179,13 @@ class DraftModelProposer(Proposer):
         state of each row's newest token [B, 1, D]."""
         device = self.model.device
         unseen = [s.tokens[self.fed[s.request_id]:] for s in seqs]
+        # A row far behind the others (a prompt's last chunk, an answer prompt lookup drafted) is fed its
+        # lag in a pass of its own first: in theirs it would widen every row to its length.
+        width = sorted(len(u) for u in unseen)[(len(unseen) - 1) // 2]
+        behind = [b for b, u in enumerate(unseen) if len(u) > width]
+        if len(seqs) > 1 and behind:
+            self._feed([seqs[b] for b in behind], [unseen[b][:-width] for b in behind])
+            unseen = [u[-width:] for u in unseen]
         hidden = self._feed(seqs, unseen)
         last = torch.tensor([len(u) - 1 for u in unseen], device=device)
         return hidden[torch.arange(len(seqs), device=device), last][:, None]
