@@ -142,7 +142,7 @@ class Engine:
         self.free_slots = list(range(self.max_batch_size))
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Prefill] = []  # admitted, their prompts fed chunk by chunk
-        self.chunk_sizer = ChunkSizer()
+        self.chunk_sizer = ChunkSizer(padded=not self.model.packs_ragged)
         self.running: list[Sequence] = []
         self.prefix_cache = self._prefix_cache()
         self._ids = itertools.count()
@@ -422,7 +422,8 @@ class Engine:
                 parents.append(chain_padded(fed, T))
         hidden = self.model(tokens, self.cache, slots, n_new, parents)  # [B + riders, T, D]
         if riders:
-            self._rode = tokens.numel() - len(batch) * self._width
+            self._rode = (tokens.numel() - len(batch) * self._width if self.chunk_sizer.padded
+                          else sum(n for _, n in riders))
             self.ride(riders, hidden[len(batch):])
             hidden, rows = hidden[:len(batch)], rows[:len(batch)]
         # Row b's last unseen token predicts its first draft: positions n_unseen-1 .. n_new-1 (all of a

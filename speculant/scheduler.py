@@ -23,9 +23,12 @@ DEFAULT_PREFILL_CHUNK = 512
 MIN_CHUNK = 4  # tokens: a long prompt must move on even where every step is dear
 
 
-def rider_positions(tokens: int, rows: int, width: int) -> int:
+def rider_positions(tokens: int, rows: int, width: int, padded: bool = True) -> int:
     """Positions a chunk of `tokens` adds to a pass of `rows` rows `width` wide: its own row, padded to the
-    pass's width, and the running rows' padding where the chunk is wider than they are."""
+    pass's width, and the running rows' padding where the chunk is wider than they are; its tokens alone
+    where passes compute no padding (Transformer.forward_packed)."""
+    if not padded:
+        return tokens
     return max(tokens, width) + rows * max(0, tokens - width)
 
 
@@ -38,6 +41,7 @@ class ChunkSizer:
     extra: deque = field(default_factory=lambda: deque(maxlen=32))  # (positions added, seconds added)
     step_s: float | None = None  # the running batch's recent step time, without chunks
     width: int = 1  # the running batch's recent pass width
+    padded: bool = True  # passes compute their rows' padding (rider_positions)
 
     def observe_step(self, seconds: float, positions: int = 0, width: int = 1) -> None:
         if not positions:
@@ -55,7 +59,7 @@ class ChunkSizer:
         fixed, per_position = fit
         afford = (self.step_s - fixed) / per_position if per_position > 0 else float("inf")
         n = MIN_CHUNK
-        while n < max_chunk and rider_positions(n + 1, rows, self.width) <= afford:
+        while n < max_chunk and rider_positions(n + 1, rows, self.width, self.padded) <= afford:
             n += 1
         return min(n, max_chunk)
 

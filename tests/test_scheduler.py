@@ -104,6 +104,15 @@ def test_a_chunk_beside_decoding_costs_about_one_step():
 def test_rider_positions_count_the_padding_a_chunk_causes():
     assert rider_positions(3, 4, 5) == 5  # narrower than the pass: its own row, padded
     assert rider_positions(9, 4, 5) == 9 + 4 * 4
+    assert rider_positions(9, 4, 5, padded=False) == rider_positions(3, 4, 5, padded=False) + 6  # packed passes
+
+
+def test_where_passes_compute_no_padding_a_chunk_costs_its_tokens_alone():
+    sizer = ChunkSizer(padded=False)
+    sizer.observe_step(0.051, width=2)
+    for n in (4, 8, 12):
+        sizer.observe_step(0.051 + 0.002 * n, n, width=2)
+    assert sizer.size(rows=3, max_chunk=512) == 25  # 51 ms of 2 ms tokens, the running rows' width no matter
 
 
 def test_without_chunks_a_prompt_arriving_is_fed_whole_in_one_step(target):

@@ -469,6 +469,8 @@ class Transformer(nn.Module):
         """
         if self.narrow_passes != "prepared" and tokens.shape[1] <= MAX_VERIFY_WIDTH:
             return self.graphs_for(cache)(tokens, slots, n_new, parents)
+        if parents is None and self.packs_ragged and n_new is not None and int(n_new.min()) < tokens.shape[1]:
+            return self.forward_packed(tokens, cache, slots, n_new)
         chain = parents is None and tokens.shape[1] <= MAX_VERIFY_WIDTH
         if chain and self.native_decode and self.native_stack is not None:
             cos, sin = self.rope.tables(self.inv_freq, cache.max_len + 1, self.dtype)
@@ -490,6 +492,33 @@ class Transformer(nn.Module):
             hidden = self.model.norm(x)
         cache.lengths[slots] = fwd.end
         return hidden
+
+    def forward_packed(self, tokens: torch.Tensor, cache: KVCache, slots: torch.Tensor,
+                       n_new: torch.Tensor) -> torch.Tensor:
+        """forward for ragged rows on the native stack, every real token a row of its own: padding is never
+        computed (on a CPU each position costs compute, and a batch's rows differ in width: accepted
+        drafts, a prompt's chunk beside decoding). The native kernels give a row the same bits in any
+        layout, and a pass writes every row's keys before any row attends."""
+        B, T = tokens.shape
+        start = cache.lengths[slots]  # [B]
+        end = start + n_new
+        cache.check_capacity(int(end.max()))
+        real = torch.arange(T, device=tokens.device) < n_new[:, None]  # [B, T]
+        positions = (start[:, None] + torch.arange(T, device=tokens.device))[real]  # [N]
+        cos, sin = self.rope.tables(self.inv_freq, cache.max_len + 1, self.dtype)
+        x = self.model.embed_tokens(tokens[real])[:, None]  # [N, 1, D]
+        row_slots = slots[:, None].expand(B, T)[real]
+        hidden = self.native_stack.forward(x, cos[positions][:, None, None], sin[positions][:, None, None], cache.k,
+                                           cache.v, row_slots, (positions + 1)[:, None], None)
+        cache.lengths[slots] = end
+        out = hidden.new_zeros(B, T, hidden.shape[-1])
+        out[real] = hidden[:, 0]
+        return out
+
+    @functools.cached_property
+    def packs_ragged(self) -> bool:
+        """Whether a chain pass over rows of different widths runs without their padding (forward_packed)."""
+        return self.narrow_passes == "prepared" and self.native_decode and self.native_stack is not None
 
     def graphs_for(self, cache: KVCache) -> PassGraphs:
         """The CUDA graphs of this model's passes over `cache` (a graph holds the cache's addresses)."""
