@@ -19,6 +19,7 @@ import torch
 from speculant.adaptive import AdaptiveK, StepRecord
 from speculant.config import SamplingParams
 from speculant.errors import SpeculantError
+from speculant.models import native
 from speculant.models.llama import ModelConfig
 from speculant.models.loader import LoadedModel
 from speculant.models.tokenizer import Detokenizer
@@ -142,7 +143,7 @@ class Engine:
         self.free_slots = list(range(self.max_batch_size))
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Prefill] = []  # admitted, their prompts fed chunk by chunk
-        self.chunk_sizer = ChunkSizer(padded=not self.model.packs_ragged)
+        self.chunk_sizer = ChunkSizer(tile=native.tile_rows() if self.model.packs_ragged else 0)
         self.running: list[Sequence] = []
         self.prefix_cache = self._prefix_cache()
         self._ids = itertools.count()
@@ -151,8 +152,8 @@ class Engine:
         self.device = self.model.device
         self._batch: list[Sequence] = []  # the rows _batch_tensors last built for
         self._failed: list[StepOutput] = []  # sequences whose prefill raised, reported by the next step
-        self._width = 1  # the last decode pass's width, without prompt chunks
-        self._rode = 0  # positions the last decode pass gave prompt chunks
+        self._width = self._positions = 1  # the last decode pass's rows, without prompt chunks: widest, tokens
+        self._rode = 0  # prompt tokens the last decode pass carried
         self._grammars = None  # the structured-output compiler, built at the first constrained request
 
     def _prefix_cache(self) -> PrefixCache | None:
@@ -244,7 +245,8 @@ class Engine:
         t0 = time.perf_counter()
         try:
             outputs = self._step(batch, riders)
-            self.chunk_sizer.observe_step(time.perf_counter() - t0, self._rode, self._width)
+            self.chunk_sizer.observe_step(time.perf_counter() - t0, self._rode, len(batch), self._width,
+                                          self._positions)
         except Exception as e:
             # propose, score and verify change no sequence: run each row alone to find the one that raises,
             # from the cache lengths the sequences agree on (a scoring pass moves them on).
@@ -401,7 +403,7 @@ class Engine:
         n_draft = proposal.n_draft.tolist()
         drafts = proposal.tokens.tolist()
         rows = [s.tokens[s.num_cached:] + d[:n] for s, d, n in zip(batch, drafts, n_draft)]
-        self._width = max(len(r) for r in rows)
+        self._width, self._positions = max(len(r) for r in rows), sum(len(r) for r in rows)
         self._rode = 0
         if riders and proposal.parents is not None:  # a tree's pass has its own layout: chunks go apart
             for group, n in riders:
@@ -422,8 +424,7 @@ class Engine:
                 parents.append(chain_padded(fed, T))
         hidden = self.model(tokens, self.cache, slots, n_new, parents)  # [B + riders, T, D]
         if riders:
-            self._rode = (tokens.numel() - len(batch) * self._width if self.chunk_sizer.padded
-                          else sum(n for _, n in riders))
+            self._rode = sum(n for _, n in riders)
             self.ride(riders, hidden[len(batch):])
             hidden, rows = hidden[:len(batch)], rows[:len(batch)]
         # Row b's last unseen token predicts its first draft: positions n_unseen-1 .. n_new-1 (all of a

@@ -20,63 +20,84 @@ from dataclasses import dataclass, field
 from speculant.sequence import Sequence
 
 DEFAULT_PREFILL_CHUNK = 512
-MIN_CHUNK = 4  # tokens: a long prompt must move on even where every step is dear
+MIN_CHUNK = 4  # tokens, where passes pad their rows: a long prompt must move on even where every step is dear
+BUDGET_STEPS = 1.5  # what a chunk may add to a step, in steps: a stream's wait stays within 2.5 of its steps
 
 
-def rider_positions(tokens: int, rows: int, width: int, padded: bool = True) -> int:
-    """Positions a chunk of `tokens` adds to a pass of `rows` rows `width` wide: its own row, padded to the
-    pass's width, and the running rows' padding where the chunk is wider than they are; its tokens alone
-    where passes compute no padding (Transformer.forward_packed)."""
-    if not padded:
-        return tokens
+def rider_positions(tokens: int, rows: int, width: int) -> int:
+    """Positions a chunk of `tokens` adds to a padded pass of `rows` rows `width` wide: its own row, padded
+    to the pass's width, and the running rows' padding where the chunk is wider than they are."""
     return max(tokens, width) + rows * max(0, tokens - width)
+
+
+def added_tiles(tokens: int, positions: int, tile: int) -> int:
+    """Tiles of `tile` rows a chunk of `tokens` adds to a packed pass of `positions` rows: the native matmuls
+    unpack a block of weights once per tile, so a pass costs by the tile, and a chunk that fills the last
+    one is nearly free."""
+    return -(-(positions + tokens) // tile) - -(-positions // tile)
 
 
 @dataclass
 class ChunkSizer:
     """The prompt tokens a decode step carries: as many as cost about one step more. A step's extra cost is
-    fitted as fixed + per_position × the positions its chunks add (rider_positions), on the recent steps
-    that carried chunks, against the recent steps that did not."""
+    fitted as fixed + per_unit × the units its chunk adds (tiles of a packed pass, added_tiles; else the
+    positions of a padded one, rider_positions), on the recent steps that carried chunks, against the
+    recent steps that did not."""
 
-    extra: deque = field(default_factory=lambda: deque(maxlen=32))  # (positions added, seconds added)
+    tile: int = 0  # rows a native matmul takes at once, where passes are packed; 0: passes are padded
+    extra: deque = field(default_factory=lambda: deque(maxlen=32))  # (units added, seconds added)
     step_s: float | None = None  # the running batch's recent step time, without chunks
-    width: int = 1  # the running batch's recent pass width
-    padded: bool = True  # passes compute their rows' padding (rider_positions)
+    width: int = 1  # the running batch's last pass: its widest row
+    positions: int = 1  # and its real tokens
 
-    def observe_step(self, seconds: float, positions: int = 0, width: int = 1) -> None:
-        if not positions:
+    def units(self, tokens: int, rows: int) -> int:
+        if self.tile:
+            return added_tiles(tokens, self.positions, self.tile)
+        return rider_positions(tokens, rows, self.width)
+
+    def observe_step(self, seconds: float, chunk: int = 0, rows: int = 1, width: int = 1,
+                     positions: int = 1) -> None:
+        """A step's time, the prompt tokens it carried, and its decoding rows: their count, the widest, their
+        real tokens."""
+        if chunk and self.step_s is not None:
+            self.extra.append((self.units(chunk, rows), max(0.0, seconds - self.step_s)))
+        elif not chunk:
             self.step_s = seconds if self.step_s is None else 0.8 * self.step_s + 0.2 * seconds
-            self.width = width
-        elif self.step_s is not None:
-            self.extra.append((positions, max(0.0, seconds - self.step_s)))
+        self.width, self.positions = width, positions
 
     def size(self, rows: int, max_chunk: int) -> int:
-        """A chunk's tokens beside `rows` decoding rows, at most max_chunk: before any step carried one, the
-        batch's own width (it adds a row and no padding)."""
+        """A chunk's tokens beside `rows` decoding rows, at most max_chunk. Before any step carried one, as
+        many as add no padding (a packed pass: its last tile's free rows, or one more tile)."""
+        low = MIN_CHUNK if not self.tile else self.tile - self.positions % self.tile
         fit = self.fit()
         if fit is None or self.step_s is None:
-            return min(max_chunk, max(MIN_CHUNK, self.width))
-        fixed, per_position = fit
-        afford = (self.step_s - fixed) / per_position if per_position > 0 else float("inf")
-        n = MIN_CHUNK
-        while n < max_chunk and rider_positions(n + 1, rows, self.width, self.padded) <= afford:
+            return min(max_chunk, low if self.tile else max(low, self.width))
+        fixed, per_unit = fit
+        afford = (BUDGET_STEPS * self.step_s - fixed) / per_unit
+        n = low
+        while n < max_chunk and self.units(n + 1, rows) <= afford:
             n += 1
         return min(n, max_chunk)
 
     def fit(self) -> tuple[float, float] | None:
-        """Least squares (fixed, per_position) over the recent steps with chunks; None until one was timed.
-        Steps that added one size give no slope: their whole cost is taken per position, which only errs
-        towards smaller chunks."""
+        """Least squares (fixed, per_unit) over the recent steps with chunks; None until one was timed. Steps
+        that added one size give no slope: their whole cost is taken per unit, which only errs towards
+        smaller chunks."""
         n = len(self.extra)
         if n == 0:
             return None
         xs, ys = [c[0] for c in self.extra], [c[1] for c in self.extra]
         mx, my = sum(xs) / n, sum(ys) / n
         var = sum((x - mx) ** 2 for x in xs)
-        per_position = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
-        if per_position <= 0:
+        per_unit = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+        if per_unit > 0:
+            return max(0.0, my - per_unit * mx), per_unit
+        if mx and not self.tile:
             return 0.0, my / mx
-        return max(0.0, my - per_position * mx), per_position
+        # Chunks that added no tile, or one size of them: a tile costs at most what the step's own tiles do.
+        tiles = -(-self.positions // self.tile) if self.tile else 1
+        per_tile = max((self.step_s or my) / max(tiles, 1), my / mx if mx else 0.0)
+        return max(0.0, my - per_tile * mx), per_tile
 
 
 @dataclass

@@ -9,7 +9,7 @@ from conftest import save_tiny
 from speculant.config import SamplingParams
 from speculant.engine import Engine
 from speculant.models.loader import load_model
-from speculant.scheduler import ChunkSizer, Prefill, plan_chunks, rider_positions
+from speculant.scheduler import ChunkSizer, Prefill, added_tiles, plan_chunks, rider_positions
 from speculant.sequence import Sequence
 
 GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
@@ -83,20 +83,20 @@ def test_a_group_goes_on_when_its_first_sequence_is_aborted(target, monkeypatch)
     assert not engine.prefilling and sorted(engine.free_slots) == list(range(4))
 
 
-def test_a_chunk_beside_decoding_costs_about_one_step():
+def test_a_chunk_beside_decoding_costs_about_one_and_a_half_steps():
+    """Padded passes: a chunk adds its row and the running rows' padding (rider_positions)."""
     sizer = ChunkSizer()
-    sizer.observe_step(0.050, width=5)
+    sizer.observe_step(0.040, width=5)
     assert sizer.size(rows=3, max_chunk=512) == 5  # nothing timed yet: a row as wide as the batch's
     # Steps that carried chunks: a fixed 10 ms (the chunk's draft pass, say) and 2 ms a position added.
     for n in (5, 8, 12, 5, 16):
-        positions = rider_positions(n, 3, 5)
-        sizer.observe_step(0.050 + 0.010 + 0.002 * positions, positions, width=5)
+        sizer.observe_step(0.040 + 0.010 + 0.002 * rider_positions(n, 3, 5), n, rows=3, width=5)
     assert sizer.fit() == pytest.approx((0.010, 0.002))
-    # 40 ms to spend: a chunk of 8 adds 8 + 3 × 3 positions (the running rows' padding), 34 ms; 9 adds 42 ms.
-    assert sizer.size(rows=3, max_chunk=512) == 8
-    assert rider_positions(9, 3, 5) * 0.002 > 0.040
+    # 50 ms to spend (1.5 steps less the fixed part): a chunk of 10 adds 10 + 3 × 5 positions, 50 ms; 11 adds 58.
+    assert sizer.size(rows=3, max_chunk=512) == 10
+    assert rider_positions(11, 3, 5) * 0.002 + 0.010 > 1.5 * 0.040
     assert sizer.size(rows=3, max_chunk=6) == 6
-    assert sizer.size(rows=0, max_chunk=512) == 20  # alone, the chunk's own row is all it adds
+    assert sizer.size(rows=0, max_chunk=512) == 25  # alone, the chunk's own row is all it adds
     sizer.step_s = 0.005  # steps far cheaper than any chunk: the smallest chunk still moves the prompt on
     assert sizer.size(rows=3, max_chunk=512) == 4
 
@@ -104,15 +104,33 @@ def test_a_chunk_beside_decoding_costs_about_one_step():
 def test_rider_positions_count_the_padding_a_chunk_causes():
     assert rider_positions(3, 4, 5) == 5  # narrower than the pass: its own row, padded
     assert rider_positions(9, 4, 5) == 9 + 4 * 4
-    assert rider_positions(9, 4, 5, padded=False) == rider_positions(3, 4, 5, padded=False) + 6  # packed passes
 
 
-def test_where_passes_compute_no_padding_a_chunk_costs_its_tokens_alone():
-    sizer = ChunkSizer(padded=False)
-    sizer.observe_step(0.051, width=2)
-    for n in (4, 8, 12):
-        sizer.observe_step(0.051 + 0.002 * n, n, width=2)
-    assert sizer.size(rows=3, max_chunk=512) == 25  # 51 ms of 2 ms tokens, the running rows' width no matter
+def test_on_packed_passes_a_chunk_fills_tiles():
+    """Packed passes cost by the tile of rows the native matmuls take at once: a chunk fills the running rows'
+    last tile, and takes whole tiles more where the step's budget allows."""
+    assert [added_tiles(n, 3, 4) for n in (1, 2, 5, 6, 9)] == [0, 1, 1, 2, 2]
+    sizer = ChunkSizer(tile=4)
+    sizer.observe_step(0.060, rows=3, positions=3)
+    assert sizer.size(rows=3, max_chunk=512) == 1  # nothing timed yet: the last tile's free row
+    # 10 ms a step whatever the chunk, and 30 ms a tile added: 90 ms to spend buys 2 tiles.
+    for n in (1, 5, 9, 1, 5):
+        sizer.observe_step(0.060 + 0.010 + 0.030 * added_tiles(n, 3, 4), n, rows=3, positions=3)
+    assert sizer.fit() == pytest.approx((0.010, 0.030))
+    assert sizer.size(rows=3, max_chunk=512) == 9
+    sizer.observe_step(0.060, rows=3, positions=8)  # the rows fill two tiles: the chunk starts a third
+    assert sizer.size(rows=3, max_chunk=512) == 8
+    assert sizer.size(rows=3, max_chunk=5) == 5
+
+
+def test_a_packed_chunk_that_never_added_a_tile_prices_one_as_a_steps_tiles():
+    sizer = ChunkSizer(tile=4)
+    for _ in range(3):
+        sizer.observe_step(0.060, rows=3, positions=3)
+        sizer.observe_step(0.070, 1, rows=3, positions=3)
+    # 10 ms a chunk of one row; a tile taken as the step's one tile, 60 ms: 80 ms buys one.
+    assert sizer.fit() == pytest.approx((0.010, 0.060))
+    assert sizer.size(rows=3, max_chunk=512) == 5
 
 
 def test_without_chunks_a_prompt_arriving_is_fed_whole_in_one_step(target):

@@ -187,6 +187,12 @@ def off_reason() -> str:
     return "the native kernels did not build: " + (BUILD_ERRORS[-1].splitlines()[0][:200] if BUILD_ERRORS else "?")
 
 
+def tile_rows() -> int:
+    """Rows ggml_mm takes at once (csrc/ggml_mm.cpp's kRows: AVX512's 32 registers hold 8, AVX2's 16 hold 4):
+    each such tile unpacks the weights again, so a pass costs by the tile."""
+    return 8 if level() in ("avx512", "amx") else 4
+
+
 def amx() -> bool:
     """Whether the AMX kernels (bf16 weights; int4 and int8 ones above 8 rows) run here."""
     return level() == "amx"
