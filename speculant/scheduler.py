@@ -49,6 +49,7 @@ class ChunkSizer:
     step_s: float | None = None  # the running batch's recent step time, without chunks
     width: int = 1  # the running batch's last pass: its widest row
     positions: int = 1  # and its real tokens
+    learned: float = 0.0  # the last fitted per_unit: chunks of one size later do not forget it
 
     def units(self, tokens: int, rows: int) -> int:
         if self.tile:
@@ -91,12 +92,14 @@ class ChunkSizer:
         var = sum((x - mx) ** 2 for x in xs)
         per_unit = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
         if per_unit > 0:
+            self.learned = per_unit
             return max(0.0, my - per_unit * mx), per_unit
         if mx and not self.tile:
-            return 0.0, my / mx
-        # Chunks that added no tile, or one size of them: a tile costs at most what the step's own tiles do.
+            return 0.0, max(my / mx, self.learned)
+        # Chunks that added no tile, or one size of them: a tile costs what was learned, else what the step's
+        # own tiles cost (a guess, soon corrected: the chunk that takes a tile times one).
         tiles = -(-self.positions // self.tile) if self.tile else 1
-        per_tile = max((self.step_s or my) / max(tiles, 1), my / mx if mx else 0.0)
+        per_tile = max(self.learned or (self.step_s or my) / max(tiles, 1), my / mx if mx else 0.0)
         return max(0.0, my - per_tile * mx), per_tile
 
 

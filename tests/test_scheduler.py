@@ -131,6 +131,13 @@ def test_a_packed_chunk_that_never_added_a_tile_prices_one_as_a_steps_tiles():
     # 10 ms a chunk of one row; a tile taken as the step's one tile, 60 ms: 80 ms buys one.
     assert sizer.fit() == pytest.approx((0.010, 0.060))
     assert sizer.size(rows=3, max_chunk=512) == 5
+    # That chunk's tile cost 100 ms: learned, and remembered once chunks of one row fill the window again.
+    sizer.observe_step(0.060 + 0.010 + 0.100, 5, rows=3, positions=3)
+    assert sizer.fit()[1] > 0.060
+    for _ in range(40):
+        sizer.observe_step(0.070, 1, rows=3, positions=3)
+    assert sizer.fit() == pytest.approx((0.010, sizer.learned)) and sizer.learned > 0.060
+    assert sizer.size(rows=3, max_chunk=512) == 1
 
 
 def test_without_chunks_a_prompt_arriving_is_fed_whole_in_one_step(target):
