@@ -85,9 +85,9 @@ class ChunkSizer:
         that added one size give no slope: their whole cost is taken per unit, which only errs towards
         smaller chunks."""
         n = len(self.extra)
-        if n == 0:
-            return None
         xs, ys = [c[0] for c in self.extra], [c[1] for c in self.extra]
+        if n == 0 or not any(ys):  # nothing timed, or chunks that cost no measurable time: no cost to go by
+            return None
         mx, my = sum(xs) / n, sum(ys) / n
         var = sum((x - mx) ** 2 for x in xs)
         per_unit = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0

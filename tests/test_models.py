@@ -223,6 +223,9 @@ def test_fused_layers_give_the_bits_of_the_layer_modules(tmp_path, monkeypatch, 
         pytest.skip("the bf16 native kernels need AMX (none here): bf16 layers run as modules")
     if native.level() == "off":
         pytest.skip(native.off_reason())
+    if quantization == "int4" and not native.quantized_usable(128, 128):
+        pytest.skip(f"the int4 kernel needs the avx512 build; this CPU's level is {native.level()}: int4 layers "
+                    "run as modules")
     folder = save_tiny(tmp_path, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
                        intermediate_size=256, init_std=0.05)
     model = load_model(folder, dtype="bfloat16", quantization=quantization).model
@@ -303,6 +306,8 @@ def test_amx_int4_kernel_gives_every_row_the_same_result_whatever_the_row_count(
 
     if native.level() == "off":
         pytest.skip(native.off_reason())
+    if not native.quantized_usable(N, 192):
+        pytest.skip(f"the int4 kernel needs the avx512 build; this CPU's level is {native.level()}")
     gen = torch.Generator().manual_seed(0)
     K = 192
     q = torch.randint(0, 16, (N, K), generator=gen)
@@ -331,7 +336,8 @@ def test_int4_models_lm_head_is_int8_in_groups_on_its_q8_0_grid_and_row_exact(ti
     from speculant.models.quantize import Int8GroupLinear
 
     if not native.quantized_usable(64, 128):
-        pytest.skip(native.off_reason())
+        pytest.skip(native.off_reason() if native.level() == "off" else
+                    f"the int8 kernel needs the avx512 build; this CPU's level is {native.level()}")
     assert isinstance(load_model(tiny_pair[0], dtype="bfloat16", quantization="int4").model.lm_head, Int8GroupLinear)
     gen = torch.Generator().manual_seed(0)
     N, K = 96, 192

@@ -227,3 +227,11 @@ def test_a_shifted_chunk_is_caught(target, monkeypatch):
     seqs, _ = feed_long_prompt_beside_streams(engine)
     monkeypatch.undo()
     assert [s.output_ids for s in seqs] != [alone(target, s.prompt_ids) for s in seqs]
+
+
+def test_chunks_that_cost_no_measurable_time_leave_the_sizer_at_its_first_rule():
+    """A step that carried a chunk yet ran faster than the recent steps alone (noise) gives no cost to fit."""
+    sizer = ChunkSizer()
+    sizer.observe_step(0.006, width=5)
+    sizer.observe_step(0.005, 5, rows=1, width=5)
+    assert sizer.fit() is None and sizer.size(rows=1, max_chunk=512) == 5
