@@ -214,9 +214,6 @@ def test_chunks_ride_in_the_draft_models_verify_pass(tiny_pair, dtype):
     engine.prefill_chunk = 16
     apart = rides(engine)
     draft = engine.proposer if isinstance(engine.proposer, DraftModelProposer) else engine.proposer.model
-    # The draft puts its pass over a chunk off to its next catch-up where its passes are packed, until a tile's
-    # worth has waited: as if these tiny models' passes took tiles of 64 rows.
-    draft.tile = 64
     put_off = []
     catch_up = draft.catch_up
     draft.catch_up = lambda seqs: put_off.append(len(draft.deferred)) or catch_up(seqs)
@@ -244,25 +241,3 @@ def test_chunks_that_cost_no_measurable_time_leave_the_sizer_at_its_first_rule()
     sizer.observe_step(0.006, width=5)
     sizer.observe_step(0.005, 5, rows=1, width=5)
     assert sizer.fit() is None and sizer.size(rows=1, max_chunk=512) == 5
-
-
-def test_a_draft_puts_off_a_chunk_until_a_tile_has_waited(tiny_pair):
-    """Beside decoding, a draft model feeds a chunk at its next catch-up, but never lets more than a tile's
-    worth wait: a batch that drafts nothing for a while must not leave it the whole prompt to read at once."""
-    import torch
-
-    from speculant.config import SpeculativeConfig
-    from speculant.proposers import TargetHidden, build_proposer
-
-    target = load_model(tiny_pair[0], dtype="float32")
-    cfg = SpeculativeConfig.parse({"method": "draft_model", "model": str(tiny_pair[1]), "num_speculative_tokens": 4,
-                                   "lookup_first": False})
-    proposer = build_proposer(cfg, target, 2, 128)
-    proposer.tile = 4
-    seq = Engine(target).add_request(list(range(3, 23)), GREEDY)
-    proposer.add(seq)
-    hidden = torch.zeros(1, 3, target.model.cfg.dim)
-    proposer.prefill([seq], TargetHidden(hidden, [0], [3]), beside_decoding=True)
-    assert proposer.fed[seq.request_id] == 0 and proposer.deferred[seq.request_id][1] == 3
-    proposer.prefill([seq], TargetHidden(hidden[:, :1], [3], [1]), beside_decoding=True)
-    assert proposer.fed[seq.request_id] == 4 and seq.request_id not in proposer.deferred

@@ -16,7 +16,6 @@ import warnings
 import torch
 
 from speculant.errors import SpeculantError
-from speculant.models import native
 from speculant.models.loader import LoadedModel, stored_params
 from speculant.prefix_cache import PrefixCache
 from speculant.proposers.base import Proposal, Proposer, TargetHidden, pad_rows
@@ -87,8 +86,6 @@ class DraftModelProposer(Proposer):
         self.slot: dict[str, int] = {}
         self.fed: dict[str, int] = {}  # tokens of the sequence the draft cache holds
         self.deferred: dict[str, tuple[Sequence, int]] = {}  # prompts fed at the next catch-up: up to where
-        # Rows a pass takes for the price of one (a tile of the native matmuls, where passes are packed).
-        self.tile = native.tile_rows() if self.model.packs_ragged else 1
         self.prefix_cache: PrefixCache | None = None
 
     @property
@@ -120,18 +117,14 @@ class DraftModelProposer(Proposer):
         to the first draft (catch_up): the first token does not wait for the draft, whose row may also lag by
         the answer before (tokens that prompt lookup drafted). A chunk beside decoding joins the next draft's
         catch-up pass as rows of its own: there it fills the draft's tile of rows, where a pass of its own
-        costs the draft a whole unpacking of its weights. A lag of a whole tile is fed at once: a batch that
-        drafts nothing for a while must not leave the draft the whole prompt to read in one pass later."""
+        costs the draft a whole unpacking of its weights."""
         rows = [s.tokens[self.fed[s.request_id]:start + n] if start + n < len(s.tokens) - 1 else []
                 for s, start, n in zip(seqs, target.start, target.n_valid)]
         fed = [(s, r) for s, r in zip(seqs, rows) if r]
         if beside_decoding:
             for s, r in fed:
                 self.deferred[s.request_id] = (s, self.fed[s.request_id] + len(r))
-            fed = [(s, r) for s, r in fed if len(r) >= self.tile]
-        for s, _ in fed:
-            self.deferred.pop(s.request_id, None)
-        if fed:
+        elif fed:
             self._feed([s for s, _ in fed], [r for _, r in fed])
 
     def _feed(self, seqs: list[Sequence], rows: list[list[int]]) -> torch.Tensor:
