@@ -588,11 +588,11 @@ class Engine:
         a proposer that fails on one fails that group alone."""
         for (group, n), h in zip(riders, hidden):
             try:
-                self.show_chunk(group, n, h[None, :n], beside_decoding=True)
+                self.show_chunk(group, n, h[None, :n])
             except Exception as e:
                 self._failed += [self._fail(s, e) for s in group.seqs]
 
-    def show_chunk(self, group: Prefill, n: int, hidden: torch.Tensor, beside_decoding: bool = False) -> None:
+    def show_chunk(self, group: Prefill, n: int, hidden: torch.Tensor) -> None:
         """The target has fed a group's next n prompt tokens (their hidden states [1, n, D]): count them and
         show them to the proposer."""
         seqs, lead = group.seqs, group.lead
@@ -601,8 +601,7 @@ class Engine:
         group.started = True
         if self.proposer is not None:
             k = len(seqs)
-            self.proposer.prefill(seqs, TargetHidden(hidden.expand(k, -1, -1), [start] * k, [n] * k),
-                                  beside_decoding)
+            self.proposer.prefill(seqs, TargetHidden(hidden.expand(k, -1, -1), [start] * k, [n] * k))
 
     def _append(self, seq: Sequence, new_ids: list[int], logprobs: list[TokenLogprob] | None) -> StepOutput:
         kept = []

@@ -206,20 +206,14 @@ def test_chunks_ride_in_the_draft_models_verify_pass(tiny_pair, dtype):
     own, and every sequence, the new one included, writes what it writes alone."""
     from speculant.config import SpeculativeConfig
     from speculant.proposers import build_proposer
-    from speculant.proposers.draft_model import DraftModelProposer
 
     target = load_model(tiny_pair[0], dtype=dtype)
     cfg = SpeculativeConfig.parse({"method": "draft_model", "model": str(tiny_pair[1]), "num_speculative_tokens": 4})
     engine = Engine(target, build_proposer(cfg, target, 4, 256 + 5), 4, max_batch_size=4, max_model_len=256)
     engine.prefill_chunk = 16
     apart = rides(engine)
-    draft = engine.proposer if isinstance(engine.proposer, DraftModelProposer) else engine.proposer.model
-    put_off = []
-    catch_up = draft.catch_up
-    draft.catch_up = lambda seqs: put_off.append(len(draft.deferred)) or catch_up(seqs)
     seqs, steps = feed_long_prompt_beside_streams(engine)
     assert apart == [] and steps >= -(-99 // 16)
-    assert any(put_off), "the draft's pass over a chunk rides in its next catch-up"
     plain = load_model(tiny_pair[0], dtype=dtype)
     assert [s.output_ids for s in seqs] == [alone(plain, s.prompt_ids) for s in seqs]
 

@@ -181,10 +181,9 @@ class Proposer:
         a sequence from a cached prefix of the target's."""
         return True
 
-    def prefill(self, seqs: list[Sequence], target: TargetHidden, beside_decoding: bool = False) -> None:
+    def prefill(self, seqs: list[Sequence], target: TargetHidden) -> None:
         """A chunk of new sequences' prompts went through the target (the prompts but their last token, in
-        one or more chunks; an empty one where the prefix cache held the whole prompt). `beside_decoding`: it
-        rode in a decode step, and a proposer may put its own pass over it off to its next draft."""
+        one or more chunks; an empty one where the prefix cache held the whole prompt)."""
         self.commit(seqs, target)
 
     def propose(self, seqs: list[Sequence], ks: list[int], sb: SamplingBatch) -> Proposal:

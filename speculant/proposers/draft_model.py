@@ -85,7 +85,6 @@ class DraftModelProposer(Proposer):
         self.free = list(range(max_batch_size))
         self.slot: dict[str, int] = {}
         self.fed: dict[str, int] = {}  # tokens of the sequence the draft cache holds
-        self.deferred: dict[str, tuple[Sequence, int]] = {}  # prompts fed at the next catch-up: up to where
         self.prefix_cache: PrefixCache | None = None
 
     @property
@@ -104,27 +103,21 @@ class DraftModelProposer(Proposer):
             self.fed[seq.request_id] = self.prefix_cache.load(seq.tokens[:-1], self.cache, slot, count=False)
 
     def remove(self, seq: Sequence) -> None:
-        self.deferred.pop(seq.request_id, None)
         slot = self.slot.pop(seq.request_id)
         fed = self.fed.pop(seq.request_id)
         if self.prefix_cache is not None and seq.finished and seq.finish_reason != "error":
             self.prefix_cache.store(seq.tokens[:fed], self.cache, slot)
         self.free.append(slot)
 
-    def prefill(self, seqs: list[Sequence], target: TargetHidden, beside_decoding: bool = False) -> None:
+    def prefill(self, seqs: list[Sequence], target: TargetHidden) -> None:
         """Feed each sequence's prompt up to the end of the target's chunk, from where its draft row is (its
         own cached prefix may be shorter or longer than the target's). The chunk that ends the prompt is left
         to the first draft (catch_up): the first token does not wait for the draft, whose row may also lag by
-        the answer before (tokens that prompt lookup drafted). A chunk beside decoding joins the next draft's
-        catch-up pass as rows of its own: there it fills the draft's tile of rows, where a pass of its own
-        costs the draft a whole unpacking of its weights."""
+        the answer before (tokens that prompt lookup drafted)."""
         rows = [s.tokens[self.fed[s.request_id]:start + n] if start + n < len(s.tokens) - 1 else []
                 for s, start, n in zip(seqs, target.start, target.n_valid)]
         fed = [(s, r) for s, r in zip(seqs, rows) if r]
-        if beside_decoding:
-            for s, r in fed:
-                self.deferred[s.request_id] = (s, self.fed[s.request_id] + len(r))
-        elif fed:
+        if fed:
             self._feed([s for s, _ in fed], [r for _, r in fed])
 
     def _feed(self, seqs: list[Sequence], rows: list[list[int]]) -> torch.Tensor:
@@ -186,21 +179,15 @@ class DraftModelProposer(Proposer):
         state of each row's newest token [B, 1, D]."""
         device = self.model.device
         unseen = [s.tokens[self.fed[s.request_id]:] for s in seqs]
-        # Prompt chunks put off beside decoding (prefill) ride in this pass as rows of their own.
-        drafting = {s.request_id for s in seqs}
-        prompts = [(s, s.tokens[self.fed[rid]:end]) for rid, (s, end) in self.deferred.items()
-                   if rid not in drafting and end > self.fed[rid]]
-        self.deferred = {}  # a drafting row's own catch-up covers its prompt
-        rows, unseen = seqs + [s for s, _ in prompts], unseen + [r for _, r in prompts]
         # A row far behind the others (a prompt's last chunk, an answer prompt lookup drafted) is fed its
         # lag in a pass of its own first: in theirs it would widen every row to its length.
         width = sorted(len(u) for u in unseen)[(len(unseen) - 1) // 2]
         behind = [b for b, u in enumerate(unseen) if len(u) > width]
-        if len(rows) > 1 and behind:
-            self._feed([rows[b] for b in behind], [unseen[b][:-width] for b in behind])
+        if len(seqs) > 1 and behind:
+            self._feed([seqs[b] for b in behind], [unseen[b][:-width] for b in behind])
             unseen = [u[-width:] for u in unseen]
-        hidden = self._feed(rows, unseen)
-        last = torch.tensor([len(u) - 1 for u in unseen[:len(seqs)]], device=device)
+        hidden = self._feed(seqs, unseen)
+        last = torch.tensor([len(u) - 1 for u in unseen], device=device)
         return hidden[torch.arange(len(seqs), device=device), last][:, None]
 
     def stop_unsure(self, confidence: torch.Tensor, n_draft: list[int], i: int) -> list[int]:

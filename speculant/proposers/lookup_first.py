@@ -50,8 +50,8 @@ class LookupFirstProposer(Proposer):
     def use_prefix_cache(self, capacity_bytes: int) -> bool:
         return self.model.use_prefix_cache(capacity_bytes)
 
-    def prefill(self, seqs: list[Sequence], target: TargetHidden, beside_decoding: bool = False) -> None:
-        self.model.prefill(seqs, target, beside_decoding)
+    def prefill(self, seqs: list[Sequence], target: TargetHidden) -> None:
+        self.model.prefill(seqs, target)
 
     def commit(self, seqs: list[Sequence], target: TargetHidden) -> None:
         self.model.commit(seqs, target)
