@@ -2,9 +2,9 @@
 
 While other sequences decode, a prompt rides in their step: its next chunk is one more row of the running
 batch's verify pass (an engine step's `riders`), so a long prompt arriving holds every running stream back by
-that row's compute, never by its whole prefill, and costs no read of the weights of its own (on a CPU that
-read is most of a decode step). The chunk is sized to cost about one decode step more (`ChunkSizer`): a
-stream's gap between tokens stays within about twice its usual. With nothing decoding, every prompt goes in
+that row's compute, never by its whole prefill, and costs no read of the weights of its own. The chunk is
+sized to cost at most about 1.5 decode steps more (`ChunkSizer`): a stream's gap between tokens stays within
+about 2.5 times its usual. With nothing decoding, every prompt goes in
 passes of its own, `max_chunk` tokens each. Sequences with the same prompt (the API's n) are fed once: the
 first one's row takes the chunks and the others copy it when it is done.
 
