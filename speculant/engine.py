@@ -581,7 +581,11 @@ class Engine:
         try:
             self.prefill(group, n)
         except Exception as e:
-            self._failed += [self._fail(s, e) for s in group.seqs]
+            self.fail_group(group, e)
+
+    def fail_group(self, group: Prefill, error: Exception) -> None:
+        """A prompt's chunk failed: its sequences finish as errors, reported by the next step."""
+        self._failed += [self._fail(s, error) for s in group.seqs]
 
     def ride(self, riders: list[tuple[Prefill, int]], hidden: torch.Tensor) -> None:
         """After a decode pass that carried prompt chunks (hidden [riders, T, D]): each group's chunk is in;
@@ -590,7 +594,7 @@ class Engine:
             try:
                 self.show_chunk(group, n, h[None, :n])
             except Exception as e:
-                self._failed += [self._fail(s, e) for s in group.seqs]
+                self.fail_group(group, e)
 
     def show_chunk(self, group: Prefill, n: int, hidden: torch.Tensor) -> None:
         """The target has fed a group's next n prompt tokens (their hidden states [1, n, D]): count them and

@@ -4,9 +4,9 @@ While other sequences decode, a prompt rides in their step: its next chunk is on
 batch's verify pass (an engine step's `riders`), so a long prompt arriving holds every running stream back by
 that row's compute, never by its whole prefill, and costs no read of the weights of its own. The chunk is
 sized to cost at most about 1.5 decode steps more (`ChunkSizer`): a stream's gap between tokens stays within
-about 2.5 times its usual. With nothing decoding, every prompt goes in
-passes of its own, `max_chunk` tokens each. Sequences with the same prompt (the API's n) are fed once: the
-first one's row takes the chunks and the others copy it when it is done.
+about 2.5 times its usual. With nothing decoding, every prompt goes in passes of its own, `max_chunk` tokens
+each. Sequences with the same prompt (the API's n) are fed once: the first one's row takes the chunks and the
+others copy it when it is done.
 
 Chunks change no bits: every pass computes a position's keys the same way (models/llama.py, prepare_pass),
 and a row's bits do not depend on the other rows of its pass.
@@ -30,18 +30,23 @@ def rider_positions(tokens: int, rows: int, width: int) -> int:
     return max(tokens, width) + rows * max(0, tokens - width)
 
 
+def tiles(rows: int, tile: int) -> int:
+    """Tiles of `tile` rows that `rows` rows take."""
+    return -(-rows // tile)
+
+
 def added_tiles(tokens: int, positions: int, tile: int) -> int:
     """Tiles of `tile` rows a chunk of `tokens` adds to a packed pass of `positions` rows: the native matmuls
     unpack a block of weights once per tile, so a pass costs by the tile, and a chunk that fills the last
     one is nearly free."""
-    return -(-(positions + tokens) // tile) - -(-positions // tile)
+    return tiles(positions + tokens, tile) - tiles(positions, tile)
 
 
 @dataclass
 class ChunkSizer:
-    """The prompt tokens a decode step carries: as many as cost about one step more. A step's extra cost is
-    fitted as fixed + per_unit × the units its chunk adds (tiles of a packed pass, added_tiles; else the
-    positions of a padded one, rider_positions), on the recent steps that carried chunks, against the
+    """The prompt tokens a decode step carries: as many as cost at most BUDGET_STEPS steps more. A step's extra
+    cost is fitted as fixed + per_unit × the units its chunk adds (tiles of a packed pass, added_tiles; else
+    the positions of a padded one, rider_positions), on the recent steps that carried chunks, against the
     recent steps that did not."""
 
     tile: int = 0  # rows a native matmul takes at once, where passes are packed; 0: passes are padded
@@ -98,8 +103,8 @@ class ChunkSizer:
             return 0.0, max(my / mx, self.learned)
         # Chunks that added no tile, or one size of them: a tile costs what was learned, else what the step's
         # own tiles cost (a guess, soon corrected: the chunk that takes a tile times one).
-        tiles = -(-self.positions // self.tile) if self.tile else 1
-        per_tile = max(self.learned or (self.step_s or my) / max(tiles, 1), my / mx if mx else 0.0)
+        own = tiles(self.positions, self.tile) if self.tile else 1
+        per_tile = max(self.learned or (self.step_s or my) / max(own, 1), my / mx if mx else 0.0)
         return max(0.0, my - per_tile * mx), per_tile
 
 
