@@ -188,6 +188,11 @@ def step_spans(times: list[float], same_step_s: float = 0.002) -> list[tuple[flo
     return list(zip(steps, steps[1:]))
 
 
+# Seconds the streams decode alone before the long prompt arrives: their median wait alone is read there, and
+# adaptive k's choices move it from stretch to stretch; a short stretch made the ratio a matter of luck.
+ALONE_S = 12.0
+
+
 def long_prompt(url: str, questions: list[str], filler: str, max_tokens: int) -> dict:
     """3 streams decode; once they are under way a ~4,000-token prompt arrives. The waits between their steps
     while it is prefilled (from its arrival to its first token), against their waits before it arrived."""
@@ -203,7 +208,7 @@ def long_prompt(url: str, questions: list[str], filler: str, max_tokens: int) ->
     for t in threads:
         t.start()
     started.wait()
-    time.sleep(4.0)  # the streams are decoding
+    time.sleep(ALONE_S)  # the streams are decoding
     sent = time.perf_counter()
     arrival = chat(url, [{"role": "user", "content": filler + "\n\nSummarize the text above in one line."}], 8)
     prefilled = sent + arrival.ttft_s
@@ -214,7 +219,7 @@ def long_prompt(url: str, questions: list[str], filler: str, max_tokens: int) ->
     during = sorted(b - a for a, b in spans if b > sent and a < prefilled)
     median_alone = statistics.median(alone)
     p99 = during[int(0.99 * (len(during) - 1))] if during else float("nan")
-    return {"step_wait_alone_median_s": median_alone, "step_wait_during_p99_s": p99,
+    return {"step_wait_alone_median_s": median_alone, "steps_alone": len(alone), "step_wait_during_p99_s": p99,
             "step_wait_during_max_s": during[-1] if during else float("nan"),
             "p99_during_over_median_alone": p99 / median_alone, "steps_during": len(during),
             "long_prompt_ttft_s": arrival.ttft_s,
@@ -305,7 +310,7 @@ def run(args: argparse.Namespace) -> dict:
         "conversation": lambda url: conversation(url, data["conversation"], args.max_tokens),
         "system": lambda url: shared_system(url, data["system"], data["questions"], args.max_tokens),
         "concurrent": lambda url: concurrent(url, concurrent_questions, 4, 3, 128),
-        "long-prompt": lambda url: long_prompt(url, data["questions"], filler, 1024),
+        "long-prompt": lambda url: long_prompt(url, data["questions"], filler, 2048),
     }
     for w in args.workloads:
         print(f"workload {w} …", file=sys.stderr, flush=True)
