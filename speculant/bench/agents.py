@@ -189,7 +189,7 @@ def step_spans(times: list[float], same_step_s: float = 0.002) -> list[tuple[flo
 
 
 # Seconds the streams decode alone before the long prompt arrives: their median wait alone is read there, and
-# adaptive k's choices move it from stretch to stretch; a short stretch made the ratio a matter of luck.
+# adaptive k's choices move it from stretch to stretch, so a short stretch leaves the ratio to luck.
 ALONE_S = 12.0
 
 
