@@ -127,6 +127,8 @@ class Engine:
     prefix_cache_bytes: int = 0  # keys and values kept for later requests (prefix_cache.py); 0: none
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # the most prompt tokens a pass feeds (scheduler.py); 0: all
     first_token_alone: bool = True  # a request's first step drafts nothing (_k_for)
+    # With nothing decoding, a prompt's last chunk is fed by its first decode step (_prefill_chunks).
+    last_chunk_decodes: bool = True
     stats: SpecStats = field(default_factory=SpecStats)
     timing: EngineTiming = field(default_factory=EngineTiming)
 
@@ -403,8 +405,10 @@ class Engine:
         n_draft = proposal.n_draft.tolist()
         drafts = proposal.tokens.tolist()
         rows = [s.tokens[s.num_cached:] + d[:n] for s, d, n in zip(batch, drafts, n_draft)]
-        self._width, self._positions = max(len(r) for r in rows), sum(len(r) for r in rows)
-        self._rode = 0
+        tails = [len(s.tokens) - s.num_cached - 1 for s in batch]  # a prompt's last chunk, on its first step
+        self._width = max(len(r) - t for r, t in zip(rows, tails))
+        self._positions = sum(len(r) - t for r, t in zip(rows, tails))
+        self._rode = sum(tails)
         if riders and proposal.parents is not None:  # a tree's pass has its own layout: chunks go apart
             for group, n in riders:
                 self.prefill_apart(group, n)
@@ -424,7 +428,7 @@ class Engine:
                 parents.append(chain_padded(fed, T))
         hidden = self.model(tokens, self.cache, slots, n_new, parents)  # [B + riders, T, D]
         if riders:
-            self._rode = sum(n for _, n in riders)
+            self._rode += sum(n for _, n in riders)
             self.ride(riders, hidden[len(batch):])
             hidden, rows = hidden[:len(batch)], rows[:len(batch)]
         # Row b's last unseen token predicts its first draft: positions n_unseen-1 .. n_new-1 (all of a
@@ -534,11 +538,19 @@ class Engine:
         else:
             chunk = self.prefill_chunk
         riders = []
+        # With nothing decoding, a prompt's last chunk is fed by its first decode step: the pass that gives the
+        # first token feeds it too, one pass less before that token. Rows of other widths are padded where
+        # passes are not packed: there only a prompt alone does it.
+        tails = self.last_chunk_decodes and not self.running and (self.model.packs_ragged or len(self.prefilling) == 1)
         for group, n in plan_chunks(self.prefilling, chunk, decoding):
             if group.lead.finished:  # an earlier chunk of its prompt failed
                 continue
             if decoding and n:
                 riders.append((group, n))
+            elif tails and n and n == group.remaining and len(group.seqs) == 1:
+                # The proposer sees the chunk at the step's commit; a draft model leaves a prompt's last chunk
+                # to its first draft anyway (DraftModelProposer.prefill).
+                group.tail, group.started = n, True
             else:
                 self.prefill_apart(group, n)
         self._release_finished()

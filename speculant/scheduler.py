@@ -114,6 +114,7 @@ class Prefill:
 
     seqs: list[Sequence]
     started: bool = False  # the proposer has been shown the prompt's first chunk (or its cached prefix)
+    tail: int = 0  # prompt tokens left to the first decode step, before the last one (Engine._prefill_chunks)
 
     @property
     def lead(self) -> Sequence:
@@ -121,8 +122,8 @@ class Prefill:
 
     @property
     def remaining(self) -> int:
-        """Prompt tokens still to feed: all but the last one, which the first decode step feeds."""
-        return len(self.lead.tokens) - 1 - self.lead.num_cached
+        """Prompt tokens still to feed: all but the last one and the tail, which the first decode step feeds."""
+        return len(self.lead.tokens) - 1 - self.lead.num_cached - self.tail
 
     @property
     def done(self) -> bool:

@@ -4,6 +4,7 @@ answer is the one it gets alone."""
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import save_tiny
 
 from speculant.config import SamplingParams
@@ -171,6 +172,30 @@ def test_the_first_token_does_not_wait_for_the_draft_model(tiny_pair):
     assert engine.stats.num_draft_tokens > 0 and engine.proposer.fed[seq.request_id] >= len(prompt)
     engine.generate([seq])
     assert seq.output_ids == alone(target, prompt)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_prompt_alone_feeds_its_last_chunk_in_the_pass_of_its_first_token(tiny_pair, dtype):
+    """With nothing decoding, the prompt's last chunk goes with its first decode step: one pass less before the
+    first token, the same keys and values in the cache, the same answer as with the chunk in a pass apart."""
+    target = load_model(tiny_pair[0], dtype=dtype)
+    prompt = [3 + (5 * i) % 90 for i in range(40)]
+    answers, keys, apart = [], [], []
+    for tail in (True, False):
+        engine = Engine(target, max_batch_size=2, max_model_len=256)
+        engine.prefill_chunk, engine.last_chunk_decodes = 16, tail
+        fed = []
+        prefill = engine.prefill
+        engine.prefill = lambda group, n, fed=fed, prefill=prefill: (fed.append(n), prefill(group, n))
+        seq = engine.add_request(prompt, GREEDY)
+        engine.step()
+        assert len(seq.output_ids) == 1
+        keys.append([t[seq.slot, :, :len(prompt)].clone() for t in (*engine.cache.k, *engine.cache.v)])
+        apart.append(fed)
+        answers.append(engine.generate([seq])[0].output_ids)
+    assert apart == [[16, 16], [16, 16, 7]]
+    assert answers[0] == answers[1]
+    assert all(torch.equal(a, b) for a, b in zip(*keys))
 
 
 def rides(engine: Engine) -> list[int]:
