@@ -5,8 +5,8 @@ batch's verify pass (an engine step's `riders`), so a long prompt arriving holds
 that row's compute, never by its whole prefill, and costs no read of the weights of its own. The chunk is
 sized to cost at most about 1.5 decode steps more (`ChunkSizer`): a stream's gap between tokens stays within
 about 2.5 times its usual. With nothing decoding, every prompt goes in passes of its own, `max_chunk` tokens
-each. Sequences with the same prompt (the API's n) are fed once: the first one's row takes the chunks and the
-others copy it when it is done.
+each, but its last chunk, which the pass of its first token feeds (`Prefill.tail`). Sequences with the same
+prompt (the API's n) are fed once: the first one's row takes the chunks and the others copy it when it is done.
 
 Chunks change no bits: every pass computes a position's keys the same way (models/llama.py, prepare_pass),
 and a row's bits do not depend on the other rows of its pass.
