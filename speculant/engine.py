@@ -541,13 +541,14 @@ class Engine:
         # With nothing decoding, a prompt's last chunk is fed by its first decode step: the pass that gives the
         # first token feeds it too, one pass less before that token. Rows of other widths are padded where
         # passes are not packed: there only a prompt alone does it.
-        tails = self.last_chunk_decodes and not self.running and (self.model.packs_ragged or len(self.prefilling) == 1)
+        to_first_step = (self.last_chunk_decodes and not self.running
+                         and (self.model.packs_ragged or len(self.prefilling) == 1))
         for group, n in plan_chunks(self.prefilling, chunk, decoding):
             if group.lead.finished:  # an earlier chunk of its prompt failed
                 continue
             if decoding and n:
                 riders.append((group, n))
-            elif tails and n and n == group.remaining and len(group.seqs) == 1:
+            elif to_first_step and n and n == group.remaining and len(group.seqs) == 1:
                 # The proposer sees the chunk at the step's commit; a draft model leaves a prompt's last chunk
                 # to its first draft anyway (DraftModelProposer.prefill).
                 group.tail, group.started = n, True
