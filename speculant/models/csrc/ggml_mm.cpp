@@ -123,19 +123,21 @@ struct Plane {
 
   // Group g of block b → vectors v0 .. v1 of its 8 (all, or one half group's 4), vector v holding for each
   // output j its inputs 4v .. 4v+3.
-  template <int v0 = 0, int v1 = 8>
-  static void unpack(const Weights& w, int64_t bg, I* out) {
+  static inline void unpack(const Weights& w, int64_t bg, I* out, int v0 = 0, int v1 = 8) {
     const uint8_t* lo = w.low + bg * kLow;
     if constexpr (BITS == 8) {
+#pragma GCC unroll 8
       for (int v = v0; v < v1; v++) out[v] = vec::load_bytes(lo + 64 * v);
     } else {
       const I low4 = vec::set8(0x0F);
+#pragma GCC unroll 8
       for (int v = v0; v < v1; v++) {  // vectors v and v + 4 share a byte: its low and high nibbles
         const I packed = vec::load_bytes(lo + 64 * (v % 4));
         out[v] = (v < 4 ? packed : vec::shr16(packed, 4)) & low4;
       }
       if constexpr (BITS == 5) {  // bit v of each byte: vector v's fifth bit
         const I hi = vec::load_bytes(w.high + bg * kHigh), one = vec::set8(1);
+#pragma GCC unroll 8
         for (int v = v0; v < v1; v++) out[v] = out[v] | vec::shl16(vec::shr16(hi, v) & one, 4);
       } else if constexpr (BITS == 6) {  // bits 2(v mod 4), +1 of vector v / 4: the two top bits
         const I three = vec::set8(3);
@@ -155,36 +157,44 @@ struct Plane {
   }
 };
 
-// Half h of group g (of H) of block b unpacked, and, at its first half, the stream 16 groups ahead requested
-// (past the block's end: the next block's). A half at a time keeps fewer vectors live.
-template <int BITS, int H, int h>
-inline void unpack_half(const Weights& w, int64_t b, int64_t g, I* u) {
-  const int64_t bg = b * w.G + g;
-  if (h == 0) Plane<BITS>::prefetch(w, bg + 16);
-  Plane<BITS>::template unpack<h * 8 / H, (h + 1) * 8 / H>(w, bg, u);
-}
 
 template <int R>
 inline void store_rows(const Weights& w, const F* acc, uint16_t* Y, int64_t r0, int64_t b) {
   for (int i = 0; i < R; i++) vec::store_bf16(Y + (r0 + i) * w.ld + b * 16, acc[i]);
 }
 
-// Rows' sums Σ u·p over half group h of group g (the whole group where H = 1), added to `exact`: R
-// independent chains of dpbusd, each input dword broadcast from the rows' interleaved layout.
-template <int BITS, int H, int R>
-inline void half_sums(const Rows& x, int64_t g, int h, const I* u, I* exact) {
+// Rows' sums Σ u·p over half group h of group g (the whole group where H = 1) of block b, added to `exact`,
+// and, at a group's first half, the stream 16 groups ahead requested (past the block's end: the next block's).
+// With VNNI: R independent chains of dpbusd, each input dword broadcast from the rows' interleaved layout.
+// Without, pairs are summed to 16 bits first, and each widening multiplies by `times` (int16 pairs, each one
+// value twice): a sub-scale folded into the multiply that widens anyway, exact in integers as a product after it.
+template <int BITS, int H, int h, int R>
+inline void half_sums(const Weights& w, int64_t b, int64_t g, const Rows& x, I* exact, I times) {
   const int32_t* P = x.p + g * 8 * R;  // the group's 8 dwords of each row, [8][R]
-  const int v0 = h * 8 / H, v1 = (h + 1) * 8 / H;
+  constexpr int v0 = h * 8 / H, v1 = (h + 1) * 8 / H;
+  const int64_t bg = b * w.G + g;
+  if (h == 0) Plane<BITS>::prefetch(w, bg + 16);
+  I u[8];
   if constexpr (vec::kPairSums && BITS < 8) {
     // Runs of vectors whose 16-bit pair sums cannot overflow (each |pair| ≤ 2·(2^BITS − 1)·127) widen once.
+    // Each vector is unpacked where all rows take it: AVX2's 16 registers then hold it and the rows' sums.
     constexpr int kRun = BITS == 4 ? 8 : BITS == 5 ? 4 : 2;
-    for (int r = v0; r < v1; r += kRun)
-      for (int i = 0; i < R; i++) {
-        I s = vec::pairs(u[r], vec::set32(P[r * R + i]));
-        for (int v = r + 1; v < r + kRun; v++) s = vec::add16(s, vec::pairs(u[v], vec::set32(P[v * R + i])));
-        exact[i] = vec::widen(exact[i], s);
+#pragma GCC unroll 8
+    for (int r = v0; r < v1; r += kRun) {
+      I s[R];
+#pragma GCC unroll 8
+      for (int v = r; v < r + kRun; v++) {
+        Plane<BITS>::unpack(w, bg, u, v, v + 1);
+#pragma GCC unroll 8
+        for (int i = 0; i < R; i++) {
+          const I pair = vec::pairs(u[v], vec::set32(P[v * R + i]));
+          s[i] = v == r ? pair : vec::chained(vec::add16(s[i], pair));
+        }
       }
+      for (int i = 0; i < R; i++) exact[i] = vec::widen(exact[i], s[i], times);
+    }
   } else {
+    Plane<BITS>::unpack(w, bg, u, v0, v1);
     for (int v = v0; v < v1; v++)
       for (int i = 0; i < R; i++) exact[i] = vec::dpbusd_at<BITS == 8>(exact[i], u[v], P + v * R + i);
   }
@@ -196,13 +206,13 @@ inline void half_sums(const Rows& x, int64_t g, int h, const I* u, I* exact) {
 template <int BITS, bool MINS, int R>
 void block(const Weights& w, const Activations& a, uint16_t* Y, int64_t r0, int64_t b) {
   const Rows x(a, r0);
+  const I one = vec::set16(1);
   F acc[R];
   for (int i = 0; i < R; i++) acc[i] = vec::zero();
   for (int64_t g = 0; g < w.G; g++) {
-    I u[8], exact[R];
-    unpack_half<BITS, 1, 0>(w, b, g, u);
+    I exact[R];
     for (int i = 0; i < R; i++) exact[i] = vec::set32(-(int32_t)w.offset * x.sum[g * R + i]);
-    half_sums<BITS, 1, R>(x, g, 0, u, exact);
+    half_sums<BITS, 1, 0, R>(w, b, g, x, exact, one);
     const F scale = vec::load_fp16(w.d + (b * w.G + g) * 16);
     for (int i = 0; i < R; i++) acc[i] = vec::fmadd(vec::to_f(exact[i]) * scale, vec::set(x.dx[g * R + i]), acc[i]);
     if constexpr (MINS) {
@@ -233,12 +243,16 @@ void super_block(const Weights& w, const Activations& a, uint16_t* Y, int64_t r0
         for (int i = 0; i < R; i++) scaled[i] = vec::dpwssd(scaled[i], lift, vec::set32(x.halves[g * R + i]));
       }
       auto half = [&](auto h) {  // h a compile-time constant: the half's vectors stay in registers
-        I u[8], exact[R];
-        unpack_half<BITS, H, h>(w, b, g, u);
-        for (int i = 0; i < R; i++) exact[i] = vec::zero_i();
-        half_sums<BITS, H, R>(x, g, h, u, exact);
-        const I sc = vec::widen_i8(w.sc + ((b * G + g) * H + h) * 16);
-        for (int i = 0; i < R; i++) scaled[i] = vec::add32(scaled[i], vec::mul32(exact[i], sc));
+        const int8_t* sc = w.sc + ((b * G + g) * H + h) * 16;
+        if constexpr (vec::kPairSums && BITS < 8) {  // the sub-scale multiplies as the sums widen
+          half_sums<BITS, H, h, R>(w, b, g, x, scaled, vec::each_twice(sc));
+        } else {
+          I exact[R];
+          for (int i = 0; i < R; i++) exact[i] = vec::zero_i();
+          half_sums<BITS, H, h, R>(w, b, g, x, exact, vec::zero_i());
+          const I scale = vec::widen_i8(sc);
+          for (int i = 0; i < R; i++) scaled[i] = vec::add32(scaled[i], vec::mul32(exact[i], scale));
+        }
       };
       half(std::integral_constant<int, 0>{});
       if constexpr (H == 2) half(std::integral_constant<int, 1>{});

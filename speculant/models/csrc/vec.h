@@ -58,6 +58,7 @@ inline uint32_t nan(F a) { return _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q); }
 
 inline I zero_i() { return {_mm512_setzero_si512()}; }
 inline I set8(int8_t x) { return {_mm512_set1_epi8(x)}; }
+inline I set16(int16_t x) { return {_mm512_set1_epi16(x)}; }
 inline I set32(int32_t x) { return {_mm512_set1_epi32(x)}; }
 inline I load_bytes(const void* p) { return {_mm512_loadu_si512(p)}; }  // 64 bytes
 inline I operator&(I a, I b) { return {_mm512_and_si512(a.v, b.v)}; }
@@ -122,7 +123,10 @@ inline I dpbusd_at(I acc, I u, const int32_t* p) {
 constexpr bool kPairSums = false;
 inline I pairs(I, I) { return zero_i(); }
 inline I add16(I a, I) { return a; }
+inline I chained(I a) { return a; }
 inline I widen(I acc, I) { return acc; }
+inline I widen(I acc, I, I) { return acc; }
+inline I each_twice(const int8_t*) { return zero_i(); }
 
 // acc + each lane's pair q[2i]·k[2i] + q[2i+1]·k[2i+1] of 32 bf16 values.
 inline F dot_bf16(F acc, const uint16_t* q, const uint16_t* k) {
@@ -240,6 +244,7 @@ inline uint32_t nan(F a) { return bits(_mm256_cmp_ps(a.lo, a.lo, _CMP_UNORD_Q), 
 
 inline I zero_i() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 inline I set8(int8_t x) { return {_mm256_set1_epi8(x), _mm256_set1_epi8(x)}; }
+inline I set16(int16_t x) { return {_mm256_set1_epi16(x), _mm256_set1_epi16(x)}; }
 inline I set32(int32_t x) { return {_mm256_set1_epi32(x), _mm256_set1_epi32(x)}; }
 inline I load_bytes(const void* p) {
   return {_mm256_loadu_si256((const __m256i*)p), _mm256_loadu_si256((const __m256i*)p + 1)};
@@ -287,9 +292,27 @@ constexpr bool kPairSums = true;
 #endif
 inline I pairs(I u, I p) { return {_mm256_maddubs_epi16(u.lo, p.lo), _mm256_maddubs_epi16(u.hi, p.hi)}; }
 inline I add16(I a, I b) { return {_mm256_add_epi16(a.lo, b.lo), _mm256_add_epi16(a.hi, b.hi)}; }
+// a, opaque to the compiler: a chain of integer sums stays a chain. Reassociated into a tree, its products
+// all come first and spill from AVX2's 16 registers.
+inline I chained(I a) {
+  __asm__("" : "+x"(a.lo), "+x"(a.hi));
+  return a;
+}
+// acc + each 32-bit lane's int16 pair of s summed, times that lane's int16 pair of w (a value twice: a
+// sub-scale, which then costs no multiply of its own, or 1).
+inline I widen(I acc, I s, I w) {
+  return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(s.lo, w.lo)), _mm256_add_epi32(acc.hi, _mm256_madd_epi16(s.hi, w.hi))};
+}
 inline I widen(I acc, I s) {
   const __m256i one = _mm256_set1_epi16(1);
-  return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(s.lo, one)), _mm256_add_epi32(acc.hi, _mm256_madd_epi16(s.hi, one))};
+  return widen(acc, s, {one, one});
+}
+// Lane j: the int16 pair (p[j], p[j]).
+inline I each_twice(const int8_t* p) {
+  const I x = widen_i8(p);
+  const __m256i low = _mm256_set1_epi32(0xFFFF);
+  return {_mm256_or_si256(_mm256_and_si256(x.lo, low), _mm256_slli_epi32(x.lo, 16)),
+          _mm256_or_si256(_mm256_and_si256(x.hi, low), _mm256_slli_epi32(x.hi, 16))};
 }
 
 inline __m256i dpbusd8(__m256i acc, __m256i u, __m256i p) {
