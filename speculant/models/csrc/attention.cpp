@@ -93,6 +93,137 @@ void attend_rows(const AttentionArgs& a) {
   });
 }
 
+// AVX2 and bf16: attend_row's products and sums in its order, so its bits, but each key and value turned into
+// fp32 once for all the query heads that read it (the heads of one key head together), where attend_row
+// converts both operands at every product: on AVX2 (no vdpbf16ps) that conversion was most of a long context's
+// attention.
+#if !defined(__AVX512F__)
+namespace grouped {
+
+constexpr int64_t kKeys = 32;  // keys converted at a time: 16 KB of fp32 at D = 128, within L1
+
+// A row of D bf16 → D fp32 as dot_bf16 takes it apart: per 16 inputs, the 8 even ones, then the 8 odd ones.
+inline void split_row(const uint16_t* p, float* out, int64_t D) {
+  const __m256i high = _mm256_set1_epi32((int32_t)0xFFFF0000);
+  for (int64_t c = 0; c < D; c += 16) {
+    const __m256i x = _mm256_loadu_si256((const __m256i*)(p + c));
+    _mm256_storeu_ps(out + c, _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)));
+    _mm256_storeu_ps(out + c + 8, _mm256_castsi256_ps(_mm256_and_si256(x, high)));
+  }
+}
+
+// A row of D bf16 → D fp32 in order, as load_bf16 reads it.
+inline void widen_row(const uint16_t* p, float* out, int64_t D) {
+  for (int64_t c = 0; c < D; c += 16) {
+    const vec::F x = vec::load_bf16(p + c);
+    _mm256_storeu_ps(out + c, x.lo);
+    _mm256_storeu_ps(out + c + 8, x.hi);
+  }
+}
+
+// Scores of a query against n keys, both split (split_row): attend_row's dot, its two chains of products
+// (inputs 0–15 and 16–31 of every 32), summed by vec::sum and scaled. R keys at a time share the query's loads.
+template <int R>
+inline void scores_of(const float* q, const float* keys, int64_t D, float scale, float* out) {
+  __m256 lo[R], hi[R];
+  for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < D; c += 32) {
+    const __m256 q0 = _mm256_loadu_ps(q + c), q1 = _mm256_loadu_ps(q + c + 8), q2 = _mm256_loadu_ps(q + c + 16),
+                 q3 = _mm256_loadu_ps(q + c + 24);
+    for (int r = 0; r < R; r++) {
+      const float* k = keys + r * D + c;
+      lo[r] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k + 8), _mm256_fmadd_ps(q0, _mm256_loadu_ps(k), lo[r]));
+      hi[r] = _mm256_fmadd_ps(q3, _mm256_loadu_ps(k + 24), _mm256_fmadd_ps(q2, _mm256_loadu_ps(k + 16), hi[r]));
+    }
+  }
+  for (int r = 0; r < R; r++) out[r] = vec::sum(vec::F{lo[r], hi[r]}) * scale;
+}
+
+// out[0 .. W·8) += Σ_i p[i]·values[i] over n values in order (fp32, row stride D): attend_row's chains.
+template <int W>
+inline void weigh(const float* p, const float* values, int64_t n, int64_t D, float* out) {
+  __m256 acc[W];
+  for (int c = 0; c < W; c++) acc[c] = _mm256_loadu_ps(out + 8 * c);
+  for (int64_t i = 0; i < n; i++) {
+    const __m256 w = _mm256_set1_ps(p[i]);
+    for (int c = 0; c < W; c++) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(values + i * D + 8 * c), acc[c]);
+  }
+  for (int c = 0; c < W; c++) _mm256_storeu_ps(out + 8 * c, acc[c]);
+}
+
+// A thread's scratch, kept from call to call.
+struct Buffers {
+  float *q, *block, *scores, *out;
+  int64_t S;
+  Buffers(int64_t G, int64_t D, int64_t S) : S(S) {
+    static thread_local std::vector<float> memory;
+    if ((int64_t)memory.size() < G * D * 2 + kKeys * D + G * S) memory.resize(G * D * 2 + kKeys * D + G * S);
+    q = memory.data(), out = q + G * D, block = out + G * D, scores = block + kKeys * D;
+  }
+};
+
+// Query heads q[0 .. G) (stride qh) of one row, sharing key head k, v (row stride `stride`), over its n keys
+// (rows index[0 .. n) with a tree) → out (stride G·D apart: head h at out + h·D).
+void attend_heads(const uint16_t* q, int64_t qh, int64_t G, const uint16_t* k, const uint16_t* v, int64_t stride,
+                  int64_t n, int64_t D, float scale, const int64_t* index, Buffers& buf, uint16_t* out) {
+  float *qs = buf.q, *block = buf.block, *scores = buf.scores, *acc = buf.out;
+  const int64_t S = buf.S;
+  for (int64_t h = 0; h < G; h++) split_row(q + h * qh, qs + h * D, D);
+  auto row = [&](int64_t j) { return index ? index[j] : j; };
+  for (int64_t j0 = 0; j0 < n; j0 += kKeys) {
+    const int64_t nb = std::min(kKeys, n - j0);
+    for (int64_t i = 0; i < nb; i++) split_row(k + row(j0 + i) * stride, block + i * D, D);
+    for (int64_t h = 0; h < G; h++) {
+      int64_t i = 0;
+      for (; i + 4 <= nb; i += 4) scores_of<4>(qs + h * D, block + i * D, D, scale, scores + h * S + j0 + i);
+      for (; i < nb; i++) scores_of<1>(qs + h * D, block + i * D, D, scale, scores + h * S + j0 + i);
+    }
+  }
+  std::fill(acc, acc + G * D, 0.f);
+  float inv[64];
+  for (int64_t h = 0; h < G; h++) inv[h] = 1.f / speculant::exponentiate(scores + h * S, n);
+  for (int64_t j0 = 0; j0 < n; j0 += kKeys) {
+    const int64_t nb = std::min(kKeys, n - j0);
+    for (int64_t i = 0; i < nb; i++) widen_row(v + row(j0 + i) * stride, block + i * D, D);
+    for (int64_t h = 0; h < G; h++)
+      for (int64_t c = 0; c < D; c += 64) {
+        if (D - c >= 64) weigh<8>(scores + h * S + j0, block + c, nb, D, acc + h * D + c);
+        else weigh<4>(scores + h * S + j0, block + c, nb, D, acc + h * D + c);
+      }
+  }
+  for (int64_t h = 0; h < G; h++)
+    for (int64_t c = 0; c < D; c += 16) {
+      const vec::F x{_mm256_loadu_ps(acc + h * D + c), _mm256_loadu_ps(acc + h * D + c + 8)};
+      alignas(64) float o[16];
+      vec::store(o, x * vec::set(inv[h]));
+      for (int i = 0; i < 16; i++) put(out + h * D + c + i, o[i]);
+    }
+}
+
+// One task per row and key head.
+void attend(const AttentionArgs& a) {
+  const int64_t G = a.Hq / a.Hkv;
+  speculant::Team::parallel_for(0, a.B * a.T * a.Hkv, 1, [&](int64_t i0, int64_t i1) {
+    Buffers buf(G, a.D, a.S);
+    std::vector<int64_t> index(a.tree ? a.S : 0);
+    for (int64_t i = i0; i < i1; i++) {
+      const int64_t b = i / (a.T * a.Hkv), t = (i / a.Hkv) % a.T, kvh = i % a.Hkv;
+      int64_t tail[64];
+      const auto [start, n] = speculant::row_keys(a, b, t, tail);
+      if (a.tree) {
+        for (int64_t j = 0; j < start; j++) index[j] = j;
+        std::copy(tail, tail + (n - start), index.data() + start);
+      }
+      const int64_t base = a.slots[b] * a.sb + kvh * a.sh, h0 = kvh * G;
+      attend_heads(a.q + b * a.qb + t * a.qt + h0 * a.qh, a.qh, G, a.k + base, a.v + base, a.ss, n, a.D, a.scale,
+                   a.tree ? index.data() : nullptr, buf, a.out + ((b * a.T + t) * a.Hq + h0) * a.D);
+    }
+  });
+}
+
+}  // namespace grouped
+#endif
+
 }  // namespace
 
 // q [B, T, Hq, D] (any strides, the last dimension contiguous: a view of the qkv projection); keys, values
@@ -129,6 +260,10 @@ void attention_into(const torch::Tensor& q, const torch::Tensor& keys, const tor
     attend_rows<float>(args);
   else if (amx && speculant::amx_usable() && D <= 128)
     speculant::attention_amx(args);
+#if !defined(__AVX512F__)
+  else if (Hq / Hkv <= 64)
+    grouped::attend(args);
+#endif
   else
     attend_rows<uint16_t>(args);
 }
