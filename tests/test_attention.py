@@ -92,3 +92,42 @@ def test_a_tree_node_attends_as_its_branch_decoded_alone(first, amx):
             k[:, :, first + depth], v[:, :, first + depth] = keys[:, :, first + node], values[:, :, first + node]
         alone = attend(q[:, t:t + 1], k, v, torch.tensor([[first + len(branch)]]), amx=amx)
         assert torch.equal(alone[:, 0], out[:, t]), f"node {t}"
+
+
+def test_a_kernel_lets_other_threads_run_while_it_works():
+    """The server streams a step's tokens from its HTTP thread while the engine thread is in the next pass: a
+    kernel that kept the GIL would hold every stream back by a whole pass. The main thread here must get to run
+    while another thread is inside one kernel call (with the GIL kept, not one of its loop turns could)."""
+    import threading
+    import time
+
+    torch.manual_seed(0)
+    keys = torch.randn(1, 2, 4096, 128).to(torch.bfloat16)
+    q = torch.randn(1, 256, 12, 128).to(torch.bfloat16)
+    n_keys = torch.full((1, 256), 4000)
+    inside: list[float] = []
+
+    def work() -> None:
+        t0 = time.perf_counter()
+        attend(q, keys, keys, n_keys, amx=False)
+        inside.extend((t0, time.perf_counter()))
+
+    def spin(until) -> list[float]:
+        seen = []
+        while until():
+            seen.append(time.perf_counter())
+        return seen
+
+    # The main thread's pace alone, then beside the call: with the GIL kept it ran at ~0.2 % of it, released
+    # at ~40 % (2 cores, the kernel on both).
+    t_stop = time.perf_counter() + 0.05
+    alone = len(spin(lambda: time.perf_counter() < t_stop)) / 0.05
+    worker = threading.Thread(target=work)
+    worker.start()
+    seen = spin(worker.is_alive)
+    worker.join()
+    start, end = inside
+    assert end - start > 0.02, "the call must last long enough to tell"
+    during = [t for t in seen if start + 0.005 < t < end - 0.005]
+    assert len(during) > 0.05 * alone * (end - start - 0.01), (
+        f"the main thread ran {len(during)} times in a {end - start:.3f} s kernel call, {alone:.0f} a second alone")

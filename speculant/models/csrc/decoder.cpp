@@ -229,22 +229,25 @@ class DecoderStack {
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  // Every kernel lets go of the GIL while it runs: a server's other threads (its HTTP side, streaming the
+  // last step's tokens) go on through a pass, where they would otherwise wait for it to end.
+  const pybind11::call_guard<pybind11::gil_scoped_release> kFree;
   mod.def("set_amx", [](bool allowed) { speculant::amx_allowed() = allowed; });
-  mod.def("int4_mm", &int4_mm);
-  mod.def("int8_mm", &int8_mm);
-  mod.def("ggml_mm", &ggml_mm);
-  mod.def("bf16_mm", &bf16_mm);
-  mod.def("f32_mm", &f32_mm);
-  mod.def("attention", &attention, pybind11::arg("q"), pybind11::arg("keys"), pybind11::arg("values"),
+  mod.def("int4_mm", &int4_mm, kFree);
+  mod.def("int8_mm", &int8_mm, kFree);
+  mod.def("ggml_mm", &ggml_mm, kFree);
+  mod.def("bf16_mm", &bf16_mm, kFree);
+  mod.def("f32_mm", &f32_mm, kFree);
+  mod.def("attention", &attention, kFree, pybind11::arg("q"), pybind11::arg("keys"), pybind11::arg("values"),
           pybind11::arg("n_keys"), pybind11::arg("scale"), pybind11::arg("slots") = pybind11::none(),
           pybind11::arg("tree") = pybind11::none(), pybind11::arg("amx") = true);
-  mod.def("rms_norm", &rms_norm);
-  mod.def("add_rms_norm", &add_rms_norm);
-  mod.def("rope_", &rope_);
-  mod.def("silu_mul", &silu_mul);
-  mod.def("argmax_rows", &argmax_rows);
-  mod.def("sample_row", &sample_row);
-  mod.def("decoder_layer", &decoder_layer, pybind11::arg("x"), pybind11::arg("input_norm"),
+  mod.def("rms_norm", &rms_norm, kFree);
+  mod.def("add_rms_norm", &add_rms_norm, kFree);
+  mod.def("rope_", &rope_, kFree);
+  mod.def("silu_mul", &silu_mul, kFree);
+  mod.def("argmax_rows", &argmax_rows, kFree);
+  mod.def("sample_row", &sample_row, kFree);
+  mod.def("decoder_layer", &decoder_layer, kFree, pybind11::arg("x"), pybind11::arg("input_norm"),
           pybind11::arg("post_attention_norm"), pybind11::arg("eps"), pybind11::arg("qkv_proj"), pybind11::arg("o_proj"),
           pybind11::arg("gate_up_proj"), pybind11::arg("down_proj"), pybind11::arg("cos"), pybind11::arg("sin"),
           pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("slots"), pybind11::arg("n_keys"),
@@ -253,10 +256,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   pybind11::class_<DecoderStack>(mod, "DecoderStack")
       .def(pybind11::init<std::vector<std::vector<std::vector<torch::Tensor>>>, torch::Tensor, double, int64_t,
                           int64_t>())
-      .def("forward", &DecoderStack::forward, pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin"),
+      .def("forward", &DecoderStack::forward, kFree, pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin"),
            pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("slots"), pybind11::arg("n_keys"),
            pybind11::arg("tree") = pybind11::none())
-      .def("decode", &DecoderStack::decode, pybind11::arg("tokens"), pybind11::arg("embed"), pybind11::arg("cos_table"),
+      .def("decode", &DecoderStack::decode, kFree, pybind11::arg("tokens"), pybind11::arg("embed"), pybind11::arg("cos_table"),
            pybind11::arg("sin_table"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("lengths"),
            pybind11::arg("slots"), pybind11::arg("max_len"), pybind11::arg("n_new") = pybind11::none());
 }
