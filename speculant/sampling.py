@@ -68,6 +68,8 @@ class SamplingBatch:
     positions: list[int]
     # Row b's grammar state (structured output), None for a free row; None for a batch without grammars.
     grammars: list[GrammarState | None] | None = None
+    # Whether row b samples from a seed of its own (SamplingParams.seed): its tokens must not depend on k.
+    seeded: list[bool] | None = None
 
     @classmethod
     def build(cls, params: list[SamplingParams], keys: list[int | None], device: torch.device,
@@ -87,6 +89,7 @@ class SamplingBatch:
             transforms=[(0.0 if p.greedy else p.temperature, max(p.top_k, 0), p.top_p, p.min_p) for p in params],
             positions=positions or [0] * len(params),
             grammars=grammars if grammars and any(g is not None for g in grammars) else None,
+            seeded=[p.seed is not None and not p.greedy for p in params],
         )
 
     def select(self, rows: list[int]) -> SamplingBatch:
@@ -98,7 +101,11 @@ class SamplingBatch:
         return SamplingBatch(self.temperature[at], self.top_k[at], self.top_p[at], self.min_p[at], self.greedy[at],
                              [self.keys[b] for b in rows], self.all_greedy, [self.transforms[b] for b in rows],
                              [self.positions[b] for b in rows],
-                             None if self.grammars is None else [self.grammars[b] for b in rows])
+                             None if self.grammars is None else [self.grammars[b] for b in rows],
+                             None if self.seeded is None else [self.seeded[b] for b in rows])
+
+    def is_seeded(self, b: int) -> bool:
+        return self.seeded is not None and self.seeded[b]
 
     def ahead(self, offset: int) -> SamplingBatch:
         """The batch `offset` positions further on: a draft model's draws for its later drafts."""

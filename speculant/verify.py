@@ -50,12 +50,12 @@ def verify_logits(draft: torch.Tensor, n_draft: torch.Tensor, logits: torch.Tens
 
 
 def rule_rows(q: torch.Tensor | None, by_rule: list[bool] | None, n_draft: list[int], sb: SamplingBatch) -> list[int]:
-    """The rows the acceptance rule verifies: sampled rows with drafts drawn from q (every such row with a
-    draft where by_rule is None)."""
+    """The rows the acceptance rule verifies: unseeded sampled rows with drafts drawn from q (every such row
+    with a draft where by_rule is None). A seeded row's drafts are always coupled (Proposer.draw)."""
     if q is None:
         return []
     return [b for b, (key, n) in enumerate(zip(sb.keys, n_draft))
-            if key is not None and n > 0 and (by_rule is None or by_rule[b])]
+            if key is not None and n > 0 and (by_rule is None or by_rule[b]) and not sb.is_seeded(b)]
 
 
 def verify_tree_logits(draft: torch.Tensor, n_draft: torch.Tensor, parents: list[list[int]], logits: torch.Tensor,

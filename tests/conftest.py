@@ -79,3 +79,13 @@ def transformers_smollm(smollm_path):
     folder, name = str(smollm_path.parent), smollm_path.name
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
     return model, tokenizer
+
+
+@pytest.fixture
+def rule_path(monkeypatch):
+    """Seeded requests verified as unseeded ones are: a draft model's drafts drawn from q and judged by the
+    acceptance rule, with the seeds' keys, so the counts are the same every run. (A seeded row's drafts are
+    coupled and it writes plain decoding's tokens: only this path shows the rule's distribution.)"""
+    from speculant.sampling import SamplingBatch
+
+    monkeypatch.setattr(SamplingBatch, "is_seeded", lambda self, b: False)

@@ -102,20 +102,16 @@ def patch_mixed_rows(name: str, monkeypatch) -> None:
         raise ValueError(name)
 
 
-def patch_draft_draws(name: str, monkeypatch) -> None:
-    """Break the draft model's draws (Proposer.draw's uniforms, sampling.SamplingBatch.draws)."""
-    from speculant.sampling import SamplingBatch, uniform
+def patch_seeded_rows(name: str, monkeypatch) -> None:
+    """Break what makes a seeded draft-model row write plain decoding's tokens (Proposer.draw, verify.rule_rows)."""
+    from speculant.sampling import SamplingBatch
 
-    if name == "by_batch_row":  # a row's draft draws come from its place in the batch, not from its key alone
-        draws = SamplingBatch.draws
-
-        def by_row(self, purpose, offset=0):
-            if purpose != DRAFT:
-                return draws(self, purpose, offset)
-            return [None if key is None else uniform(key + b, position + offset, purpose)
-                    for b, (key, position) in enumerate(zip(self.keys, self.positions))]
-
-        monkeypatch.setattr(SamplingBatch, "draws", by_row)
+    if name == "seeded_by_the_rule":  # a seeded row's drafts drawn from q and verified by the rule, as unseeded
+        monkeypatch.setattr(SamplingBatch, "is_seeded", lambda self, b: False)
+    elif name == "coupled_draw_by_the_rule":  # drawn as plain decoding draws, but verified by the rule
+        real = verify_module.rule_rows
+        monkeypatch.setattr(verify_module, "rule_rows",
+                            lambda q, by_rule, n_draft, sb: real(q, by_rule, n_draft, replace(sb, seeded=None)))
     else:
         raise ValueError(name)
 

@@ -30,6 +30,9 @@ from speculant.proposers.lookup_first import LookupFirstProposer
 from speculant.proposers.ngram import NgramProposer
 from speculant.sampling import SamplingBatch, probabilities
 
+# Seeded requests here are judged as unseeded ones are (conftest.rule_path): the acceptance rule's path.
+pytestmark = pytest.mark.usefixtures("rule_path")
+
 ALPHA = 1e-3
 N_SAMPLES = 6000
 N_TOKENS = 3

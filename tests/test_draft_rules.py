@@ -30,6 +30,9 @@ from speculant.proposers.draft_model import DraftModelProposer
 from speculant.proposers.draft_vocab import HeadRows, draft_vocab_ids
 from speculant.sampling import SamplingBatch
 
+# Seeded requests here are judged as unseeded ones are (conftest.rule_path): the acceptance rule's path.
+pytestmark = pytest.mark.usefixtures("rule_path")
+
 # Where the small-vocabulary draft stops at about half its positions (its likeliest token's probability there).
 P_MIN = 0.45
 P_CHAIN = 0.2  # where it drafts about 40% fewer of the positions past the first; its mutant is caught here

@@ -15,6 +15,9 @@ from speculant.proposers import build_proposer
 from speculant.proposers.eagle import EagleHead, EagleProposer, head_config, load_eagle, save_eagle
 from speculant.sampling import probabilities
 
+# Seeded requests here are judged as unseeded ones are (conftest.rule_path): the acceptance rule's path.
+pytestmark = pytest.mark.usefixtures("rule_path")
+
 BATCH = 400
 
 

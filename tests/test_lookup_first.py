@@ -22,6 +22,9 @@ from speculant.proposers.lookup_first import LookupFirstProposer
 from speculant.proposers.ngram import NgramProposer
 from speculant.sampling import SamplingBatch
 
+# Seeded requests here are judged as unseeded ones are (conftest.rule_path): the acceptance rule's path.
+pytestmark = pytest.mark.usefixtures("rule_path")
+
 # Repeats for the lookup to find, and stretches where it finds nothing.
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 12, 13], list(range(20, 45)) + list(range(20, 30)), [9]]
 GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)

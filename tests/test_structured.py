@@ -31,6 +31,9 @@ from speculant.proposers.ngram import NgramProposer
 from speculant.sampling import SamplingBatch, constrain, probabilities
 from speculant.structured.grammar import GrammarCompiler
 
+# Seeded requests here are judged as unseeded ones are (conftest.rule_path): the acceptance rule's path.
+pytestmark = pytest.mark.usefixtures("rule_path")
+
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 6},
     "quantity_in_stock": {"type": "integer", "minimum": 0, "maximum": 99},

@@ -62,7 +62,15 @@ def run(target, verified: str, k: int, params: list[SamplingParams], rows: list[
     if verified == "coupling":
         proposer.__class__ = CoupledDraft  # the same draft, drawing its tokens the coupled way
     engine = Engine(target, proposer, k, max_batch_size=len(rows), max_model_len=512)
-    return engine, engine.generate([engine.add_request(r, p) for r, p in zip(rows, params)])
+    if verified == "coupling":
+        return engine, engine.generate([engine.add_request(r, p) for r, p in zip(rows, params)])
+    # The engine couples a seeded row's drafts itself: the rule's arm judges these rows as unseeded ones.
+    seeded = sampling.SamplingBatch.is_seeded
+    sampling.SamplingBatch.is_seeded = lambda self, b: False
+    try:
+        return engine, engine.generate([engine.add_request(r, p) for r, p in zip(rows, params)])
+    finally:
+        sampling.SamplingBatch.is_seeded = seeded
 
 
 def exact_chances(target, engine: Engine, seqs: list, temperature: float) -> dict:

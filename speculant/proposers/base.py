@@ -10,6 +10,7 @@ from torch.nn.functional import pad
 
 from speculant.models.llama import tree_layout
 from speculant.sampling import DRAFT, SamplingBatch, argmax, constrain, probabilities, sample
+from speculant.verify import TargetTokens
 
 if TYPE_CHECKING:
     from speculant.adaptive import AdaptiveK
@@ -221,6 +222,13 @@ class Proposer:
         else:
             q = probabilities(logits, sb)[:, 0]
             token = sample(q, sb.draws(DRAFT))
+            seeded = [b for b in range(len(sb.keys)) if sb.is_seeded(b)]
+            if seeded:
+                # A seeded row's draft is drawn from these logits as plain decoding draws the target's token at
+                # that position (its sampler, its uniform), and verified by coupling (verify.rule_rows): the
+                # row writes plain decoding's tokens at any k and beside any rows, adaptive k or not.
+                coupled = TargetTokens(logits, sb)
+                token[seeded] = torch.tensor([coupled.at(b, 0, 0) for b in seeded], device=token.device)
         if vocab is not None:
             token = vocab[token]
             if q is not None:
