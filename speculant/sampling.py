@@ -8,7 +8,7 @@ output position whose token it decides and its purpose, never of the batch the r
 many drafts a step verifies. Plain decoding draws output token n from uniform(key, n, TOKEN); verification
 of deterministic drafts draws the target's token at each draft position from the same uniform and keeps
 a draft where it is that token (verify.py), so a seeded request writes the same tokens with speculation
-as without, alone or in any batch.
+as without, alone or in any batch; a draft model draws a seeded row's drafts that way too (Proposer.draw).
 """
 
 from __future__ import annotations

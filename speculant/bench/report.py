@@ -226,10 +226,10 @@ def temperature_section(result: BenchResult) -> list[str]:
     rows = exp.rows
     body = [[_num(r.temperature, 1)] + line for r, line in zip(rows, _config_rows(rows))]
     return ["## Sampling (batch 1)\n",
-            "Each request has its own seed, the same in every configuration. With lookup's or the corpus "
-            "table's drafts a seeded request writes plain decoding's tokens (\"identical\"); a draft model "
-            "draws its drafts with draws of its own, and its outputs follow the same distribution without "
-            "being plain's: token counts may differ, rates stay comparable.\n",
+            "Each request has its own seed, the same in every configuration, and a seeded request writes "
+            "plain decoding's tokens with every proposer (\"identical\"): a draft model's drafts for it are "
+            "drawn as plain decoding draws and kept while they match (coupling), so these rates are a seeded "
+            "request's; an unseeded one's drafts are judged by the acceptance rule.\n",
             _table(["temperature"] + CONFIG_HEADER, body)]
 
 
