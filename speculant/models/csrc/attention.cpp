@@ -80,12 +80,7 @@ void attend_rows(const AttentionArgs& a) {
     std::vector<int64_t> index(a.tree ? a.S : 0);
     for (int64_t i = i0; i < i1; i++) {
       const int64_t b = i / (a.Hq * a.T), h = (i / a.T) % a.Hq, t = i % a.T;
-      int64_t tail[64];
-      const auto [start, n] = speculant::row_keys(a, b, t, tail);
-      if (a.tree) {
-        for (int64_t j = 0; j < start; j++) index[j] = j;
-        std::copy(tail, tail + (n - start), index.data() + start);
-      }
+      const int64_t n = speculant::seen_keys(a, b, t, index);
       const int64_t base = a.slots[b] * a.sb + (h / group) * a.sh;
       attend_row(Q + b * a.qb + t * a.qt + h * a.qh, K + base, V + base, a.ss, n, a.D, a.scale, scores.data(),
                  O + ((b * a.T + t) * a.Hq + h) * a.D, a.tree ? index.data() : nullptr);
@@ -208,12 +203,7 @@ void attend(const AttentionArgs& a) {
     std::vector<int64_t> index(a.tree ? a.S : 0);
     for (int64_t i = i0; i < i1; i++) {
       const int64_t b = i / (a.T * a.Hkv), t = (i / a.Hkv) % a.T, kvh = i % a.Hkv;
-      int64_t tail[64];
-      const auto [start, n] = speculant::row_keys(a, b, t, tail);
-      if (a.tree) {
-        for (int64_t j = 0; j < start; j++) index[j] = j;
-        std::copy(tail, tail + (n - start), index.data() + start);
-      }
+      const int64_t n = speculant::seen_keys(a, b, t, index);
       const int64_t base = a.slots[b] * a.sb + kvh * a.sh, h0 = kvh * G;
       attend_heads(a.q + b * a.qb + t * a.qt + h0 * a.qh, a.qh, G, a.k + base, a.v + base, a.ss, n, a.D, a.scale,
                    a.tree ? index.data() : nullptr, buf, a.out + ((b * a.T + t) * a.Hq + h0) * a.D);

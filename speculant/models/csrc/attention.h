@@ -2,7 +2,9 @@
 #pragma once
 #include <immintrin.h>
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "bf16.h"
 
@@ -28,6 +30,18 @@ inline std::pair<int64_t, int64_t> row_keys(const AttentionArgs& a, int64_t b, i
   for (int64_t j = 0; j <= t && start + j < a.S; j++)
     if ((a.tree[b * a.T + t] >> j) & 1) tail[count++ - start] = start + j;
   return {start, count};
+}
+
+// The keys row (b, t) sees: their count, and with a tree their positions in index[0 .. n) (the cache's first
+// `start`, then the row's branch).
+inline int64_t seen_keys(const AttentionArgs& a, int64_t b, int64_t t, std::vector<int64_t>& index) {
+  int64_t tail[64];
+  const auto [start, n] = row_keys(a, b, t, tail);
+  if (a.tree) {
+    for (int64_t j = 0; j < start; j++) index[j] = j;
+    std::copy(tail, tail + (n - start), index.data() + start);
+  }
+  return n;
 }
 
 // scores[0 .. n) → e^(score − max) in place, 16 at a time (the same lanes whoever calls); returns their sum.
