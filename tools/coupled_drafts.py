@@ -23,8 +23,6 @@ from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.engine import Engine
 from speculant.models.loader import default_model_path, load_model
 from speculant.proposers import build_proposer
-from speculant.proposers.draft_model import DraftModelProposer
-from speculant.verify import TargetTokens
 
 DISTILLED = MADE_DRAFTS_DIR / "smollm2-135m-instruct" / "draft_model"
 PROMPTS = Path(sampling.__file__).parent / "data" / "prompts"
@@ -39,18 +37,6 @@ def prompts(target, n: int) -> list[list[int]]:
     return rows
 
 
-class CoupledDraft(DraftModelProposer):
-    """Draws each draft as plain decoding would draw from the draft's logits, with the uniform the target's
-    token at that position is drawn with, and reports no q: the verifier then couples the row (keeps a draft
-    while it is the target's token), so a seeded request writes plain decoding's tokens."""
-
-    def draw(self, logits: torch.Tensor, sb: sampling.SamplingBatch,
-             vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
-        tokens = TargetTokens(logits, sb)
-        token = torch.tensor([tokens.at(b, 0, 0) for b in range(len(sb.keys))], device=logits.device)
-        return (token if vocab is None else vocab[token]), None
-
-
 def run(target, verified: str, k: int, params: list[SamplingParams], rows: list[list[int]],
         p_chain: float, draft: str) -> tuple[Engine, list]:
     spec = {"method": "draft_model", "model": str(DISTILLED), "num_speculative_tokens": k,
@@ -59,12 +45,10 @@ def run(target, verified: str, k: int, params: list[SamplingParams], rows: list[
         spec |= {"model": str(default_model_path()), "draft_quantization": "q4_0"}
     cfg = SpeculativeConfig.parse(spec)
     proposer = build_proposer(cfg, target, len(rows), 512 + k + 1)
-    if verified == "coupling":
-        proposer.__class__ = CoupledDraft  # the same draft, drawing its tokens the coupled way
     engine = Engine(target, proposer, k, max_batch_size=len(rows), max_model_len=512)
-    if verified == "coupling":
+    if verified == "coupling":  # the engine couples a seeded row's drafts itself (Proposer.draw)
         return engine, engine.generate([engine.add_request(r, p) for r, p in zip(rows, params)])
-    # The engine couples a seeded row's drafts itself: the rule's arm judges these rows as unseeded ones.
+    # The rule's arm judges these seeded rows as unseeded ones.
     seeded = sampling.SamplingBatch.is_seeded
     sampling.SamplingBatch.is_seeded = lambda self, b: False
     try:

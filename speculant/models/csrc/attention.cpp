@@ -109,11 +109,7 @@ inline void split_row(const uint16_t* p, float* out, int64_t D) {
 
 // A row of D bf16 → D fp32 in order, as load_bf16 reads it.
 inline void widen_row(const uint16_t* p, float* out, int64_t D) {
-  for (int64_t c = 0; c < D; c += 16) {
-    const vec::F x = vec::load_bf16(p + c);
-    _mm256_storeu_ps(out + c, x.lo);
-    _mm256_storeu_ps(out + c + 8, x.hi);
-  }
+  for (int64_t c = 0; c < D; c += 16) vec::store(out + c, vec::load_bf16(p + c));
 }
 
 // Scores of a query against n keys, both split (split_row): attend_row's dot, its two chains of products
@@ -188,9 +184,8 @@ void attend_heads(const uint16_t* q, int64_t qh, int64_t G, const uint16_t* k, c
   }
   for (int64_t h = 0; h < G; h++)
     for (int64_t c = 0; c < D; c += 16) {
-      const vec::F x{_mm256_loadu_ps(acc + h * D + c), _mm256_loadu_ps(acc + h * D + c + 8)};
       alignas(64) float o[16];
-      vec::store(o, x * vec::set(inv[h]));
+      vec::store(o, vec::load(acc + h * D + c) * vec::set(inv[h]));
       for (int i = 0; i < 16; i++) put(out + h * D + c + i, o[i]);
     }
 }

@@ -242,7 +242,7 @@ void super_block(const Weights& w, const Activations& a, uint16_t* Y, int64_t r0
         const I lift = vec::mul16(vec::pair16(w.sc + (b * G + g) * 32), (int16_t)-w.offset);
         for (int i = 0; i < R; i++) scaled[i] = vec::dpwssd(scaled[i], lift, vec::set32(x.halves[g * R + i]));
       }
-      auto half = [&](auto h) {  // h a compile-time constant: the half's vectors stay in registers
+      auto half = [&](auto h) {  // h a compile-time constant: half_sums's loops over the half's vectors unroll
         const int8_t* sc = w.sc + ((b * G + g) * H + h) * 16;
         if constexpr (vec::kPairSums && BITS < 8) {  // the sub-scale multiplies as the sums widen
           half_sums<BITS, H, h, R>(w, b, g, x, scaled, vec::each_twice(sc));

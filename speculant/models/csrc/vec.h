@@ -124,7 +124,6 @@ constexpr bool kPairSums = false;
 inline I pairs(I, I) { return zero_i(); }
 inline I add16(I a, I) { return a; }
 inline I chained(I a) { return a; }
-inline I widen(I acc, I) { return acc; }
 inline I widen(I acc, I, I) { return acc; }
 inline I each_twice(const int8_t*) { return zero_i(); }
 
@@ -302,10 +301,6 @@ inline I chained(I a) {
 // sub-scale, which then costs no multiply of its own, or 1).
 inline I widen(I acc, I s, I w) {
   return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(s.lo, w.lo)), _mm256_add_epi32(acc.hi, _mm256_madd_epi16(s.hi, w.hi))};
-}
-inline I widen(I acc, I s) {
-  const __m256i one = _mm256_set1_epi16(1);
-  return widen(acc, s, {one, one});
 }
 // Lane j: the int16 pair (p[j], p[j]).
 inline I each_twice(const int8_t* p) {
