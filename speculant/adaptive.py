@@ -152,6 +152,12 @@ class AdaptiveK:
             b.reached = [r * REQUEST_MEMORY for r in b.reached]
             b.kept = [c * REQUEST_MEMORY for c in b.kept]
             b.probe_interval = b.idle_steps = self.probe_every
+        self.joined()
+
+    def joined(self) -> None:
+        """A row joined the batch: its first draft reads its prompt's last chunk, a cost of the prompt and not
+        of drafting, so that step does not count as a steady one (see observe)."""
+        self.model_drafted = False
 
     def keep_lookup(self, buckets: list[int], available: list[int]) -> list[int]:
         """Lookup first (proposers/lookup_first.py): each row's available lookup drafts, or 0 where the

@@ -562,8 +562,8 @@ class Engine:
         # Rows in slot order, lowest slots first: a batch whose slots are contiguous reads the KV cache
         # as a view; any other order makes every layer gather (copy) the batch's keys and values.
         self.running.sort(key=lambda s: s.slot)
-        if joined and len(self.running) == 1 and self.adaptive:
-            self.adaptive.new_request()
+        if joined and self.adaptive:
+            self.adaptive.new_request() if len(self.running) == 1 else self.adaptive.joined()
         return riders
 
     def _join(self, group: Prefill) -> None:

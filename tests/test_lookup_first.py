@@ -159,6 +159,23 @@ def test_only_model_drafts_set_the_draft_cost():
     assert policy.draft_ratio == pytest.approx(policy.smoothing * 0.2)
 
 
+def test_a_joining_rows_first_draft_does_not_set_the_draft_cost():
+    """A row's first draft reads the end of its prompt: counted as drafting, one such step made a real pair's
+    draft look 1.5x dearer than it was and turned it off for the rest of the run."""
+    for join in ("new_request", "joined"):
+        policy = AdaptiveK(curve(32), k_max=4)
+        cost = policy.curve.cost(1, 1)
+        for _ in range(2):
+            policy.observe(StepRecord([MODEL_BUCKET], [2], [1], draft_s=0.4 * cost, batch_size=1))
+        steady = policy.draft_ratio
+        assert steady == pytest.approx(policy.smoothing * 0.2)
+        getattr(policy, join)()
+        policy.observe(StepRecord([MODEL_BUCKET], [2], [1], draft_s=3.0 * cost, batch_size=1))  # the prompt's end
+        assert policy.draft_ratio == steady
+        policy.observe(StepRecord([MODEL_BUCKET], [2], [1], draft_s=0.4 * cost, batch_size=1))
+        assert policy.draft_ratio == pytest.approx(steady + policy.smoothing * (0.2 - steady))
+
+
 def test_lookup_first_needs_a_model():
     with pytest.raises(Exception, match="lookup_first .* needs method draft_model or eagle"):
         SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "lookup_first": True})
