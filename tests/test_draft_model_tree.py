@@ -356,7 +356,7 @@ def test_size_ignoring_the_curve_is_caught():
 def test_batches_draft_chains_and_adaptive_k_counts_no_extra_nodes_there(target, noisy_draft):
     engine, proposer = tree_engine(target, noisy_draft, 3, 3, 2, trees_in_batches=False)
     trees = []
-    propose = engine.propose
+    propose, draft_trees = engine.propose, proposer.draft_trees
 
     def spy(batch, sb):
         out = propose(batch, sb)
@@ -364,11 +364,17 @@ def test_batches_draft_chains_and_adaptive_k_counts_no_extra_nodes_there(target,
             trees.append((len(batch), out.parents is not None))
         return out
 
-    engine.propose = spy
+    def grown(seqs, ks, batch_size):
+        trees.append((batch_size, "grown"))
+        return draft_trees(seqs, ks, batch_size)
+
+    engine.propose, proposer.draft_trees = spy, grown
     engine.generate([engine.add_request(p, GREEDY) for p in PROMPTS[:2]])
     alone = engine.add_request(PROMPTS[2], GREEDY)
     engine.generate([alone])
-    assert set(trees) == {(2, False), (1, True)}
+    # Alone, trees are grown (those trimmed to a chain go as one); in a batch, chains only.
+    assert {t for t in trees if t[0] == 2} == {(2, False)}
+    assert (1, "grown") in trees
     assert (proposer.extra_nodes_at(1), proposer.extra_nodes_at(2)) == (2, 0)
     policy, chain = (AdaptiveK(STEEP, 3, extra_nodes=2, extra_at=proposer.extra_nodes_at), AdaptiveK(STEEP, 3))
     for p in (policy, chain):

@@ -148,7 +148,9 @@ class DraftModelTreeProposer(DraftModelProposer):
             self.pending[s.request_id] = (len(s.tokens), sum(p[:tree.budget]))
         drafts, parents = zip(*(tree.best() for tree in trees))
         proposal = Proposal.from_lists(list(drafts), device)
-        proposal.parents = [chain_padded(p, proposal.tokens.shape[1]) for p in parents]
+        if any(p != list(range(-1, len(p) - 1)) for p in parents):
+            # Trees trimmed to chains go as chains: the pass then takes the native chain path and carries riders.
+            proposal.parents = [chain_padded(p, proposal.tokens.shape[1]) for p in parents]
         return proposal
 
     def forget_branches(self, seqs: list[Sequence], slots: torch.Tensor, real: torch.Tensor) -> None:
