@@ -3,7 +3,8 @@
 Greedy output is plain greedy output, alone and in a batch; sampled output follows the target's distribution
 (G-test at test_distribution.ALPHA, fixed seeds) and a seeded request writes plain decoding's tokens; the draft's
 cache holds the sequence's own tokens only; each growth pass gives a node the distribution its branch gets decoded
-alone; a node below p_chain is not grown; the tree's size follows the target's cost curve; batches draft chains.
+alone; a node below p_chain is not grown; the tree's size follows the target's cost curve, and its growth stops where
+another draft pass cannot pay; batches draft chains.
 Each rule has a mutant here that its test catches.
 """
 
@@ -351,6 +352,53 @@ def test_size_follows_the_cost_curve():
 
 def test_size_ignoring_the_curve_is_caught():
     assert sizes(WholeBudget) != sizes(TreeSize)
+
+
+WALL = curve([1.0, 1.05, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0])  # a pass of 3 tokens costs 5: no second node pays
+AVX2 = curve([1.0, 1.01, 1.13, 1.36, 1.82, 2.04, 2.3, 2.57])  # measured on an AVX2-only Zen 2 (a 4-row tile)
+
+
+class GrowsRegardless(TreeSize):
+    """The mutant: growth by p_chain alone, whatever the pass would cost."""
+
+    def worth_growing(self, *args) -> bool:
+        return True
+
+
+def grows_a_confident_chain(cls) -> list[bool]:
+    """Whether a chain of drafts at 0.95 each grows past depth 1, 2, 3 (a draft pass a third of C(1)), on the flat
+    curve, then on the avx2 one."""
+    out = []
+    for costs in (FLAT, AVX2):
+        for depth in (1, 2, 3):
+            tree, node = DraftTree(5, 4), -1
+            for _ in range(depth):
+                tree.add_children(node, [1, 2], [math.log(0.95), math.log(0.01)])
+                node = len(tree.tokens) - 2
+            out.append(cls(lambda costs=costs: costs).worth_growing([tree], [[node]], 1, 0.003 * depth, 0.003))
+    return out
+
+
+def test_growth_stops_where_another_draft_pass_cannot_pay():
+    # On avx2 a fourth draft widens the pass past the tile: C(5)/C(1) 1.82 against 1.36.
+    assert grows_a_confident_chain(TreeSize) == [True, True, True, True, True, False]
+
+
+def test_growth_ignoring_the_curve_is_caught(target, noisy_draft, plain):
+    assert grows_a_confident_chain(GrowsRegardless) != grows_a_confident_chain(TreeSize)
+    passes = {}
+    for cls in (TreeSize, GrowsRegardless):
+        engine, proposer = tree_engine(target, noisy_draft, 3, 2, 1, trees_in_batches=False)
+        proposer.size = cls(lambda: WALL)
+        grow, passes[cls] = proposer.grow, 0
+
+        def counted(*args, grow=grow, cls=cls):
+            passes[cls] += 1
+            return grow(*args)
+
+        proposer.grow = counted
+        assert [engine.generate([engine.add_request(p, GREEDY)])[0].output_ids for p in PROMPTS] == plain
+    assert passes[TreeSize] == 0 and passes[GrowsRegardless] > 0
 
 
 def test_batches_draft_chains_and_adaptive_k_counts_no_extra_nodes_there(target, noisy_draft):

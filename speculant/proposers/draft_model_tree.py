@@ -16,7 +16,9 @@ is fed at the next step with the verifier's token after it (catch_up), so only t
 in the cache, as if decoded alone.
 
 Size. The pass verifies the N best nodes, N chosen each step from the target's measured cost curve and this step's
-drafting time (TreeSize): on a flat curve the whole budget, where passes are not flat (avx2 levels) fewer.
+drafting time (TreeSize): on a flat curve the whole budget, where passes are not flat (avx2 levels) fewer. The same
+model stops the growth where another draft pass could not pay, even were each grown node's best child as likely as
+the node itself.
 
 Exact. Every candidate is deterministic (the draft's likeliest tokens; q None) and verified by coupling
 (verify.py): greedy output is plain greedy output, and a seeded sampled request writes plain decoding's tokens.
@@ -72,6 +74,10 @@ class TreeSize:
         most = max(len(p) for p in probs)
         if self.curve is None or most <= 1:
             return most
+        return self.best(probs, batch_size, draft_s)[0]
+
+    def best(self, probs: list[list[float]], batch_size: int, draft_s: float) -> tuple[int, float]:
+        """(N, S(N)) at the best N."""
         costs = self.curve()
         d = draft_s / costs.cost(batch_size, 1)
         c = self.calibration
@@ -81,7 +87,25 @@ class TreeSize:
             tokens = sum(1 + c * s[min(n, len(s) - 1)] for s in sums) / len(sums)
             return tokens / (costs.ratio(batch_size, n + 1) + d)
 
-        return max(range(1, most + 1), key=lambda n: (speedup(n), -n))
+        n = max(range(1, max(len(p) for p in probs) + 1), key=lambda n: (speedup(n), -n))
+        return n, speedup(n)
+
+    def worth_growing(self, trees: list[DraftTree], grown: list[list[int]], batch_size: int, draft_s: float,
+                      pass_s: float) -> bool:
+        """Whether a growth pass (costing about pass_s, the step's last draft pass) can pay: the best S with each
+        grown node given a child as likely as itself, an upper bound (a child never scores above its parent),
+        against the best S of the nodes there are. Where passes are not flat the verified nodes stop short of
+        what the growth would add, and the pass would be paid for nothing."""
+        if self.curve is None:
+            return True
+
+        def ranked(tree: DraftTree, extra: list[int]) -> list[float]:
+            return sorted((math.exp(s) for s in tree.scores + [tree.scores[n] for n in extra]),
+                          reverse=True)[:tree.budget]
+
+        now = self.best([ranked(t, []) for t in trees], batch_size, draft_s)[1]
+        grow = self.best([ranked(t, g) for t, g in zip(trees, grown)], batch_size, draft_s + pass_s)[1]
+        return grow > now
 
     def observe(self, predicted: float, accepted: int) -> None:
         """A row's verified nodes summed to `predicted` (Σ P), and the verifier kept `accepted` of its drafts."""
@@ -138,8 +162,13 @@ class DraftModelTreeProposer(DraftModelProposer):
         width = self.tree_width
         trees = [DraftTree(k + width - 1, k) for k in ks]
         self.add_children(trees, [[-1] for _ in trees], hidden)
+        pass_s = time.perf_counter() - t0
         while any(grown := [self.to_grow(tree) for tree in trees]):
+            if not self.size.worth_growing(trees, grown, batch_size, time.perf_counter() - t0, pass_s):
+                break
+            t1 = time.perf_counter()
             self.grow(trees, grown, slots, real)
+            pass_s = time.perf_counter() - t1
         self.forget_branches(seqs, slots, real)
         probs = [sorted((math.exp(s) for s in tree.scores), reverse=True)[:tree.budget] for tree in trees]
         n = self.size.choose(probs, batch_size, time.perf_counter() - t0)
