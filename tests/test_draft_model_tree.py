@@ -401,7 +401,7 @@ def test_growth_ignoring_the_curve_is_caught(target, noisy_draft, plain):
     assert passes[TreeSize] == 0 and passes[GrowsRegardless] > 0
 
 
-def test_batches_draft_chains_and_adaptive_k_counts_no_extra_nodes_there(target, noisy_draft):
+def test_batches_draft_chains_and_adaptive_k_counts_extra_nodes_only_for_unsized_trees(target, noisy_draft):
     engine, proposer = tree_engine(target, noisy_draft, 3, 3, 2, trees_in_batches=False)
     trees = []
     propose, draft_trees = engine.propose, proposer.draft_trees
@@ -423,6 +423,9 @@ def test_batches_draft_chains_and_adaptive_k_counts_no_extra_nodes_there(target,
     # Alone, trees are grown (those trimmed to a chain go as one); in a batch, chains only.
     assert {t for t in trees if t[0] == 2} == {(2, False)}
     assert (1, "grown") in trees
+    # Sized by the curve, a tree's siblings come only where they pay: adaptive k judges its depth as a chain's.
+    assert (proposer.extra_nodes_at(1), proposer.extra_nodes_at(2)) == (0, 0)
+    proposer.size.curve = None  # the whole budget always: its siblings widen every pass alone
     assert (proposer.extra_nodes_at(1), proposer.extra_nodes_at(2)) == (2, 0)
     policy, chain = (AdaptiveK(STEEP, 3, extra_nodes=2, extra_at=proposer.extra_nodes_at), AdaptiveK(STEEP, 3))
     for p in (policy, chain):
