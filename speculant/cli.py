@@ -149,8 +149,9 @@ def _speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
         k = DRAFT_K if args.num_speculative_tokens is None else args.num_speculative_tokens
         if args.adaptive:
             rules["adaptive"] = True
-        return SpeculativeConfig.parse(draft_model_config(args.draft_model, k, **rules,
-                                                          tree_width=1 if args.tree_width is None else args.tree_width))
+        if args.tree_width is not None:
+            rules["tree_width"] = args.tree_width
+        return SpeculativeConfig.parse(draft_model_config(args.draft_model, k, **rules))
     if args.eagle:
         return SpeculativeConfig.parse({"method": "eagle", "model": args.eagle, "num_speculative_tokens": k,
                                         "adaptive": args.adaptive, "lookup_first": args.lookup_first,
