@@ -563,7 +563,10 @@ class Engine:
         # as a view; any other order makes every layer gather (copy) the batch's keys and values.
         self.running.sort(key=lambda s: s.slot)
         if joined and self.adaptive:
-            self.adaptive.new_request() if len(self.running) == 1 else self.adaptive.joined()
+            if len(self.running) == 1:
+                self.adaptive.new_request()
+            else:
+                self.adaptive.joined()
         return riders
 
     def _join(self, group: Prefill) -> None:

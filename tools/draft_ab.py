@@ -3,10 +3,10 @@ every configuration, the order rotated), decode tokens/s over plain decoding's o
 the per-prompt ratios, and how many outputs equal plain decoding's (docs/performance.md). Quicker than
 `speculant bench` for a few adaptive configurations over all the bench's code and chat prompts.
 
-    python tools/draft_ab.py '{"chain": {}, "tree2": {"tree_width": 2}}' [per_class 8] [temperature 0]
+    python tools/draft_ab.py '{"chain": {"tree_width": 1}, "tree2": {"tree_width": 2}}' [per_class 8] [temperature 0]
 
-Each configuration is the `--draft-model` default with its overrides; at a temperature above 0 requests are seeded
-(a name ending in "-u": unseeded).
+Each configuration is the `--draft-model` default with its overrides (`{}`: the default itself); at a
+temperature above 0 requests are seeded (a name ending in "-u": unseeded).
 """
 
 from __future__ import annotations

@@ -137,7 +137,7 @@ class DraftModelTreeProposer(DraftModelProposer):
         self.pending: dict[str, tuple[int, float]] = {}  # row → (its tokens when drafted, Σ P of its nodes)
 
     def extra_nodes_at(self, batch_size: int) -> int:
-        """None where TreeSize sizes the tree from the curve: it adds a sibling only where the wider pass pays, so
+        """0 where TreeSize sizes the tree from the curve: it adds a sibling only where the wider pass pays, so
         adaptive k judges the depth as a chain's (counted as always there, the siblings kept the drafter off on
         chat, where a chain of one draft paid)."""
         return self.extra_nodes if batch_size < self.chain_from_batch and self.size.curve is None else 0
