@@ -98,13 +98,8 @@ class TreeSize:
         what the growth would add, and the pass would be paid for nothing."""
         if self.curve is None:
             return True
-
-        def ranked(tree: DraftTree, extra: list[int]) -> list[float]:
-            return sorted((math.exp(s) for s in tree.scores + [tree.scores[n] for n in extra]),
-                          reverse=True)[:tree.budget]
-
-        now = self.best([ranked(t, []) for t in trees], batch_size, draft_s)[1]
-        grow = self.best([ranked(t, g) for t, g in zip(trees, grown)], batch_size, draft_s + pass_s)[1]
+        now = self.best([t.best_probs() for t in trees], batch_size, draft_s)[1]
+        grow = self.best([t.best_probs(g) for t, g in zip(trees, grown)], batch_size, draft_s + pass_s)[1]
         return grow > now
 
     def observe(self, predicted: float, accepted: int) -> None:
@@ -173,7 +168,7 @@ class DraftModelTreeProposer(DraftModelProposer):
             self.grow(trees, grown, slots, real)
             pass_s = time.perf_counter() - t1
         self.forget_branches(seqs, slots, real)
-        probs = [sorted((math.exp(s) for s in tree.scores), reverse=True)[:tree.budget] for tree in trees]
+        probs = [tree.best_probs() for tree in trees]
         n = self.size.choose(probs, batch_size, time.perf_counter() - t0)
         for tree, s, p in zip(trees, seqs, probs):
             tree.budget = min(tree.budget, n)

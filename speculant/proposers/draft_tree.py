@@ -13,6 +13,7 @@ branch where it is sure.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +65,11 @@ class DraftTree:
                 keep.add(n)
                 n = self.parents[n]
         return sorted(keep)
+
+    def best_probs(self, extra: list[int] = ()) -> list[float]:
+        """The budget best branch probabilities, best first; each node of `extra` counted once more (as a child of
+        its own, as likely as itself: an upper bound on what growing it adds)."""
+        return sorted((math.exp(s) for s in self.scores + [self.scores[n] for n in extra]), reverse=True)[:self.budget]
 
     def best(self) -> tuple[list[int], list[int]]:
         """The budget best nodes, parents before children → (their tokens, their parents as indices
