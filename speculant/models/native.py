@@ -188,9 +188,10 @@ def off_reason() -> str:
 
 
 def tile_rows() -> int:
-    """Rows ggml_mm takes at once (csrc/ggml_mm.cpp's kRows: AVX512's 32 registers hold 8, AVX2's 16 hold 4):
-    each such tile unpacks the weights again, so a pass costs by the tile."""
-    return 8 if level() in ("avx512", "amx") else 4
+    """Rows ggml_mm takes at once (csrc/ggml_mm.cpp's kRows: AVX512's 32 registers hold 8, AVX2's 16 hold 5
+    rows' 16-bit sums, 4 rows' int32 sums with VNNI): each such tile unpacks the weights again, so a pass
+    costs by the tile."""
+    return {"avx512": 8, "amx": 8, "avxvnni": 4}.get(level(), 5)
 
 
 def amx() -> bool:

@@ -30,8 +30,8 @@ using vec::F;
 using vec::I;
 
 // Rows a call takes at once: 8 weight vectors, 8 sums and 8 accumulators fill AVX512's 32 registers; AVX2's
-// 16 (each vector a pair) take fewer.
-constexpr int kRows = vec::kAVX512 ? 8 : 4;
+// 16 (each vector a pair) hold a weight vector and 5 rows' 16-bit sums, or with VNNI 4 rows' int32 sums.
+constexpr int kRows = vec::kAVX512 ? 8 : vec::kPairSums ? 5 : 4;
 constexpr int64_t kRunBlocks = 16;  // 256 outputs: ~100-400 KB of weights at K = 1536, within L2
 
 template <class T>
@@ -292,6 +292,7 @@ void any_rows(const Weights& w, const Activations& x, uint16_t* Y, int64_t r0, i
     case 3: return rows<BITS, H, MINS, UNIT, 3>(w, x, Y, r0, b0, b1);
     case 4: return rows<BITS, H, MINS, UNIT, 4>(w, x, Y, r0, b0, b1);
   }
+  if constexpr (kRows == 5) return rows<BITS, H, MINS, UNIT, 5>(w, x, Y, r0, b0, b1);
   if constexpr (kRows == 8) {
     switch (n) {
       case 5: return rows<BITS, H, MINS, UNIT, 5>(w, x, Y, r0, b0, b1);
