@@ -137,7 +137,8 @@ def native_gguf(tmp_path, arch: str):
 def test_a_gguf_file_loads_into_the_kernels_and_scores_as_its_dequantized_model(tmp_path, monkeypatch, arch):
     """Independent reference: a plain PyTorch model of the same dequantized weights (models/gguf.py's fp32
     folder). The native model differs by its int8 activations and bf16 rounding only. The packed cache is
-    used on the second load and gives the same bits."""
+    used on the second load and gives the same bits, read into huge pages or mapped from the file."""
+    from speculant.models.hugepages import SWITCH_ENV, huge_pages_available
     from speculant.models.loader import load_model
 
     if native.level() == "off":
@@ -163,8 +164,10 @@ def test_a_gguf_file_loads_into_the_kernels_and_scores_as_its_dequantized_model(
     # This random model amplifies rounding: PyTorch in bf16 is itself ~2% off; a wrong permutation, bias or
     # norm would be ~100%. The int8 activations may add as much again as bf16 does.
     assert error(first.model) < 2.5 * error(bf16_reference) < 0.1
+    assert (first.load_info["huge_pages_bytes"] > 0) == huge_pages_available()
+    monkeypatch.setenv(SWITCH_ENV, "off")
     again = load_model(path, dtype="bfloat16", quantization="auto")
-    assert again.load_info["gguf_cached"]
+    assert again.load_info["gguf_cached"] and again.load_info["huge_pages_bytes"] == 0
     assert torch.equal(logits(again.model), got)
 
 

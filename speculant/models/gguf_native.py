@@ -1,5 +1,5 @@
 """A GGUF file loaded straight into the native kernels: each quantized tensor repacked exactly (models/ggml.py)
-into a packed cache that later loads map from disk; no float copy of the model on disk or in memory.
+into a packed cache that later loads read into huge pages; no float copy of the model on disk or in memory.
 
 The cache holds the repacked tensors (packed.bin, packed.json) next to the config and tokenizer that
 models/gguf.py writes, published by an atomic rename; the token embedding stays in the file's blocks and
@@ -33,6 +33,7 @@ from speculant.models.gguf import (
     write_json,
     write_tokenizer,
 )
+from speculant.models.hugepages import read_into_huge_pages
 from speculant.models.llama import ModelConfig, Transformer, rope_inv_freq
 
 FORMAT_VERSION = 4
@@ -81,16 +82,17 @@ def native_loadable(src: Path) -> bool:
 
 
 def load_gguf_native(src: Path, dtype: torch.dtype = torch.bfloat16,
-                     requantize: bool = False) -> tuple[Transformer, Path, bool]:
-    """→ (the model, the folder with its config and tokenizer, whether the packed cache was there);
-    `requantize`: the WIDER matrices as REQUANTIZED (drafts only)."""
+                     requantize: bool = False) -> tuple[Transformer, Path, dict]:
+    """→ (the model, the folder with its config and tokenizer, load facts: whether the packed cache was
+    there, the bytes read into huge pages); `requantize`: the WIDER matrices as REQUANTIZED (drafts only)."""
     folder = cache_folder(src, requantize)
     cached = (folder / "packed.json").is_file()
     if not cached:
         build_cache(src, folder, requantize)
     config = json.loads((folder / "config.json").read_text())
     cfg = ModelConfig.from_hf(config, source=str(src))
-    return assemble(src, cfg, read_packed(folder), dtype), folder, cached
+    packed = read_packed(folder)
+    return assemble(src, cfg, packed, dtype), folder, {"gguf_cached": cached, "huge_pages_bytes": packed["huge"]}
 
 
 # --- the packed cache ---------------------------------------------------------------------------------------
@@ -201,16 +203,19 @@ def unpermute_rows(n_out: int, n_heads: int) -> np.ndarray:
 
 
 def read_packed(folder: Path) -> dict:
-    """The packed tensors, mapped from disk copy-on-write (pages shared with the page cache), the norms and
-    biases, and where the token embedding's blocks lie in the GGUF file."""
+    """The packed tensors, read into huge pages (a pass reads every weight once: in 4 KB pages, one page walk
+    each 4 KB; mapped from disk copy-on-write where huge pages are not available), the norms and biases,
+    and where the token embedding's blocks lie in the GGUF file."""
     index = json.loads((folder / "packed.json").read_text())
-    data = np.memmap(folder / "packed.bin", np.uint8, "c")
+    huge = read_into_huge_pages(folder / "packed.bin")
+    data = np.memmap(folder / "packed.bin", np.uint8, "c") if huge is None else huge.numpy()
 
     def view(p: dict) -> torch.Tensor:
         return torch.from_numpy(np.ndarray(p["shape"], np.dtype(p["dtype"]), data, p["offset"]))
 
     return {"matrices": {name: ([view(p) for p in m["parts"]], m["rows"]) for name, m in index["tensors"].items()},
-            "vectors": {name: view(p) for name, p in index["vectors"].items()}, "embedding": index["embedding"]}
+            "vectors": {name: view(p) for name, p in index["vectors"].items()}, "embedding": index["embedding"],
+            "huge": 0 if huge is None else huge.numel()}
 
 
 # --- the model --------------------------------------------------------------------------------------------

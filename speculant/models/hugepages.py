@@ -84,3 +84,19 @@ def huge_page_region(nbytes: int) -> torch.Tensor:
     region = torch.frombuffer(mapping, dtype=torch.uint8)
     start = -region.data_ptr() % PAGE
     return region[start:start + nbytes]
+
+
+def read_into_huge_pages(path: Path) -> torch.Tensor | None:
+    """A file's bytes copied into a fresh mapping advised for huge pages, as uint8, or None where huge
+    pages are not available. A mapping of the file itself stays in the page cache's 4 KB pages."""
+    if not huge_pages_available():
+        return None
+    region = huge_page_region(path.stat().st_size)
+    view, done = memoryview(region.numpy()), 0
+    with open(path, "rb", buffering=0) as f:
+        while done < len(view):
+            n = f.readinto(view[done:])
+            if not n:
+                raise OSError(f"{path}: ended after {done} of {len(view)} bytes")
+            done += n
+    return region

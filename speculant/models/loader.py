@@ -158,11 +158,10 @@ def _native_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> bool:
 def _load_gguf_native(path: Path, dtype: torch.dtype, t0: float, requantize: bool = False) -> LoadedModel:
     from speculant.models.gguf_native import load_gguf_native
 
-    model, folder, cached = load_gguf_native(path, dtype, requantize)
+    model, folder, facts = load_gguf_native(path, dtype, requantize)
     eos_ids = _eos_ids(folder, _read_json(folder / "config.json"))
     tokenizer = _tokenizer(folder, eos_ids)
-    info = {"gguf_cached": cached, "weights": "gguf blocks", "params": stored_params(model),
-            "load_s": time.perf_counter() - t0}
+    info = {**facts, "weights": "gguf blocks", "params": stored_params(model), "load_s": time.perf_counter() - t0}
     return LoadedModel(model, tokenizer, eos_ids, str(path), info, NATIVE_GGUF)
 
 
