@@ -34,24 +34,21 @@ REQUIRED_FILES = {"eagle": ("eagle.safetensors", "eagle_config.json"),
 # Below them (avx2, avxvnni, PyTorch's kernels) the int8 products are compute-bound from 2-4 rows and a fixed k
 # loses: there k is chosen per step from the measured costs (adaptive), 0 where drafting would lose.
 FLAT_VERIFY_LEVELS = ("avx512", "amx")
-# Below them a draft model's tree (proposers/draft_model_tree.py), sized by the curve, beat the chain on code and
-# chat, greedy and seeded; on them the chain stays until the tree is measured there again (docs/performance.md).
-DRAFT_TREE_WIDTH = 2
+# A draft model drafts chains: its tree (proposers/draft_model_tree.py, `tree_width`), sized by the curve, drew
+# level with the chain on AVX2 once a 5-row verify pass took one tile, and lost seeded (docs/performance.md).
 
 
 def draft_model_config(draft: str, k: int = DRAFT_K, **overrides) -> dict:
     """The speculative config of a draft model named alone: DRAFT_RULES (and GGUF_DRAFT_RULES for a GGUF draft),
     adaptive k below FLAT_VERIFY_LEVELS and, on them, for batches (a verify pass over several sequences is
-    compute-bound where one sequence's is flat), a tree below them, then `overrides`."""
+    compute-bound where one sequence's is flat), then `overrides`."""
     from speculant.config import ADAPTIVE_BATCHED, gguf_draft
     from speculant.models import native
-    from speculant.models.limits import MAX_SPECULATIVE_TOKENS
 
     flat = native.level() in FLAT_VERIFY_LEVELS
-    tree = {} if flat or k + DRAFT_TREE_WIDTH - 1 > MAX_SPECULATIVE_TOKENS else {"tree_width": DRAFT_TREE_WIDTH}
     return {"method": "draft_model", "model": draft, "num_speculative_tokens": k, **DRAFT_RULES,
             **(GGUF_DRAFT_RULES if gguf_draft(draft) else {}), "adaptive": ADAPTIVE_BATCHED if flat else True,
-            **tree, **overrides}
+            **overrides}
 
 
 def default_speculative_config(model_path: str | Path | None) -> dict | None:

@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 
 from speculant.cli import build_parser, speculative_config_from_args
-from speculant.defaults import DRAFT_K, DRAFT_RULES, DRAFT_TREE_WIDTH, default_speculative_config
+from speculant.defaults import DRAFT_K, DRAFT_RULES, default_speculative_config
 from speculant.errors import SpeculantError
-from speculant.models.limits import MAX_SPECULATIVE_TOKENS
 from speculant.models.loader import load_model
 from speculant.models.registry import MODELS, is_installed
 from speculant.proposers.draft_model import check_vocab, warn_if_not_cheaper
@@ -37,7 +36,7 @@ def test_draft_model_alone_gets_the_measured_rules():
         config("--draft-model", "d", "--draft-p-min", "1.5")
 
 
-def test_a_fixed_k_and_chains_only_where_the_verify_pass_is_flat(monkeypatch):
+def test_a_fixed_k_only_where_the_verify_pass_is_flat_and_chains_everywhere(monkeypatch):
     from speculant.defaults import FLAT_VERIFY_LEVELS
     from speculant.models import native
 
@@ -46,11 +45,9 @@ def test_a_fixed_k_and_chains_only_where_the_verify_pass_is_flat(monkeypatch):
         # Where the verify pass is flat a sequence alone drafts k; a batch's pass is compute-bound everywhere.
         assert config("--draft-model", "d").adaptive == ("batched" if level in FLAT_VERIFY_LEVELS else True), level
         assert config("--draft-model", "d", "--adaptive").adaptive is True
-        # Below them a tree sized by the curve; a width given is kept, and k at the limit drafts a chain.
-        assert config("--draft-model", "d").tree_width == (1 if level in FLAT_VERIFY_LEVELS else DRAFT_TREE_WIDTH)
+        # A chain at every level; a tree where its width is given.
+        assert config("--draft-model", "d").tree_width == 1
         assert config("--draft-model", "d", "--tree-width", "3").tree_width == 3
-        assert config("--draft-model", "d", "--tree-width", "1").tree_width == 1
-        assert config("--draft-model", "d", "-k", str(MAX_SPECULATIVE_TOKENS)).tree_width == 1
 
 
 def test_a_named_model_with_a_sibling_drafts_with_it_by_default():
