@@ -27,6 +27,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +54,7 @@ CALIBRATION_MIN_PASSES = 8  # of each width compared, plain passes included
 # The weight a new request leaves to what the drafts of earlier requests showed (at batch 1): their texts
 # may suit a drafter better or worse than its own.
 REQUEST_MEMORY = 0.1
+DRAFT_COST_WINDOW = 9  # steady drafting steps whose median is the draft's cost
 CURVE_VERSION = 10  # raised when the measurement or the model code changes: cached curves are measured again
 
 
@@ -81,10 +84,12 @@ class AdaptiveK:
     curve: CostCurve | None  # None: measured by load_curve when first needed
     k_max: int
     alpha: float = 0.6  # prior acceptance of the first draft, until drafts are seen
-    draft_ratio: float = 0.0  # c_draft / C(1), per drafted position, tracked online
+    draft_ratio: float = 0.0  # c_draft / C(1), per drafted position: the median of draft_costs once it has one
     memory: float = 0.95  # weight kept by past observations at each step that verifies a bucket (~20)
     prior_weight: float = 1.0  # the prior counts as this many drafts at each position
-    smoothing: float = 0.15
+    # The last steady steps' draft costs. A median: one slow step (another process's burst) in a running
+    # mean made the draft look dear enough to stay off, and a drafter that is off measures nothing.
+    draft_costs: deque = field(default_factory=lambda: deque(maxlen=DRAFT_COST_WINDOW))
     probe_every: int = 16  # while a bucket is off, verify its drafts after n idle steps to keep it current
     buckets: dict[int, Bucket] = field(default_factory=dict)
     # pass width → [passes seen, decayed mean seconds]: the engine's own pass times at batch 1
@@ -296,8 +301,8 @@ class AdaptiveK:
             width = step.width or max(step.drafted) + 1
             one_token = (self.costs.cost(step.batch_size, 1) if step.pass_s is None
                          else step.pass_s / self.costs.ratio(step.batch_size, width))
-            ratio = step.draft_s / model_drafts / one_token
-            self.draft_ratio += self.smoothing * (ratio - self.draft_ratio)
+            self.draft_costs.append(step.draft_s / model_drafts / one_token)
+            self.draft_ratio = statistics.median(self.draft_costs)
 
 
 def batch_progress(tokens: list[float], catch_up: list[float] | None, fixed_share: float) -> float:
