@@ -179,7 +179,11 @@ def test_bench_quick_end_to_end(tiny_pair, tmp_path, monkeypatch, capsys, one_th
               if r["temperature"] > 0 and r["runner"].startswith("speculant ngram")]
     assert lookup and all(r["identical"] == 1.0 for r in lookup)
     spec = [r for r in k_rows if r["method"] and r["family"] == "speculant" and r["prompt_class"] == "all"]
-    assert all(r["speedup"] and r["predicted_speedup"] and r["acceptance_rate"] is not None for r in spec)
+    assert all(r["speedup"] and r["predicted_speedup"] for r in spec)
+    # Every row that drafted reports its acceptance. Adaptive k alone may draft nothing: this random draft
+    # never pays, and once its cost is measured it is left off.
+    assert all(r["acceptance_rate"] is not None for r in spec if r["coverage"])
+    assert all("adaptive" in r["method"] and r["predicted_speedup"] == 1.0 for r in spec if not r["coverage"])
     batch_sizes = {r["batch_size"] for r in report["experiments"]["batch"]["summary"] if r["method"]}
     assert batch_sizes == {1, 4}
     assert {r["batch_size"] for r in report["cost"]} == {1, 4}

@@ -191,7 +191,7 @@ def tile_rows() -> int:
     """Rows ggml_mm takes at once (csrc/ggml_mm.cpp's kRows: AVX512's 32 registers hold 8, AVX2's 16 hold 5
     rows' 16-bit sums, 4 rows' int32 sums with VNNI): each such tile unpacks the weights again, so a pass
     costs by the tile."""
-    return {"avx512": 8, "amx": 8, "avxvnni": 4}.get(level(), 5)
+    return {"avx512": 8, "amx": 8, "avx2": 5}.get(level(), 4)
 
 
 def amx() -> bool:
