@@ -34,21 +34,19 @@ REQUIRED_FILES = {"eagle": ("eagle.safetensors", "eagle_config.json"),
 # Below them (avx2, avxvnni, PyTorch's kernels) the int8 products are compute-bound from 2-4 rows and a fixed k
 # loses: there k is chosen per step from the measured costs (adaptive), 0 where drafting would lose.
 FLAT_VERIFY_LEVELS = ("avx512", "amx")
-# A draft model drafts chains: its tree (proposers/draft_model_tree.py, `tree_width`), sized by the curve, drew
-# level with the chain on AVX2 once a 5-row verify pass took one tile, and lost seeded (docs/performance.md).
 
 
 def draft_model_config(draft: str, k: int = DRAFT_K, **overrides) -> dict:
     """The speculative config of a draft model named alone: DRAFT_RULES (and GGUF_DRAFT_RULES for a GGUF draft),
     adaptive k below FLAT_VERIFY_LEVELS and, on them, for batches (a verify pass over several sequences is
-    compute-bound where one sequence's is flat), then `overrides`."""
+    compute-bound where one sequence's is flat), then `overrides`. Chains: a tree (`tree_width`) drew level with
+    the chain on AVX2 and lost seeded (docs/performance.md)."""
     from speculant.config import ADAPTIVE_BATCHED, gguf_draft
     from speculant.models import native
 
-    flat = native.level() in FLAT_VERIFY_LEVELS
+    adaptive = ADAPTIVE_BATCHED if native.level() in FLAT_VERIFY_LEVELS else True
     return {"method": "draft_model", "model": draft, "num_speculative_tokens": k, **DRAFT_RULES,
-            **(GGUF_DRAFT_RULES if gguf_draft(draft) else {}), "adaptive": ADAPTIVE_BATCHED if flat else True,
-            **overrides}
+            **(GGUF_DRAFT_RULES if gguf_draft(draft) else {}), "adaptive": adaptive, **overrides}
 
 
 def default_speculative_config(model_path: str | Path | None) -> dict | None:
