@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import save_tiny, transformers
 from mutants import patch_coupling
 from safetensors.torch import load_file, save_file
 from test_distribution import ALPHA, BATCH, N_SAMPLES, N_TOKENS, SETTINGS, exact_joint, g_test, sampled_joint
@@ -455,3 +456,25 @@ def test_generate_reports_nodes_and_accepted_drafts_per_pass():
     assert tree_stats(timing, m, "draft_model+lookup+tree") == (" | nodes verified per pass 3.50, accepted per "
                                                                   "pass 1.50")
     assert tree_stats(timing, m, "draft_model+lookup") == ""
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_sliding_window_trees_are_plain_greedy(tmp_path, batch):
+    """A Mistral-style target with a window shorter than its prompts, drafted by itself: each tree node sees the
+    window its branch would see decoded alone, not every cached key."""
+    folder = save_tiny(tmp_path / "mistral", transformers.MistralConfig, seed=0, num_hidden_layers=2,
+                       sliding_window=6, init_std=0.05)
+    target = load_model(folder)
+    prompts = [[(7 * i) % 90 + 3 for i in range(30)], [(11 * i) % 90 + 3 for i in range(30)]]
+    alone = Engine(target, max_batch_size=1, max_model_len=64)
+    plain = [alone.generate([alone.add_request(p, GREEDY)])[0].output_ids for p in prompts]
+    engine, _ = tree_engine(target, folder, 3, 2, batch, curve=False)
+    trees, verify = [0], engine.verify
+
+    def spy(proposal, logits, sb):  # count the passes that verified a tree with siblings
+        trees[0] += proposal.parents is not None and any(len(set(p)) < len(p) for p in proposal.parents)
+        return verify(proposal, logits, sb)
+
+    engine.verify = spy
+    assert [s.output_ids for s in engine.generate([engine.add_request(p, GREEDY) for p in prompts])] == plain
+    assert engine.stats.num_accepted_tokens > 0 and trees[0] > 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import save_tiny
+from conftest import save_tiny, transformers
 from mutants import patch_coupling
 from test_distribution import ALPHA, N_SAMPLES, N_TOKENS, SETTINGS, exact_joint, g_test, sampled_joint
 from test_eagle import BATCH, eagle_engine, saved_head
@@ -43,15 +43,25 @@ def tree_and_branches(model, prompt: torch.Tensor) -> tuple[torch.Tensor, list[t
     return tree, branches
 
 
+def row_by_row(monkeypatch) -> None:
+    """The library kernels' path: attention row by row (what runs without the native kernels)."""
+    monkeypatch.setattr(native, "attention_usable", lambda head_dim: False)
+    monkeypatch.setattr(native, "layer_ops_usable", lambda x: False)
+
+
+# A window of 2 hides cached keys from every node and the grandparent from a node at depth 2.
+@pytest.mark.parametrize("window", [None, 2, 16])
 @pytest.mark.parametrize("path", ["float32", "bfloat16 native", "bfloat16 row by row"])
-def test_tree_pass_scores_each_branch_as_decoded_alone(tmp_path, monkeypatch, path):
+def test_tree_pass_scores_each_branch_as_decoded_alone(tmp_path, monkeypatch, path, window):
+    if path == "bfloat16 native" and window is not None:
+        pytest.skip("a sliding window never runs on the native attention kernel (the row-by-row case covers it)")
     if path == "bfloat16 native" and not native.attention_usable(64):
         pytest.skip("the native attention kernel does not run here (no AVX2, or no compiler)")
     if path == "bfloat16 row by row":
-        monkeypatch.setattr(native, "attention_usable", lambda head_dim: False)
-        monkeypatch.setattr(native, "layer_ops_usable", lambda x: False)
+        row_by_row(monkeypatch)
+    arch = {} if window is None else dict(config_cls=transformers.MistralConfig, sliding_window=window)
     folder = save_tiny(tmp_path, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
-                       intermediate_size=256, init_std=0.05)
+                       intermediate_size=256, init_std=0.05, **arch)
     model = load_model(folder, dtype=path.split()[0]).model
     prompt = torch.randint(0, 96, (37,), generator=torch.Generator().manual_seed(0))
     tree, branches = tree_and_branches(model, prompt)
@@ -62,9 +72,17 @@ def test_tree_pass_scores_each_branch_as_decoded_alone(tmp_path, monkeypatch, pa
             assert torch.equal(tree[nodes], alone), nodes
 
 
-def test_tree_pass_in_a_ragged_batch(tiny_pair):
-    """Two rows, different cache lengths, a tree in one, a chain with padding in the other (mask path)."""
-    model = load_model(tiny_pair[0]).model
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("path", ["float32", "bfloat16 row by row"])
+def test_tree_pass_in_a_ragged_batch(tmp_path, monkeypatch, path, window):
+    """Two rows, different cache lengths, a tree in one, a chain with padding in the other; bf16 bit for bit."""
+    if path == "bfloat16 row by row":
+        row_by_row(monkeypatch)
+    arch = {} if window is None else dict(config_cls=transformers.MistralConfig, sliding_window=window)
+    model = load_model(save_tiny(tmp_path, seed=0, num_hidden_layers=3, init_std=0.05, **arch),
+                       dtype=path.split()[0]).model
+    same = torch.testing.assert_close if path == "float32" else lambda a, b, **_: torch.equal(a, b) or pytest.fail(
+        "a row's bits depend on the batch")
     slots = torch.tensor([0, 1])
     with torch.no_grad():
         cache = model.new_cache(2, 64)
@@ -78,9 +96,9 @@ def test_tree_pass_in_a_ragged_batch(tiny_pair):
         for nodes, branch in zip(NODES, BRANCHES):
             alone.rollback(0, 0)
             expected = model(torch.tensor([[5, 6, 7, 8, 9, *branch]]), alone, torch.tensor([0]))[0, 5:]
-            torch.testing.assert_close(out[0, nodes], expected, rtol=1e-5, atol=1e-5)
+            same(out[0, nodes], expected, rtol=1e-5, atol=1e-5)
         alone.rollback(0, 0)
-        torch.testing.assert_close(out[1, :2], model(torch.tensor([[3, 4, 40, 41]]), alone,
+        same(out[1, :2], model(torch.tensor([[3, 4, 40, 41]]), alone,
                                                      torch.tensor([0]))[0, 2:], rtol=1e-5, atol=1e-5)
 
 

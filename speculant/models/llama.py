@@ -237,7 +237,7 @@ def prepare_pass(cache: KVCache, slots: torch.Tensor, T: int, n_new: torch.Tenso
     positions = start[:, None] + steps  # [B, T]
     if n_new is not None and span + T > cache.max_len:
         positions = positions.clamp(max=cache.max_len)
-    tree = None
+    tree = depths = bits = None
     rotated = positions  # [B, T] the positions rotary embeddings see
     if parents is not None:
         depths, bits = tree_layout(parents)
@@ -261,13 +261,27 @@ def prepare_pass(cache: KVCache, slots: torch.Tensor, T: int, n_new: torch.Tenso
     elif tree is None and not (len(slots) == 1 and T == 1 and (window is None or span <= window)):
         low = (lambda p: 0) if window is None else (lambda p: max(0, p + 1 - window))
         row_keys = [[slice(low(p), p + 1) for p in range(first, first + T)] for first in start.tolist()]
-    elif tree is not None and len(slots) == 1:
-        first = int(start[0])
-        cached = torch.arange(first, device=slots.device)
-        row_keys = [[torch.cat((cached, first + steps[(tree[0, t] >> steps) & 1 == 1])) for t in range(T)]]
     elif tree is not None:
-        mask = attention_mask(rotated, start, span, window, dtype, tree)
+        # A masked SDPA over a batch of trees is not row-exact: every row's nodes go row by row.
+        row_keys = tree_row_keys(start.tolist(), depths, bits, window, slots.device)
     return Pass(cache, slots, positions, span, mask, cos, sin, end, n_keys, row_keys, tree)
+
+
+def tree_row_keys(starts: list[int], depths: list[list[int]], bits: list[list[int]], window: int | None,
+                  device: torch.device) -> list[list[torch.Tensor]]:
+    """[B][T] the cache indices each node of a draft tree attends to: the cached keys, then its ancestors' and
+    its own, each kept only if its position on the node's branch (a new key's is its depth) is in the window,
+    as decoding the branch alone would see them."""
+    rows = []
+    for first, row_depths, row_bits in zip(starts, depths, bits):
+        row = []
+        for depth, lineage in zip(row_depths, row_bits):
+            low = 0 if window is None else min(first, max(0, first + depth + 1 - window))
+            seen = [first + j for j, d in enumerate(row_depths)
+                    if lineage >> j & 1 and (window is None or d > depth - window)]
+            row.append(torch.cat((torch.arange(low, first, device=device), torch.tensor(seen, device=device))))
+        rows.append(row)
+    return rows
 
 
 def attention_mask(positions: torch.Tensor, start: torch.Tensor, span: int, window: int | None, dtype: torch.dtype,
@@ -280,7 +294,12 @@ def attention_mask(positions: torch.Tensor, start: torch.Tensor, span: int, wind
         new = (keys[None, :] - start[:, None]).clamp(0, MAX_TREE_NODES - 1)  # [B, span] a new key's bit
         allowed = (keys[None, None, :] < start[:, None, None]) | ((tree[..., None] >> new[:, None, :]) & 1 == 1)
     if window:
-        allowed &= keys[None, None, :] > positions[..., None] - window
+        # A tree's new key stands at its node's depth on the branch, not at its index in the cache.
+        at = keys.expand(len(start), span)
+        if tree is not None:
+            new = keys[None, :] - start[:, None]  # [B, span]
+            at = torch.where(new >= 0, positions.gather(1, new.clamp(0, positions.shape[1] - 1)), at)
+        allowed &= at[:, None, :] > positions[..., None] - window
     # Additive once here rather than a boolean mask converted by every layer's attention.
     return torch.zeros(allowed.shape, dtype=dtype, device=positions.device).masked_fill_(~allowed, -math.inf)[:, None]
 
