@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -214,6 +215,24 @@ class Engine:
         self.waiting.append(seq)
         return seq
 
+    def add_requests(self, requests: Iterable[tuple[list[int], SamplingParams]]) -> list[Sequence]:
+        """All or none: a request refused (or a prompt that fails to arrive) withdraws the ones added before
+        it, so a call that raises leaves the queue as it found it."""
+        seqs: list[Sequence] = []
+        try:
+            for prompt_ids, params in requests:
+                seqs.append(self.add_request(prompt_ids, params))
+        except BaseException:
+            self.withdraw(seqs)
+            raise
+        return seqs
+
+    def withdraw(self, seqs: list[Sequence]) -> None:
+        """Abort those of `seqs` not finished yet: their slots and queue places are free again."""
+        for seq in seqs:
+            if not seq.finished:
+                self.abort(seq.request_id)
+
     def abort(self, request_id: str) -> None:
         for seq in list(self.waiting):
             if seq.request_id == request_id:
@@ -228,9 +247,14 @@ class Engine:
         return bool(self.waiting or self.prefilling or self.running)
 
     def generate(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Run steps until the given (already added) sequences are done."""
-        while any(not s.finished for s in seqs):
-            self.step()
+        """Run steps until the given (already added) sequences are done; if a step raises (an interrupt),
+        they are withdrawn, not left to decode for nobody."""
+        try:
+            while any(not s.finished for s in seqs):
+                self.step()
+        except BaseException:
+            self.withdraw(seqs)
+            raise
         return seqs
 
     # -- the loop ---------------------------------------------------------------------------

@@ -124,7 +124,7 @@ class LLM:
         params = sampling_params
         if len(params) != len(prompts):
             raise SpeculantError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        seqs = [self.engine.add_request(self._prompt_ids(p), sp) for p, sp in zip(prompts, params)]
+        seqs = self.engine.add_requests((self._prompt_ids(p), sp) for p, sp in zip(prompts, params))
         self.engine.generate(seqs)
         return [RequestOutput.from_sequence(s, p if isinstance(p, str) else None) for s, p in zip(seqs, prompts)]
 

@@ -174,6 +174,36 @@ def test_prompt_errors_and_tokenizer_free_model(tiny):
     assert len(capped[0].token_ids) == 6 and capped[0].finish_reason == "length"
 
 
+def test_a_refused_prompt_leaves_no_request_behind(tiny):
+    """generate([ok, too_long]) raises and leaves the engine as it found it: `ok` is not decoded by a later call."""
+    llm = LLM(str(tiny), max_model_len=16, max_batch_size=2)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    with raises("the prompt has 20 tokens"):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": list(range(20))}], params)
+    with raises("a dict prompt needs 'prompt_token_ids'"):  # refused while reading the prompts
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}, {"text": "x"}], params)
+    assert not llm.engine.has_unfinished()
+    out = llm.generate([{"prompt_token_ids": [4, 5]}, {"prompt_token_ids": [6]}], params)
+    assert [len(o.token_ids) for o in out] == [4, 4]
+    assert sorted(llm.engine.free_slots) == [0, 1] and not llm.engine.has_unfinished()
+
+
+def test_an_interrupted_generate_withdraws_its_requests(tiny, monkeypatch):
+    llm = LLM(str(tiny), max_model_len=16, max_batch_size=2)
+    step, calls = llm.engine.step, [0]
+
+    def interrupted():
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 2, SamplingParams(temperature=0, max_tokens=8))
+    assert not llm.engine.has_unfinished() and sorted(llm.engine.free_slots) == [0, 1]
+
+
 def with_word_tokenizer(folder, words):
     vocab = {w: i for i, w in enumerate(words)}
     Tokenizer(WordLevel(vocab, unk_token=words[0])).save(str(folder / "tokenizer.json"))

@@ -179,6 +179,10 @@ def test_bad_grammar_is_refused_with_its_reason(json_target, spec, reason):
     with pytest.raises(SpeculantError, match=reason):
         engine.add_request(PROMPTS[0], SamplingParams(structured_outputs=spec))
     assert not engine.waiting
+    # A later request's grammar refused withdraws the earlier ones of the same call.
+    with pytest.raises(SpeculantError, match=reason):
+        engine.add_requests([(PROMPTS[0], SamplingParams()), (PROMPTS[1], SamplingParams(structured_outputs=spec))])
+    assert not engine.has_unfinished()
 
 
 def test_structured_outputs_needs_exactly_one_kind():

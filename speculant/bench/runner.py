@@ -108,7 +108,7 @@ class EngineRunner(Runner):
     def run(self, prompts: list[list[int]], params: list[SamplingParams]) -> Measurement:
         engine = self.engine
         before = engine.timing.as_dict()
-        seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        seqs = engine.add_requests(zip(prompts, params))
         t0 = time.perf_counter()
         first = engine.step()  # every sequence is admitted at once: max_batch_size >= len(prompts)
         t1 = time.perf_counter()
