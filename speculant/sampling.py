@@ -50,6 +50,11 @@ def uniform(key: int, position: int, purpose: int) -> float:
     return (_mix64((key + index * _GOLDEN) & _MASK) >> 11) * 2.0 ** -53
 
 
+def constrained_only(grammars: list[GrammarState | None] | None) -> list[GrammarState | None] | None:
+    """A batch's grammars, None where no row has one: every mask path reads None as "all free"."""
+    return grammars if grammars and any(g is not None for g in grammars) else None
+
+
 @dataclass
 class SamplingBatch:
     """Per-row sampling transforms of a batch, as tensors, each row's key (None for a greedy row: it
@@ -88,7 +93,7 @@ class SamplingBatch:
             all_greedy=all(p.greedy for p in params),
             transforms=[(0.0 if p.greedy else p.temperature, max(p.top_k, 0), p.top_p, p.min_p) for p in params],
             positions=positions or [0] * len(params),
-            grammars=grammars if grammars and any(g is not None for g in grammars) else None,
+            grammars=constrained_only(grammars),
             seeded=[p.seed is not None and not p.greedy for p in params],
         )
 
@@ -101,7 +106,7 @@ class SamplingBatch:
         return SamplingBatch(self.temperature[at], self.top_k[at], self.top_p[at], self.min_p[at], self.greedy[at],
                              [self.keys[b] for b in rows], self.all_greedy, [self.transforms[b] for b in rows],
                              [self.positions[b] for b in rows],
-                             None if self.grammars is None else [self.grammars[b] for b in rows],
+                             None if self.grammars is None else constrained_only([self.grammars[b] for b in rows]),
                              None if self.seeded is None else [self.seeded[b] for b in rows])
 
     def is_seeded(self, b: int) -> bool:

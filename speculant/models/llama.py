@@ -263,19 +263,24 @@ def prepare_pass(cache: KVCache, slots: torch.Tensor, T: int, n_new: torch.Tenso
         row_keys = [[slice(low(p), p + 1) for p in range(first, first + T)] for first in start.tolist()]
     elif tree is not None:
         # A masked SDPA over a batch of trees is not row-exact: every row's nodes go row by row.
-        row_keys = tree_row_keys(start.tolist(), depths, bits, window, slots.device)
+        real = [T] * len(slots) if n_new is None else n_new.tolist()
+        row_keys = tree_row_keys(start.tolist(), real, depths, bits, window, slots.device)
     return Pass(cache, slots, positions, span, mask, cos, sin, end, n_keys, row_keys, tree)
 
 
-def tree_row_keys(starts: list[int], depths: list[list[int]], bits: list[list[int]], window: int | None,
-                  device: torch.device) -> list[list[torch.Tensor]]:
+def tree_row_keys(starts: list[int], real: list[int], depths: list[list[int]], bits: list[list[int]],
+                  window: int | None, device: torch.device) -> list[list[torch.Tensor]]:
     """[B][T] the cache indices each node of a draft tree attends to: the cached keys, then its ancestors' and
     its own, each kept only if its position on the node's branch (a new key's is its depth) is in the window,
-    as decoding the branch alone would see them."""
+    as decoding the branch alone would see them. Row b's nodes past its first real[b] are padding: they read
+    the last cached key (their output is never read, and their keys may lie past the pass's span)."""
     rows = []
-    for first, row_depths, row_bits in zip(starts, depths, bits):
+    for first, n_real, row_depths, row_bits in zip(starts, real, depths, bits):
         row = []
-        for depth, lineage in zip(row_depths, row_bits):
+        for t, (depth, lineage) in enumerate(zip(row_depths, row_bits)):
+            if t >= n_real:
+                row.append(torch.tensor([first - 1], device=device))
+                continue
             low = 0 if window is None else min(first, max(0, first + depth + 1 - window))
             seen = [first + j for j, d in enumerate(row_depths)
                     if lineage >> j & 1 and (window is None or d > depth - window)]
