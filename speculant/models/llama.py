@@ -539,7 +539,7 @@ class Transformer(nn.Module):
         out[real] = hidden[:, 0]
         return out
 
-    @functools.cached_property
+    @property
     def packs_ragged(self) -> bool:
         """Whether a chain pass over rows of different widths runs without their padding (forward_packed)."""
         return self.narrow_passes == "prepared" and self.native_decode and self.native_stack is not None
