@@ -21,6 +21,7 @@ from speculant.adaptive import AdaptiveK, StepRecord
 from speculant.config import SamplingParams
 from speculant.errors import SpeculantError
 from speculant.models import native
+from speculant.models.kernels import inexact_reason
 from speculant.models.llama import ModelConfig
 from speculant.models.loader import LoadedModel
 from speculant.models.tokenizer import Detokenizer
@@ -161,9 +162,15 @@ class Engine:
 
     def _prefix_cache(self) -> PrefixCache | None:
         """The target's store of past sequences, and the proposer's own, sharing the byte budget in
-        proportion to what a token costs each. None where it is off or the proposer cannot start from a
-        cached prefix (it reads the target's features of the whole prompt)."""
+        proportion to what a token costs each. None where it is off, where the kernels are not row-exact (a
+        hit would not give a cold prefill's bits), or where the proposer cannot start from a cached prefix
+        (it reads the target's features of the whole prompt)."""
         if self.prefix_cache_bytes <= 0:
+            return None
+        inexact = inexact_reason(self.model, self.model.device)
+        if inexact is not None:
+            log.warning("prefix caching is off: %s, so a cached prefix's keys would not be a cold prefill's",
+                        inexact)
             return None
         target = self.cache.row_bytes_per_token
         draft = self.proposer.kv_bytes_per_token if self.proposer is not None else 0

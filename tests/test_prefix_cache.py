@@ -11,6 +11,8 @@ from conftest import save_tiny, smollm_gguf
 
 from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.engine import Engine
+from speculant.models import native
+from speculant.models.kernels import inexact_reason
 from speculant.models.kv_cache import KVCache
 from speculant.models.loader import load_model
 from speculant.prefix_cache import PrefixCache, common_prefix
@@ -45,6 +47,8 @@ def engine_on(target, cache_bytes: int, chunk: int = 512, spec: dict | None = No
     k = cfg.num_speculative_tokens if cfg else 0
     proposer = build_proposer(cfg, target, rows, 256 + k + 1) if cfg else None
     engine = Engine(target, proposer, k, max_batch_size=rows, max_model_len=256, prefix_cache_bytes=cache_bytes)
+    if cache_bytes and engine.prefix_cache is None:
+        pytest.skip(f"no prefix cache here: {inexact_reason(target.model, target.model.device)}")
     engine.prefill_chunk = chunk
     return engine
 
@@ -103,14 +107,42 @@ def test_hit_equals_cold_in_a_batch(folders):
     assert seqs[2].output_ids == alone
 
 
+def test_the_cache_stays_off_where_kernels_are_not_row_exact(folders, monkeypatch, caplog):
+    """Without the native kernels, or with one layer on a library kernel, or on CUDA, a hit would not give a
+    cold prefill's bits: no cache, and the log says why."""
+    fp32 = load_model(folders["small"], dtype="float32")
+    if native.level() == "off":
+        pytest.skip(native.off_reason() + ": the cache is off here already")
+    assert engine_on(fp32, BUDGET).prefix_cache is not None
+    assert "CUDA" in inexact_reason(fp32.model, torch.device("cuda"))
+    with monkeypatch.context() as m:
+        m.setattr(native, "level", lambda: "off")
+        with caplog.at_level("WARNING", logger="speculant"):
+            off = Engine(fp32, None, 0, max_batch_size=2, max_model_len=64, prefix_cache_bytes=BUDGET)
+    assert off.prefix_cache is None
+    assert "prefix caching is off: the native kernels do not run" in caplog.text
+    monkeypatch.setattr(native, "bf16_usable", lambda out_features, in_features: False)  # bf16 goes to oneDNN
+    bf16 = load_model(folders["small"], dtype="bfloat16")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="speculant"):
+        engine = Engine(bf16, None, 0, max_batch_size=2, max_model_len=64, prefix_cache_bytes=BUDGET)
+    assert engine.prefix_cache is None and "library kernel that is not row-exact" in caplog.text
+
+
 @pytest.mark.parametrize("k", [2, 4])
 def test_draft_model_reuses_its_own_prefix(folders, k):
     target = load_model(folders["small"], dtype="bfloat16")
     spec = {"method": "draft_model", "model": str(folders["draft"]), "num_speculative_tokens": k}
     hot = engine_on(target, BUDGET, chunk=9, spec=spec)
-    check_turns(target, hot, GREEDY, spec=None)
     draft_cache = hot.proposer.prefix_cache
-    assert draft_cache is not None and draft_cache.entries
+    assert draft_cache is not None
+    # Greedy output never depends on drafts: what shows the draft reads its cache is what its loads return.
+    hits, load = [], draft_cache.load
+    draft_cache.load = lambda *a, **kw: hits.append(load(*a, **kw)) or hits[-1]
+    check_turns(target, hot, GREEDY, spec=None)
+    first, _ = conversation(1)
+    assert hits[0] == 0 and hits[1] >= len(first)  # the second turn's draft starts past the first turn
+    assert sum(n >= 30 for n in hits[2:]) == 2  # the calls sharing the 30-token system prompt
     assert hot.prefix_cache.capacity_bytes + draft_cache.capacity_bytes <= BUDGET
     check_turns(target, engine_on(target, BUDGET, chunk=9, spec=spec), SEEDED, spec=spec)
 

@@ -2,9 +2,8 @@
 lengths, rows joining and leaving mid-run, k, adaptive k on and off, lookup and draft-model proposers, unseeded
 rows beside) against each request decoded alone, greedy and seeded, on every weight path of the tiny models.
 
-What "alone" means is the promise of each kind of request (docs/lossless.md): a greedy request, and a seeded
-one whose drafts are deterministic (lookup), writes plain decoding's tokens at any k, adaptive or not; a seeded
-request with a draft model's drafts writes, at a fixed k, what it writes alone with that proposer and k."""
+"Alone" is plain decoding (docs/lossless.md): a greedy request, and a seeded one with any proposer (lookup drafts,
+a draft model's drafts coupled to the seeded draws), writes plain decoding's tokens at any k, adaptive or not."""
 
 from __future__ import annotations
 

@@ -101,11 +101,30 @@ class PackedLinear(nn.Module):
             y = x @ self.weight
         return y if self.bias is None else y + self.bias
 
+    @property
+    def row_exact(self) -> bool:
+        """Whether a row's product is the same bits in any call (the native kernels; oneDNN's and MKL's are not)."""
+        return self.kind in ("amx", "dot") or (self.kind == "transposed" and self.native)
+
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
+
+
+def inexact_reason(model: nn.Module, device: torch.device) -> str | None:
+    """Why a position's keys and values may depend on the pass that computed them (a whole prompt, a chunk, a
+    decode step), so that a prefix cache's would differ from a cold prefill's in the last bits; None where
+    every kernel gives a row the same bits in any call (tests/test_row_invariance.py)."""
+    if device.type != "cpu":
+        return f"{device.type.upper()}'s prompt passes run blocked kernels, not row-exact ones"
+    if native.level() == "off":
+        return f"the native kernels do not run ({native.off_reason()}) and PyTorch's are not row-exact"
+    for name, layer in model.named_modules():
+        if type(layer) is nn.Linear or (isinstance(layer, PackedLinear) and not layer.row_exact):
+            return f"{name} runs a library kernel that is not row-exact"
+    return None
 
 
 def _one_prompt(x: torch.Tensor) -> bool:
