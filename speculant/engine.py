@@ -69,12 +69,9 @@ def context_for(cfg: ModelConfig, requested: int | None, max_batch_size: int, dt
     n = own if fits >= own else max(DEFAULT_MAX_MODEL_LEN, fits // 1024 * 1024)
     size = max_batch_size * n * per_row / 2**30
     if n < own:
-        log.warning("context %d tokens (the model's own is %d): a KV cache of %d rows of %d tokens would take "
-                    "%.1f GiB; this one takes %.1f GiB. --max-model-len or --max-batch-size change it",
+        log.warning("context %d tokens (the model's own is %d): a KV cache of %d rows of %d tokens could grow "
+                    "to %.1f GiB; this one to %.1f GiB. --max-model-len or --max-batch-size change it",
                     n, own, max_batch_size, own, max_batch_size * own * per_row / 2**30, size)
-    else:
-        log.info("context %d tokens, the model's own: the KV cache takes %.1f GiB for %d rows", n, size,
-                 max_batch_size)
     return n
 
 
@@ -144,6 +141,9 @@ class Engine:
         # pending token before knowing how many stay.
         extra = self.proposer.extra_nodes if self.proposer is not None else 0
         self.cache = self.model.new_cache(self.max_batch_size, self.max_model_len + self.k + extra + 1)
+        log.info("context %d tokens; the KV cache of %d rows %s %.2f GiB", self.max_model_len, self.max_batch_size,
+                 "takes" if self.model.device.type == "cuda" else "may grow to (memory taken as rows fill)",
+                 2 * self.cache.k.numel() * self.cache.k.element_size() / 2**30)
         self.free_slots = list(range(self.max_batch_size))
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Prefill] = []  # admitted, their prompts fed chunk by chunk
@@ -739,6 +739,7 @@ class Engine:
                 self.running.remove(seq)
             if self.prefix_cache is not None and seq.finish_reason != "error":
                 self.prefix_cache.store(seq.tokens[:seq.num_cached], self.cache, seq.slot)
+            self.cache.release(seq.slot)
             self.free_slots.append(seq.slot)
             if self.proposer is not None:
                 self.proposer.remove(seq)

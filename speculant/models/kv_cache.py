@@ -8,10 +8,17 @@ and a padded entry that would land past the last position is written there inste
 No row ever sees it (a row's length is at most max_len). Without it a row near the end of its
 context could not share a pass with a row feeding many tokens (an EAGLE head catching up on a
 long stretch in one row, one token in another).
+
+On a CPU the cache is sized for every row at the whole context but costs memory only where written:
+it lives in an anonymous mapping, whose pages the kernel gives (zeroed) at their first write, and a
+freed row's pages go back (release). Positions never written read as zeros, so attention's masked
+products stay finite.
 """
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -23,13 +30,37 @@ class KVCache:
     def __init__(self, n_layers: int, max_batch: int, n_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
         shape = (n_layers, max_batch, n_kv_heads, max_len + 1, head_dim)  # + the sink
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._maps: list[mmap.mmap] = []  # on CPU, the mappings k and v live in
+        self.k = self._zeros(shape, dtype, torch.device(device))
+        self.v = self._zeros(shape, dtype, torch.device(device))
         self.lengths = torch.zeros(max_batch, dtype=torch.long, device=device)
         # On CPU the same memory as numpy: setting a row's length from Python is far cheaper there than
         # indexing the tensor with a new one, which every decoding step does.
         self._host_lengths = self.lengths.numpy() if self.lengths.device.type == "cpu" else None
         self.max_len = max_len
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Zeros; on a CPU in pages taken only as they are written (torch.zeros writes them all at once)."""
+        if device.type != "cpu" or not hasattr(mmap, "MADV_DONTNEED"):
+            return torch.zeros(shape, dtype=dtype, device=device)
+        # Private: the pages of a shared anonymous mapping outlive MADV_DONTNEED.
+        mapping = mmap.mmap(-1, math.prod(shape) * dtype.itemsize, flags=mmap.MAP_PRIVATE)
+        self._maps.append(mapping)
+        return torch.frombuffer(mapping, dtype=dtype).view(shape)
+
+    def release(self, slot: int) -> None:
+        """Give a freed row's memory back: its pages read as zeros until a later sequence writes them."""
+        if not self._maps:
+            return
+        L, B, H, T, D = self.k.shape
+        row = H * T * D * self.k.element_size()  # one layer's keys (or values) of a row, contiguous
+        for mapping in self._maps:
+            for layer in range(L):
+                start = (layer * B + slot) * row
+                first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+                end = (start + row) // mmap.PAGESIZE * mmap.PAGESIZE
+                if end > first:  # whole pages only: the pages at the ends hold neighbouring rows too
+                    mapping.madvise(mmap.MADV_DONTNEED, first, end - first)
 
     @property
     def max_batch(self) -> int:
@@ -122,3 +153,4 @@ class CacheIndex:
     write: tuple  # indices into a layer's cache; one_row: the (keys, values) views [L, Hkv, T, Dh] written
     read: tuple  # indices into a layer's cache; one_row: the (keys, values) views [L, 1, Hkv, span, Dh] read
     one_row: bool = False
+

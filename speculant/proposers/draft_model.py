@@ -107,6 +107,7 @@ class DraftModelProposer(Proposer):
         fed = self.fed.pop(seq.request_id)
         if self.prefix_cache is not None and seq.finished and seq.finish_reason != "error":
             self.prefix_cache.store(seq.tokens[:fed], self.cache, slot)
+        self.cache.release(slot)
         self.free.append(slot)
 
     def prefill(self, seqs: list[Sequence], target: TargetHidden) -> None:

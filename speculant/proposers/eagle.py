@@ -202,6 +202,7 @@ class EagleProposer(Proposer):
 
     def remove(self, seq: Sequence) -> None:
         rid = seq.request_id
+        self.cache.release(self.slot[rid])
         self.free.append(self.slot.pop(rid))
         del self.fed[rid], self.pending[rid], self.n_pending[rid]
         self.guessed.discard(rid)
