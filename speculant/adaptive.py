@@ -36,9 +36,11 @@ from pathlib import Path
 import torch
 
 from speculant.models import native, notice
-from speculant.proposers.base import MODEL_BUCKET
 from speculant.speedup import CostCurve, measure_cost_curve, speedup_from
 
+# Drafts are judged by the acceptance seen in their bucket: this one for drafts that cost a model pass, a lookup's
+# match length (1 and up) for the others.
+MODEL_BUCKET = 0
 # Gains below this are noise on a shared CPU: not worth the risk of a loss.
 MIN_GAIN = 1.05
 # In a batch the model overestimates (ragged rows, per-row work it leaves out): below this predicted gain it

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from speculant.adaptive import AdaptiveK, cost_curve_for
 from speculant.config import ADAPTIVE_BATCHED, SamplingParams, SpeculativeConfig
-from speculant.engine import Engine, context_for
+from speculant.context import context_for
+from speculant.engine import Engine
 from speculant.errors import SpeculantError
 from speculant.models.loader import LoadedModel, load_model
 from speculant.prefix_cache import default_capacity_bytes
@@ -71,7 +72,7 @@ def build_engine(model: str | None = None, dtype: str = "float32", device: str =
                  max_batch_size: int = 8, max_model_len: int | None = None,
                  quantization: str | None = None, prefix_cache_bytes: int | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Engine:
-    """`max_model_len` None: the model's own context, as far as the KV cache fits (engine.context_for);
+    """`max_model_len` None: the model's own context, as far as the KV cache fits (context.context_for);
     `prefix_cache_bytes` None: prefix_cache.default_capacity_bytes(), 0: no prefix cache."""
     spec = resolve_speculative_config(model, speculative_config)
     target = load_model(model, dtype=dtype, device=device, quantization=quantization)
@@ -79,13 +80,12 @@ def build_engine(model: str | None = None, dtype: str = "float32", device: str =
     if prefix_cache_bytes is None:
         # CUDA attends prompts on blocked kernels whose sums depend on the pass: a hit would not be exact there.
         prefix_cache_bytes = default_capacity_bytes() if target.model.device.type == "cpu" else 0
-    engine = engine_for(target, spec, max_batch_size, context, prefix_cache_bytes)
-    engine.prefill_chunk = prefill_chunk
-    return engine
+    return engine_for(target, spec, max_batch_size, context, prefix_cache_bytes, prefill_chunk)
 
 
 def engine_for(target: LoadedModel, spec: SpeculativeConfig | None, max_batch_size: int,
-               max_model_len: int, prefix_cache_bytes: int = 0) -> Engine:
+               max_model_len: int, prefix_cache_bytes: int = 0,
+               prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Engine:
     """An engine over an already-loaded target, with the proposer and adaptive policy `spec` asks for."""
     k = spec.num_speculative_tokens if spec else 0
     proposer = build_proposer(spec, target, max_batch_size, max_model_len + k + 1) if spec else None
@@ -99,7 +99,7 @@ def engine_for(target: LoadedModel, spec: SpeculativeConfig | None, max_batch_si
         adaptive = AdaptiveK(None if batched else load_curve(), k, extra_nodes=extra, from_batch=2 if batched else 1,
                              load_curve=load_curve, extra_at=proposer.extra_nodes_at)
     return Engine(target, proposer, k, max_batch_size, max_model_len, adaptive=adaptive,
-                  prefix_cache_bytes=prefix_cache_bytes)
+                  prefix_cache_bytes=prefix_cache_bytes, prefill_chunk=prefill_chunk)
 
 
 class LLM:

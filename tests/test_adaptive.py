@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from speculant.adaptive import AdaptiveK, StepRecord, cost_curve_for, expected_tokens_upto
+from speculant.adaptive import MODEL_BUCKET, AdaptiveK, StepRecord, cost_curve_for, expected_tokens_upto
 from speculant.config import SamplingParams
 from speculant.engine import Engine
 from speculant.models.loader import load_model
-from speculant.proposers.base import MODEL_BUCKET
 from speculant.proposers.ngram import NgramProposer
 from speculant.speedup import CostCurve
 

@@ -14,6 +14,7 @@ from test_tree import count_sibling_paths
 from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.engine import Engine
 from speculant.llm import engine_for
+from speculant.models.cuda_graphs import use_static_passes
 from speculant.models.loader import load_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -35,7 +36,7 @@ def passes(model, cache_len: int = 64):
 def test_static_pass_is_the_prepared_pass(tiny_pair, dtype):
     model = load_model(tiny_pair[0], dtype=dtype).model
     expected = passes(model)
-    model.narrow_passes = "static"
+    use_static_passes(model, replay=False)
     got = passes(model)
     tol = 1e-5 if dtype == "float32" else 2e-2
     for e, g in zip(expected[:2], got[:2]):
@@ -52,7 +53,7 @@ def test_static_pass_is_the_prepared_pass(tiny_pair, dtype):
 def test_speculation_through_static_passes_is_plain_greedy(tiny_pair, spec):
     target = load_model(tiny_pair[0])
     eager_plain = run(target, None, PROMPTS)[0]
-    target.model.narrow_passes = "static"
+    use_static_passes(target.model, replay=False)
     if spec["method"] == "draft_model":
         spec = {**spec, "model": str(tiny_pair[1])}
     plain = run(target, None, PROMPTS)[0]
@@ -67,7 +68,7 @@ def test_draft_trees_through_static_passes_are_plain_greedy(tmp_path):
     sibling branches' keys moved: the output is plain greedy decoding's through the same passes. Weights
     large enough that attention decides tokens (a wrong tree mask changes the output: checked)."""
     target = load_model(save_tiny(tmp_path / "target", num_hidden_layers=3, init_std=0.2))
-    target.model.narrow_passes = "static"
+    use_static_passes(target.model, replay=False)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [[1, 5, 9, 14], [1, 33, 2, 7, 7, 7, 7, 40, 41], [1, 60]]
     engine = Engine(target, max_batch_size=3, max_model_len=64)
@@ -92,7 +93,7 @@ def test_cuda_graphs_replay_speculation_as_plain_greedy(tiny_pair, dtype):
     speculative, engine = run(target, {"method": "ngram", "num_speculative_tokens": 4}, PROMPTS)
     assert speculative == plain
     assert engine.model.graphs_for(engine.cache).graphs  # the passes were replayed from graphs
-    target.model.narrow_passes = "static"  # --enforce-eager: the same kernels, launched one by one
+    use_static_passes(target.model, replay=False)  # --enforce-eager: the same kernels, launched one by one
     assert run(target, None, PROMPTS)[0] == plain
 
 

@@ -449,7 +449,7 @@ def test_tree_width_for_a_draft_model():
 
 def test_generate_reports_nodes_and_accepted_drafts_per_pass():
     from speculant.cli import tree_stats
-    from speculant.engine import EngineTiming
+    from speculant.timing import EngineTiming
 
     timing = EngineTiming(passes={1: [2, 0.1], 4: [3, 0.3], 6: [1, 0.1]})  # 3 passes of 3 nodes, 1 of 5
     m = {"num_drafts": 4, "num_accepted_tokens": 6}

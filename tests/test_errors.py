@@ -185,7 +185,7 @@ def test_a_refused_prompt_leaves_no_request_behind(tiny):
     assert not llm.engine.has_unfinished()
     out = llm.generate([{"prompt_token_ids": [4, 5]}, {"prompt_token_ids": [6]}], params)
     assert [len(o.token_ids) for o in out] == [4, 4]
-    assert sorted(llm.engine.free_slots) == [0, 1] and not llm.engine.has_unfinished()
+    assert sorted(llm.engine.scheduler.free_slots) == [0, 1] and not llm.engine.has_unfinished()
 
 
 def test_an_interrupted_generate_withdraws_its_requests(tiny, monkeypatch):
@@ -201,7 +201,7 @@ def test_an_interrupted_generate_withdraws_its_requests(tiny, monkeypatch):
     monkeypatch.setattr(llm.engine, "step", interrupted)
     with pytest.raises(KeyboardInterrupt):
         llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 2, SamplingParams(temperature=0, max_tokens=8))
-    assert not llm.engine.has_unfinished() and sorted(llm.engine.free_slots) == [0, 1]
+    assert not llm.engine.has_unfinished() and sorted(llm.engine.scheduler.free_slots) == [0, 1]
 
 
 def with_word_tokenizer(folder, words):

@@ -11,12 +11,12 @@ from test_adaptive import curve
 from test_distribution import ALPHA, N_SAMPLES, N_TOKENS, SETTINGS, exact_joint, g_test, sampled_joint
 from test_eagle import saved_head
 
-from speculant.adaptive import AdaptiveK, StepRecord
+from speculant.adaptive import MODEL_BUCKET, AdaptiveK, StepRecord
 from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.engine import Engine
 from speculant.models.loader import load_model
 from speculant.proposers import build_proposer
-from speculant.proposers.base import MODEL_BUCKET, Proposal
+from speculant.proposers.base import Proposal
 from speculant.proposers.draft_model import DraftModelProposer
 from speculant.proposers.lookup_first import LookupFirstProposer
 from speculant.proposers.ngram import NgramProposer
@@ -207,8 +207,7 @@ def test_sampled_lookup_rows_are_coupled(small):
     engine = small_engine(small)
     seq = engine.add_request([1, 5, 3, 6, 1, 5], SETTINGS["t1"])
     other = engine.add_request([7, 4], SETTINGS["t1"])
-    engine._admit()
-    engine._prefill_chunks()
+    engine.schedule()
     sb = SamplingBatch.build([seq.params, other.params], [seq.key, other.key], engine.device)
     out = engine.proposer.propose([seq, other], [2, 2], sb)
     assert out.bucket_list()[0] != MODEL_BUCKET and out.bucket_list()[1] == MODEL_BUCKET

@@ -49,7 +49,7 @@ def engine_on(target, cache_bytes: int, chunk: int = 512, spec: dict | None = No
     engine = Engine(target, proposer, k, max_batch_size=rows, max_model_len=256, prefix_cache_bytes=cache_bytes)
     if cache_bytes and engine.prefix_cache is None:
         pytest.skip(f"no prefix cache here: {inexact_reason(target.model, target.model.device)}")
-    engine.prefill_chunk = chunk
+    engine.scheduler.prefill_chunk = chunk
     return engine
 
 
@@ -270,7 +270,7 @@ def test_a_running_request_shares_its_prompt(folders):
     system = conversation(6)[0][:30]
     hot = engine_on(target, BUDGET, chunk=8)
     first = hot.add_request(system + [4, 5], GREEDY)
-    while first not in hot.running:
+    while first not in hot.scheduler.running:
         hot.step()
     hot.step()
     second = hot.add_request(system + [6, 7, 8], GREEDY)

@@ -10,7 +10,7 @@ from conftest import save_tiny
 from speculant.config import SamplingParams
 from speculant.engine import Engine
 from speculant.models.loader import load_model
-from speculant.scheduler import ChunkSizer, Prefill, added_tiles, plan_chunks, rider_positions
+from speculant.scheduler.chunks import ChunkSizer, Prefill, added_tiles, plan_chunks, rider_positions
 from speculant.sequence import Sequence
 
 GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
@@ -46,17 +46,17 @@ def alone(target, prompt: list[int]) -> list[int]:
 
 def test_running_streams_go_on_while_a_long_prompt_is_fed(target):
     engine = Engine(target, max_batch_size=4, max_model_len=256)
-    engine.prefill_chunk = 16
+    engine.scheduler.prefill_chunk = 16
     running = [engine.add_request([5, 6, 7], GREEDY), engine.add_request([9, 10], GREEDY)]
     engine.step()
     long = engine.add_request([3 + i % 90 for i in range(100)], GREEDY)
     steps = 0
-    while long not in engine.running:
+    while long not in engine.scheduler.running:
         fed = long.num_cached
         outputs = engine.step()
         # Every step still gives each running stream its tokens, and feeds one chunk of the new prompt.
         assert {o.seq.request_id for o in outputs if o.new_token_ids} >= {s.request_id for s in running}
-        assert 0 < long.num_cached - fed <= 16 or long in engine.running
+        assert 0 < long.num_cached - fed <= 16 or long in engine.scheduler.running
         steps += 1
     assert steps >= -(-99 // 16)
     engine.generate(running + [long])
@@ -67,21 +67,21 @@ def test_running_streams_go_on_while_a_long_prompt_is_fed(target):
 def test_a_group_goes_on_when_its_first_sequence_is_aborted(target, monkeypatch):
     """Requests with one prompt (the API's n) share its chunks; the first one leaving hands them on."""
     engine = Engine(target, max_batch_size=4, max_model_len=256)
-    engine.prefill_chunk = 8
+    engine.scheduler.prefill_chunk = 8
     # Chunks of 8 whatever the passes' timings (beside decoding the sizer would fit them to a step's cost).
-    monkeypatch.setattr(engine.chunk_sizer, "size", lambda rows, max_chunk: max_chunk)
+    monkeypatch.setattr(engine.scheduler.chunk_sizer, "size", lambda rows, max_chunk: max_chunk)
     busy = engine.add_request([5, 6], GREEDY)
     engine.step()
     prompt = [3 + i % 90 for i in range(40)]
     first, second = engine.add_request(prompt, GREEDY), engine.add_request(prompt, GREEDY)
     engine.step()
     engine.step()
-    assert first.num_cached == 16 and second not in engine.running
+    assert first.num_cached == 16 and second not in engine.scheduler.running
     engine.abort(first.request_id)
     engine.generate([busy, second])
     assert first.finish_reason == "abort"
     assert second.output_ids == alone(target, prompt)
-    assert not engine.prefilling and sorted(engine.free_slots) == list(range(4))
+    assert not engine.scheduler.prefilling and sorted(engine.scheduler.free_slots) == list(range(4))
 
 
 def test_a_chunk_beside_decoding_costs_about_one_and_a_half_steps():
@@ -144,12 +144,12 @@ def test_a_packed_chunk_that_never_added_a_tile_prices_one_as_a_steps_tiles():
 def test_without_chunks_a_prompt_arriving_is_fed_whole_in_one_step(target):
     """--prefill-chunk 0, what the engine did before chunks (kept for comparison): the streams wait once."""
     engine = Engine(target, max_batch_size=4, max_model_len=256)
-    engine.prefill_chunk = 0
+    engine.scheduler.prefill_chunk = 0
     running = engine.add_request([5, 6, 7], GREEDY)
     engine.step()
     long = engine.add_request([3 + i % 90 for i in range(100)], GREEDY)
     engine.step()
-    assert long in engine.running and long.num_cached >= 99 and running.output_ids
+    assert long in engine.scheduler.running and long.num_cached >= 99 and running.output_ids
     engine.generate([running, long])
     assert long.output_ids == alone(target, long.prompt_ids)
 
@@ -183,10 +183,10 @@ def test_a_prompt_alone_feeds_its_last_chunk_in_the_pass_of_its_first_token(tiny
     answers, keys, apart = [], [], []
     for tail in (True, False):
         engine = Engine(target, max_batch_size=2, max_model_len=256)
-        engine.prefill_chunk, engine.last_chunk_decodes = 16, tail
+        engine.scheduler.prefill_chunk, engine.scheduler.last_chunk_decodes = 16, tail
         fed = []
-        prefill = engine.prefill
-        engine.prefill = lambda group, n, fed=fed, prefill=prefill: (fed.append(n), prefill(group, n))
+        prefill = engine.prefill_apart
+        engine.prefill_apart = lambda group, n, fed=fed, prefill=prefill: (fed.append(n), prefill(group, n))
         seq = engine.add_request(prompt, GREEDY)
         engine.step()
         assert len(seq.output_ids) == 1
@@ -201,14 +201,14 @@ def test_a_prompt_alone_feeds_its_last_chunk_in_the_pass_of_its_first_token(tiny
 def rides(engine: Engine) -> list[int]:
     """Spy: the chunk sizes fed in passes of their own while other sequences decode (none should be)."""
     apart = []
-    prefill = engine.prefill
+    prefill = engine.prefill_apart
 
     def spy(group, n):
-        if engine.running and n:
+        if engine.scheduler.running and n:
             apart.append(n)
         prefill(group, n)
 
-    engine.prefill = spy
+    engine.prefill_apart = spy
     return apart
 
 
@@ -218,7 +218,7 @@ def feed_long_prompt_beside_streams(engine: Engine) -> tuple[list[Sequence], int
     engine.step()
     long = engine.add_request([3 + (7 * i) % 90 for i in range(100)], GREEDY)
     steps = 0
-    while long not in engine.running:
+    while long not in engine.scheduler.running:
         engine.step()
         steps += 1
     engine.generate(running + [long])
@@ -235,7 +235,7 @@ def test_chunks_ride_in_the_draft_models_verify_pass(tiny_pair, dtype):
     target = load_model(tiny_pair[0], dtype=dtype)
     cfg = SpeculativeConfig.parse({"method": "draft_model", "model": str(tiny_pair[1]), "num_speculative_tokens": 4})
     engine = Engine(target, build_proposer(cfg, target, 4, 256 + 5), 4, max_batch_size=4, max_model_len=256)
-    engine.prefill_chunk = 16
+    engine.scheduler.prefill_chunk = 16
     apart = rides(engine)
     seqs, steps = feed_long_prompt_beside_streams(engine)
     assert apart == [] and steps >= -(-99 // 16)
@@ -248,7 +248,7 @@ def test_a_shifted_chunk_is_caught(target, monkeypatch):
     monkeypatch.setattr(Prefill, "next_chunk", lambda self, n: self.lead.tokens[self.lead.num_cached + 1:
                                                                                 self.lead.num_cached + 1 + n])
     engine = Engine(target, max_batch_size=4, max_model_len=256)
-    engine.prefill_chunk = 16
+    engine.scheduler.prefill_chunk = 16
     seqs, _ = feed_long_prompt_beside_streams(engine)
     monkeypatch.undo()
     assert [s.output_ids for s in seqs] != [alone(target, s.prompt_ids) for s in seqs]

@@ -65,7 +65,7 @@ def serve_args(*argv: str) -> argparse.Namespace:
 
 
 def test_limit_flags():
-    from speculant.server.cli import limits_from_args
+    from speculant.server.guard import limits_from_args
 
     limits = limits_from_args(serve_args("--max-body-bytes", "1000", "--max-request-sequences", "8",
                                          "--max-request-tokens", "4096", "--request-timeout", "30",

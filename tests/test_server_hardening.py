@@ -59,7 +59,7 @@ def hold_until_waiting(monkeypatch, engine, n: int) -> None:
 
     def has_unfinished() -> bool:
         nonlocal released
-        if not released and len(engine.waiting) < n:
+        if not released and len(engine.scheduler.waiting) < n:
             return False
         released = True
         return real()
@@ -83,14 +83,14 @@ def poison(monkeypatch, engine, stage: str) -> list[int]:
         return False
 
     if stage == "commit":  # one row's commit: the others of the batch commit theirs
-        real_append = engine._append
+        real_append = engine.outputs.append
 
         def append(seq, new_ids, logprobs):
             if poisoned([seq]):
                 raise RuntimeError("injected fault in commit")
             return real_append(seq, new_ids, logprobs)
 
-        monkeypatch.setattr(engine, "_append", append)
+        monkeypatch.setattr(engine.outputs, "append", append)
         return hits
     real = getattr(engine, stage)
 

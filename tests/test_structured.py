@@ -182,7 +182,7 @@ def test_bad_grammar_is_refused_with_its_reason(json_target, spec, reason):
     engine = Engine(json_target, max_batch_size=1, max_model_len=128)
     with pytest.raises(SpeculantError, match=reason):
         engine.add_request(PROMPTS[0], SamplingParams(structured_outputs=spec))
-    assert not engine.waiting
+    assert not engine.scheduler.waiting
     # A later request's grammar refused withdraws the earlier ones of the same call.
     with pytest.raises(SpeculantError, match=reason):
         engine.add_requests([(PROMPTS[0], SamplingParams()), (PROMPTS[1], SamplingParams(structured_outputs=spec))])

@@ -187,6 +187,13 @@ def test_cache_holds_the_kept_branch(target, head):
     spec = SpeculativeConfig.parse({"method": "eagle", "model": head, "num_speculative_tokens": 2, "tree_width": 6})
     engine = engine_for(target, spec, len(PROMPTS), 64)  # a slot each: no row's cache is reused
     siblings = count_sibling_paths(engine)
+    rows, release = {}, engine.cache.release  # each row as its sequence leaves it (its pages go back then)
+
+    def keep(slot):
+        rows[slot] = (engine.cache.k[:, slot].clone(), engine.cache.v[:, slot].clone())
+        release(slot)
+
+    engine.cache.release = keep
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     seqs = engine.generate([engine.add_request(p, params) for p in PROMPTS])
     assert siblings[0] > 0
@@ -196,8 +203,8 @@ def test_cache_holds_the_kept_branch(target, head):
         with torch.no_grad():
             fresh = model.new_cache(1, 64)
             model(torch.tensor([seq.tokens[:n]]), fresh, torch.tensor([0]))
-        for cache, expected in ((engine.cache.k, fresh.k), (engine.cache.v, fresh.v)):
-            torch.testing.assert_close(cache[:, seq.slot, :, :n], expected[:, 0, :, :n], rtol=1e-5, atol=1e-5)
+        for cache, expected in zip(rows[seq.slot], (fresh.k, fresh.v)):
+            torch.testing.assert_close(cache[:, :, :n], expected[:, 0, :, :n], rtol=1e-5, atol=1e-5)
 
 
 def test_greedy_rows_next_to_sampled_rows(target, head, plain):

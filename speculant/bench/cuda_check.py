@@ -24,9 +24,10 @@ import torch.nn.functional as F
 from speculant.adaptive import measure_cost_curve
 from speculant.bench.prompts import PROMPT_CLASSES, load_prompts
 from speculant.config import SamplingParams, SpeculativeConfig
-from speculant.engine import EngineTiming
 from speculant.llm import engine_for
+from speculant.models.cuda_graphs import use_static_passes
 from speculant.models.loader import default_model_path, load_model
+from speculant.timing import EngineTiming
 
 WIDTHS = range(2, 65)
 
@@ -82,7 +83,7 @@ def end_to_end(path, dtype: str, quantization: str, specs: dict, prompts: list[l
     rows, plain = [], {}
     target = load_model(path, dtype=dtype, device="cuda", quantization=quantization)
     for graphs in (True, False):
-        target.model.narrow_passes = "graphs" if graphs else "static"
+        use_static_passes(target.model, replay=graphs)
         for name, spec in list(specs.items())[:None if graphs else 2]:
             engine = engine_for(target, SpeculativeConfig.parse(spec), batch, 1024)
             if graphs:

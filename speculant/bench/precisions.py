@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from speculant.models.cuda_graphs import use_static_passes
 from speculant.models.loader import LoadedModel, default_model_path, load_model
 
 PRECISIONS = {
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         eager = kw.pop("eager", False)
         models[name] = load_model(path, device=args.device, **kw)
         if eager:
-            models[name].model.narrow_passes = "static"
+            use_static_passes(models[name].model, replay=False)
     widths = list(range(1, args.max_width + 1))
     best = measure(models, widths, args.rounds)
     where = torch.cuda.get_device_name() if cuda else f"{torch.get_num_threads()} threads"

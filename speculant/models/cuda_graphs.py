@@ -53,6 +53,13 @@ def static_index(cache: KVCache, slots: torch.Tensor, positions: torch.Tensor) -
     return CacheIndex(write, (slots,))
 
 
+def use_static_passes(model: Transformer, replay: bool) -> None:
+    """Run the model's narrow passes (decoding, verification) as static passes: replayed from CUDA graphs, or
+    eagerly (`--enforce-eager`, tests on CPU)."""
+    model.narrow_passes = "graphs" if replay else "static"
+    model.pass_graphs = PassGraphs
+
+
 class PassGraphs:
     """The static passes of one model over one KV cache, on CUDA each shape captured on first use and
     replayed after (eagerly where the model's narrow_passes is "static": --enforce-eager, tests on CPU)."""

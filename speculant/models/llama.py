@@ -469,6 +469,7 @@ class Transformer(nn.Module):
         # models/cuda_graphs.py: run eagerly ("static"; tests on CPU, --enforce-eager on CUDA) or replayed
         # from CUDA graphs ("graphs", the default on CUDA).
         self.narrow_passes = "prepared"
+        self.pass_graphs = None  # the holder of static passes (cuda_graphs.PassGraphs), set with narrow_passes
         self._graphs = weakref.WeakKeyDictionary()  # KVCache → its PassGraphs
 
     @property
@@ -546,10 +547,8 @@ class Transformer(nn.Module):
 
     def graphs_for(self, cache: KVCache) -> PassGraphs:
         """The CUDA graphs of this model's passes over `cache` (a graph holds the cache's addresses)."""
-        from speculant.models.cuda_graphs import PassGraphs  # it builds on this module
-
         if cache not in self._graphs:
-            self._graphs[cache] = PassGraphs(self, cache)
+            self._graphs[cache] = self.pass_graphs(self, cache)
         return self._graphs[cache]
 
     @functools.cached_property

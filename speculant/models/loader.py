@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from speculant.errors import SpeculantError
+from speculant.models.cuda_graphs import use_static_passes
 from speculant.models.hugepages import move_to_huge_pages
 from speculant.models.kernels import fast_bfloat16, pack_linears
 from speculant.models.llama import ModelConfig, Transformer, rope_inv_freq
@@ -133,7 +134,7 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float
         if torch_device.type == "cpu":
             info["huge_pages_bytes"] = move_to_huge_pages(model)
         if torch_device.type == "cuda":
-            model.narrow_passes = "static" if os.environ.get(CUDA_GRAPHS_ENV, "on") == "off" else "graphs"
+            use_static_passes(model, replay=os.environ.get(CUDA_GRAPHS_ENV, "on") != "off")
     tokenizer = _tokenizer(folder, eos_ids)
     info["load_s"] = time.perf_counter() - t0
     return LoadedModel(model, tokenizer, eos_ids, str(path), info, quantization)

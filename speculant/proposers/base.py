@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn.functional import pad
 
+from speculant.adaptive import MODEL_BUCKET
 from speculant.models.llama import tree_layout
 from speculant.sampling import DRAFT, SamplingBatch, argmax, constrain, probabilities, sample
 from speculant.verify import TargetTokens
@@ -15,10 +16,6 @@ from speculant.verify import TargetTokens
 if TYPE_CHECKING:
     from speculant.adaptive import AdaptiveK
     from speculant.sequence import Sequence
-
-
-# The bucket of drafts that cost a model pass; lookup buckets are match lengths, 1 and up.
-MODEL_BUCKET = 0
 
 
 def pad_rows(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,7 @@ import socket
 
 from speculant.cli import add_model_arguments, engine_from_args, speculative_config_from_args
 from speculant.errors import SpeculantError
-from speculant.server.guard import ServerLimits
+from speculant.server.guard import ServerLimits, limits_from_args
 from speculant.server.replicas import check_replicas, cpu_count
 
 log = logging.getLogger("speculant.server")
@@ -57,21 +57,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"seconds a connection gets to send a request's headers (default {d.header_timeout_s:g})")
     g.add_argument("--body-timeout", type=float, default=d.body_timeout_s,
                    help=f"seconds a request gets to send its body (default {d.body_timeout_s:g})")
-
-
-def limits_from_args(args: argparse.Namespace) -> ServerLimits:
-    positive = {"--max-body-bytes": args.max_body_bytes, "--max-request-sequences": args.max_request_sequences,
-                "--max-request-tokens": args.max_request_tokens, "--request-timeout": args.request_timeout,
-                "--header-timeout": args.header_timeout, "--body-timeout": args.body_timeout,
-                "--max-waiting-requests": args.max_waiting_requests}
-    for flag, value in positive.items():
-        if value is not None and not value > 0:
-            raise SpeculantError(f"{flag} must be > 0, got {value:g}")
-    return ServerLimits(max_body_bytes=args.max_body_bytes, max_sequences=args.max_request_sequences,
-                        max_request_tokens=args.max_request_tokens, request_timeout_s=args.request_timeout,
-                        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-                        allowed_hosts=args.allowed_hosts, public_metrics=args.public_metrics,
-                        max_waiting_requests=args.max_waiting_requests)
 
 
 def check_port_free(host: str, port: int) -> None:

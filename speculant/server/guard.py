@@ -9,6 +9,7 @@ arrive. It reads the whole body itself and hands it on, so a handler never waits
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import secrets
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from speculant.errors import SpeculantError
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 WILDCARD_ADDRESSES = ("", "0.0.0.0", "::")
@@ -205,3 +208,18 @@ def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
                 self.transport.close()
 
     return HeaderTimeoutProtocol
+
+
+def limits_from_args(args: argparse.Namespace) -> ServerLimits:
+    positive = {"--max-body-bytes": args.max_body_bytes, "--max-request-sequences": args.max_request_sequences,
+                "--max-request-tokens": args.max_request_tokens, "--request-timeout": args.request_timeout,
+                "--header-timeout": args.header_timeout, "--body-timeout": args.body_timeout,
+                "--max-waiting-requests": args.max_waiting_requests}
+    for flag, value in positive.items():
+        if value is not None and not value > 0:
+            raise SpeculantError(f"{flag} must be > 0, got {value:g}")
+    return ServerLimits(max_body_bytes=args.max_body_bytes, max_sequences=args.max_request_sequences,
+                        max_request_tokens=args.max_request_tokens, request_timeout_s=args.request_timeout,
+                        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                        allowed_hosts=args.allowed_hosts, public_metrics=args.public_metrics,
+                        max_waiting_requests=args.max_waiting_requests)

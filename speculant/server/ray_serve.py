@@ -83,7 +83,7 @@ class EngineReplica:
     def __init__(self, args: argparse.Namespace, threads: int):
         from speculant.cli import engine_from_args
         from speculant.server.app import create_app
-        from speculant.server.cli import limits_from_args
+        from speculant.server.guard import limits_from_args
 
         torch.set_num_threads(threads)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -139,7 +139,7 @@ class MetricsHub:
     """Every replica's latest metrics, served as one exposition at /metrics; the shutdown's drain order."""
 
     def __init__(self, args: argparse.Namespace):
-        from speculant.server.cli import limits_from_args
+        from speculant.server.guard import limits_from_args
 
         self.args, self.limits = args, limits_from_args(args)
         self.reports: dict[str, Report] = {}

@@ -20,7 +20,6 @@ import math
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +27,7 @@ from speculant.config import SamplingParams
 from speculant.engine import Engine
 from speculant.errors import SpeculantError
 from speculant.metrics import ServerMetrics
+from speculant.scheduler import RoundRobin
 from speculant.sequence import Sequence, TokenLogprob
 
 log = logging.getLogger("speculant.server")
@@ -145,6 +145,7 @@ class EngineWorker:
         self._wake = threading.Event()
         self._entries: dict[str, _Entry] = {}  # engine-thread side only: sequence id → its request
         self._thread = threading.Thread(target=self._run, name="speculant-engine", daemon=True)
+        engine.scheduler.policy = RoundRobin(self._owner)
 
     # -- event-loop side --------------------------------------------------------------------
 
@@ -211,7 +212,7 @@ class EngineWorker:
                 self._end_overdue()
             if running and self.engine.has_unfinished():
                 self._step()
-            self.metrics.observe_load(len(self.engine.running), len(self.engine.waiting))
+            self.metrics.observe_load(len(self.engine.scheduler.running), len(self.engine.scheduler.waiting))
         for stream in self._live_streams():
             self._abort(stream, ShuttingDown("the server shut down before the request finished"))
 
@@ -246,28 +247,16 @@ class EngineWorker:
                 self._abort(stream, RequestTimedOut(f"the request ran past this server's time limit of "
                                                     f"{self.request_timeout_s:g} s"))
 
-    def _interleave_waiting(self) -> None:
-        """Order the engine's waiting sequences round-robin across their requests, each request's own in
-        order: the next free slot goes to the request that has had the fewest so far."""
-        queues: dict[int, deque[Sequence]] = {}
-        for seq in self.engine.waiting:
-            entry = self._entries.get(seq.request_id)
-            queues.setdefault(id(entry.stream) if entry else id(seq), deque()).append(seq)
-        order: deque[Sequence] = deque()
-        pending = list(queues.values())
-        while pending:
-            order.extend(q.popleft() for q in pending)
-            pending = [q for q in pending if q]
-        self.engine.waiting = order
+    def _owner(self, seq: Sequence) -> int:
+        """The request a sequence belongs to: free rows go round-robin across requests."""
+        entry = self._entries.get(seq.request_id)
+        return id(entry.stream) if entry else id(seq)
 
     def _add(self, stream: RequestStream) -> None:
-        seqs: list[Sequence] = []
         try:
-            for i, (prompt_ids, params) in enumerate(stream.prompts):
-                seqs.append(self.engine.add_request(prompt_ids, params, f"{stream.request_id}-{i}"))
+            ids = [f"{stream.request_id}-{i}" for i in range(len(stream.prompts))]
+            seqs = self.engine.add_requests(stream.prompts, ids)
         except Exception as e:
-            for seq in seqs:
-                self.engine.abort(seq.request_id)
             if not isinstance(e, SpeculantError):  # a bug: keep the thread alive for everyone else
                 log.exception("engine refused request %s", stream.request_id)
                 e = EngineFailure("the engine failed to admit the request")
@@ -276,7 +265,6 @@ class EngineWorker:
         for i, seq in enumerate(seqs):
             self._entries[seq.request_id] = _Entry(stream, i)
             self.metrics.observe_admitted(len(seq.prompt_ids))
-        self._interleave_waiting()
         stream.put(Admitted(seqs))
 
     def _abort(self, stream: RequestStream, error: Exception | None) -> None:

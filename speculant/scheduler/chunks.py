@@ -114,7 +114,7 @@ class Prefill:
 
     seqs: list[Sequence]
     started: bool = False  # the proposer has been shown the prompt's first chunk (or its cached prefix)
-    tail: int = 0  # prompt tokens left to the first decode step, before the last one (Engine._prefill_chunks)
+    tail: int = 0  # prompt tokens left to the first decode step, before the last one (Scheduler.plan)
 
     @property
     def lead(self) -> Sequence:

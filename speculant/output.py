@@ -1,0 +1,99 @@
+"""Output processing: a step's new tokens go into their sequence, which stops at a stop token, a stop string,
+a grammar's end or max_tokens; the text is detokenized as it grows, and what a stream is sent holds back a
+tail that could still grow into a stop string."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from speculant.sequence import Sequence, TokenLogprob
+
+
+@dataclass
+class StepOutput:
+    seq: Sequence
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprob] | None = None
+    error: Exception | None = None  # set when serving this sequence raised: it finished as "error"
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], n_top: int) -> list[TokenLogprob]:
+    """logits [N, V] at the positions that produced `tokens` [N] → each token's log-probability
+    and the n_top most likely alternatives."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
+    if not n_top:
+        return [TokenLogprob(lp, []) for lp in chosen]
+    top_lp, top_ids = logp.topk(n_top, dim=-1)
+    return [TokenLogprob(lp, list(zip(ids, lps))) for lp, ids, lps in zip(chosen, top_ids.tolist(), top_lp.tolist())]
+
+
+def finish(seq: Sequence, reason: str) -> None:
+    seq.finish_reason = reason
+    seq.finish_time = time.perf_counter()
+
+
+class OutputProcessor:
+    """Appends tokens for an engine whose model ends sequences at `eos_ids`."""
+
+    def __init__(self, eos_ids: set[int]):
+        self.eos_ids = eos_ids
+
+    def append(self, seq: Sequence, new_ids: list[int], logprobs: list[TokenLogprob] | None) -> StepOutput:
+        """`new_ids` (a step's accepted drafts and next token) up to where the sequence stops."""
+        kept = []
+        stop_ids = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_ids)
+        for tok in new_ids:
+            if seq.grammar is not None:
+                seq.grammar.commit(tok)
+            seq.tokens.append(tok)
+            kept.append(tok)
+            if seq.first_token_time is None:
+                seq.first_token_time = time.perf_counter()
+            if seq.detokenizer is not None:
+                searched = len(seq.text)
+                seq.text += seq.detokenizer.push([tok])
+                if seq.params.stop and cut_at_stop_string(seq, searched):
+                    break
+            if tok in stop_ids or (seq.grammar is not None and seq.grammar.stopped):
+                # A grammar that allows nothing more: the answer is complete (its only next token is EOS).
+                finish(seq, "stop")
+                break
+            if seq.num_generated >= seq.max_tokens:
+                finish(seq, "length")
+                break
+        if logprobs is not None:
+            logprobs = logprobs[:len(kept)]
+            seq.logprobs += logprobs
+        return StepOutput(seq, kept, release_text(seq), logprobs)
+
+
+def cut_at_stop_string(seq: Sequence, searched: int) -> bool:
+    """If a stop string completed (in the text past `searched`, or straddling it), cut the text before it and
+    finish the sequence."""
+    longest = max(len(s) for s in seq.params.stop)
+    start = max(0, searched - longest + 1)
+    hits = [i for i in (seq.text.find(s, start) for s in seq.params.stop) if i >= 0]
+    if not hits:
+        return False
+    seq.text = seq.text[:min(hits)]
+    finish(seq, "stop")
+    return True
+
+
+def release_text(seq: Sequence) -> str:
+    """The text not yet streamed, holding back a tail that could still grow into a stop string."""
+    end = len(seq.text)
+    if not seq.finished:
+        for stop in seq.params.stop:
+            for n in range(min(len(stop) - 1, end), 0, -1):
+                if seq.text.endswith(stop[:n]):
+                    end = min(end, len(seq.text) - n)
+                    break
+    end = max(end, seq.emitted)
+    new, seq.emitted = seq.text[seq.emitted:end], end
+    return new
