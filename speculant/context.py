@@ -51,3 +51,9 @@ def context_for(cfg: ModelConfig, requested: int | None, max_batch_size: int, dt
                     "to %.1f GiB; this one to %.1f GiB. --max-model-len or --max-batch-size change it",
                     n, own, max_batch_size, own, max_batch_size * own * per_row / 2**30, size)
     return n
+
+
+def cache_len(max_model_len: int, k: int, extra_nodes: int = 0) -> int:
+    """Positions a KV cache row holds: the context, and the spare ones a verify pass writes before knowing how
+    many stay (k drafts, a tree's other candidates, the pending token)."""
+    return max_model_len + k + extra_nodes + 1

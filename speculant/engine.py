@@ -19,7 +19,7 @@ import torch
 
 from speculant.adaptive import AdaptiveK, StepRecord
 from speculant.config import SamplingParams
-from speculant.context import resolve_max_model_len
+from speculant.context import cache_len, resolve_max_model_len
 from speculant.errors import SpeculantError
 from speculant.models import native
 from speculant.models.kernels import inexact_reason
@@ -64,10 +64,8 @@ class Engine:
         self.eos_ids = set(self.target.eos_token_ids)
         self.k = self.num_speculative_tokens if self.proposer is not None else 0
         self.max_model_len = resolve_max_model_len(self.model.cfg, self.max_model_len)
-        # Spare positions: a verify pass writes the drafts (k, a tree's other candidates too) and the
-        # pending token before knowing how many stay.
         extra = self.proposer.extra_nodes if self.proposer is not None else 0
-        self.cache = self.model.new_cache(self.max_batch_size, self.max_model_len + self.k + extra + 1)
+        self.cache = self.model.new_cache(self.max_batch_size, cache_len(self.max_model_len, self.k, extra))
         log.info("context %d tokens; the KV cache of %d rows %s %.2f GiB", self.max_model_len, self.max_batch_size,
                  "takes" if self.device.type == "cuda" else "may grow to (memory taken as rows fill)",
                  2 * self.cache.k.numel() * self.cache.k.element_size() / 2**30)

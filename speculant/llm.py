@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from speculant.adaptive import AdaptiveK, cost_curve_for
 from speculant.config import ADAPTIVE_BATCHED, SamplingParams, SpeculativeConfig
-from speculant.context import context_for
+from speculant.context import cache_len, context_for
 from speculant.engine import Engine
 from speculant.errors import SpeculantError
 from speculant.models.loader import LoadedModel, load_model
@@ -88,7 +88,7 @@ def engine_for(target: LoadedModel, spec: SpeculativeConfig | None, max_batch_si
                prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Engine:
     """An engine over an already-loaded target, with the proposer and adaptive policy `spec` asks for."""
     k = spec.num_speculative_tokens if spec else 0
-    proposer = build_proposer(spec, target, max_batch_size, max_model_len + k + 1) if spec else None
+    proposer = build_proposer(spec, target, max_batch_size, cache_len(max_model_len, k)) if spec else None
     adaptive = None
     if spec is not None and spec.adaptive:
         extra = proposer.extra_nodes
