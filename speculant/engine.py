@@ -20,22 +20,21 @@ import torch
 from speculant.adaptive import AdaptiveK, StepRecord
 from speculant.config import SamplingParams
 from speculant.context import cache_len, resolve_max_model_len
+from speculant.drafting import Drafter
 from speculant.errors import SpeculantError
 from speculant.models import native
-from speculant.models.kernels import inexact_reason
 from speculant.models.loader import LoadedModel
 from speculant.models.tokenizer import Detokenizer
-from speculant.output import OutputProcessor, StepOutput, finish, token_logprobs
-from speculant.prefix_cache import PrefixCache
+from speculant.output import OutputProcessor, StepOutput, failed
+from speculant.prefix_cache import prefix_cache_for
 from speculant.proposers import Proposal, Proposer, TargetHidden
-from speculant.proposers.base import merged
 from speculant.runner import ModelRunner, Scored
 from speculant.sampling import SamplingBatch, request_key
 from speculant.scheduler import DEFAULT_PREFILL_CHUNK, ChunkSizer, Prefill, Scheduler
-from speculant.sequence import Sequence, SpecStats
-from speculant.structured.steps import constrain_logits, drop_forbidden, forced_drafts, settle_grammars
-from speculant.timing import EngineTiming
-from speculant.verify import verify_logits, verify_tree_logits
+from speculant.sequence import Sequence, SpecStats, check_prompt
+from speculant.structured.steps import constrain_logits, drop_forbidden, settle_grammars
+from speculant.timing import EngineTiming, SpecMetricsLog
+from speculant.verify import verify_proposal
 
 log = logging.getLogger("speculant")
 
@@ -51,7 +50,7 @@ class Engine:
     adaptive: AdaptiveK | None = None  # choose k per step; None: always num_speculative_tokens
     prefix_cache_bytes: int = 0  # keys and values kept for later requests (prefix_cache.py); 0: none
     prefill_chunk: InitVar[int] = DEFAULT_PREFILL_CHUNK  # the most prompt tokens a pass feeds (scheduler/); 0: all
-    first_token_alone: bool = True  # a request's first step drafts nothing (_k_for)
+    first_token_alone: bool = True  # a request's first step drafts nothing (drafting.py)
     # With nothing decoding, a prompt's last chunk is fed by its first decode step (Scheduler.plan).
     last_chunk_decodes: InitVar[bool] = True
     stats: SpecStats = field(default_factory=SpecStats)
@@ -70,39 +69,18 @@ class Engine:
                  "takes" if self.device.type == "cuda" else "may grow to (memory taken as rows fill)",
                  2 * self.cache.k.numel() * self.cache.k.element_size() / 2**30)
         self.runner = ModelRunner(self.model, self.cache)
+        self.drafter = Drafter(self.proposer, self.k, self.adaptive, self.first_token_alone, self.device)
         self.outputs = OutputProcessor(self.eos_ids)
-        self.prefix_cache = self._prefix_cache()
+        self.prefix_cache = prefix_cache_for(self.model, self.cache, self.proposer, self.prefix_cache_bytes)
         packed = self.model.packs_ragged
         self.scheduler = Scheduler(self.cache, self.max_model_len, self.prefix_cache,
                                    ChunkSizer(tile=native.tile_rows() if packed else 0), prefill_chunk, packed,
                                    last_chunk_decodes)
         self._ids = itertools.count()
-        self._last_log = time.perf_counter()
-        self._logged = SpecStats()
+        self.spec_log = SpecMetricsLog(self.log_interval_s)
         self._batch: list[Sequence] = []  # the rows _batch_tensors last built for
         self._failed: list[StepOutput] = []  # sequences whose prefill raised, reported by the next step
         self._grammars = None  # the structured-output compiler, built at the first constrained request
-
-    def _prefix_cache(self) -> PrefixCache | None:
-        """The target's store of past sequences, and the proposer's own, sharing the byte budget in
-        proportion to what a token costs each. None where it is off, where the kernels are not row-exact (a
-        hit would not give a cold prefill's bits), or where the proposer cannot start from a cached prefix
-        (it reads the target's features of the whole prompt)."""
-        if self.prefix_cache_bytes <= 0:
-            return None
-        inexact = inexact_reason(self.model, self.device)
-        if inexact is not None:
-            log.warning("prefix caching is off: %s, so a cached prefix's keys would not be a cold prefill's",
-                        inexact)
-            return None
-        target = self.cache.row_bytes_per_token
-        draft = self.proposer.kv_bytes_per_token if self.proposer is not None else 0
-        share = self.prefix_cache_bytes * target // (target + draft)
-        if self.proposer is not None and not self.proposer.use_prefix_cache(self.prefix_cache_bytes - share):
-            log.info("prefix caching is off: the %s proposer reads the target's features of the whole prompt",
-                     self.proposer.name)
-            return None
-        return PrefixCache(share)
 
     @property
     def grammars(self):
@@ -119,15 +97,7 @@ class Engine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
                     request_id: str | None = None) -> Sequence:
-        if not prompt_ids:
-            raise SpeculantError("the prompt is empty")
-        vocab = self.model.cfg.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise SpeculantError(f"prompt token id {bad[0]} is out of the vocabulary [0, {vocab})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise SpeculantError(f"the prompt has {len(prompt_ids)} tokens; the context holds "
-                                 f"{self.max_model_len} (prompt plus at least one generated token)")
+        check_prompt(prompt_ids, self.model.cfg.vocab_size, self.max_model_len)
         # The request's own copy, validated again: changing the caller's object later changes nothing here.
         params = replace(params)
         room = self.max_model_len - len(prompt_ids)
@@ -213,7 +183,7 @@ class Engine:
         self.cache.set_lengths([s.slot for s in batch + leads], [s.num_cached for s in batch + leads])
         outputs = []
         for seq in batch:
-            self._reset_proposer(seq)
+            self.drafter.reset(seq)
             try:
                 outputs += self._step([seq])[0]
             except Exception as row_error:
@@ -241,7 +211,7 @@ class Engine:
         accepted, next_tokens = self.verify(proposal, logits, sb)
         n_accepted = [len(a) for a in accepted]
         drafted = proposal.depths()
-        if self.adapts(batch) and not scored.rode:  # chunks would read as a dearer pass
+        if self.drafter.adapts(batch) and not scored.rode:  # chunks would read as a dearer pass
             self.adaptive.observe(StepRecord(proposal.bucket_list(), drafted, n_accepted, len(batch), t1 - t0,
                                              t2 - t1, proposal.tokens.shape[1] + 1))
         start = [s.num_cached for s in batch]
@@ -250,47 +220,15 @@ class Engine:
         if proposal.parents is not None:
             hidden = self.runner.keep_branches(batch, accepted, hidden)
         outputs = self.commit(batch, proposal, accepted, drafted, next_tokens, scored.logits)
-        self._commit_proposer(batch, TargetHidden(hidden, start, n_valid))
+        self.drafter.commit(batch, TargetHidden(hidden, start, n_valid))
         self.timing.record(t1 - t0, t2 - t1, time.perf_counter() - t2, proposal.tokens.shape[1] + 1,
                            sum(len(o.new_token_ids) for o in outputs))
-        self._maybe_log()
+        if self.k:
+            self.spec_log.maybe_log(self.stats)
         return outputs, scored
 
-    def _commit_proposer(self, batch: list[Sequence], target: TargetHidden) -> None:
-        if self.proposer is None:
-            return
-        try:
-            self.proposer.commit(batch, target)
-        except Exception:
-            # The tokens are committed; only the drafts' state is in doubt: start it afresh.
-            log.exception("proposer commit failed; resetting its state for %d sequences", len(batch))
-            for seq in batch:
-                self._reset_proposer(seq)
-
     def propose(self, batch: list[Sequence], sb: SamplingBatch) -> Proposal:
-        """Each row's drafts for this step: as many as adaptive k plans (k of them without it), a grammar's
-        forced tokens first."""
-        if self.proposer is None:
-            return Proposal.empty(len(batch), self.device)
-        limits = [self._k_for(s, self.k) for s in batch]
-        forced = forced_drafts(batch, limits) if sb.grammars is not None else None
-        if forced is not None:
-            limits = [0 if f else n for f, n in zip(forced, limits)]
-        proposal = self._proposer_drafts(batch, limits, sb)
-        return proposal if forced is None else merged(proposal, Proposal.from_lists(forced, self.device))
-
-    def adapts(self, batch: list[Sequence]) -> bool:
-        """Whether the adaptive policy chooses this step's drafts (and learns from the step)."""
-        return self.adaptive is not None and len(batch) >= self.adaptive.from_batch
-
-    def _proposer_drafts(self, batch: list[Sequence], limits: list[int], sb: SamplingBatch) -> Proposal:
-        if self.adapts(batch):
-            # With no request waiting for a slot the batch is done when its last row is (adaptive.batch_progress).
-            remaining = None if self.scheduler.waiting else [s.max_tokens - s.num_generated for s in batch]
-            return self.proposer.propose_adaptive(batch, limits, sb, self.adaptive, remaining)
-        if not any(limits):
-            return Proposal.empty(len(batch), self.device)
-        return self.proposer.propose(batch, limits, sb)
+        return self.drafter.propose(batch, sb, bool(self.scheduler.waiting))
 
     def _batch_tensors(self, batch: list[Sequence]) -> tuple[SamplingBatch, torch.Tensor]:
         """The batch's sampling transforms and cache slots [B], built again only when its rows change."""
@@ -319,31 +257,14 @@ class Engine:
     def verify(self, proposal: Proposal, logits: torch.Tensor,
                sb: SamplingBatch) -> tuple[list[list[int]], list[int]]:
         """(Each row's accepted drafts, as indices into its drafts; each row's next token.)"""
-        if proposal.parents is None:
-            n_accepted, next_tokens = verify_logits(proposal.tokens, proposal.n_draft, logits, proposal.q, sb,
-                                                    proposal.by_rule)
-            return [list(range(n)) for n in n_accepted], next_tokens
-        paths, next_tokens = verify_tree_logits(proposal.tokens, proposal.n_draft, proposal.parents, logits, sb)
-        return paths, next_tokens.tolist()
+        return verify_proposal(proposal, logits, sb)
 
     def commit(self, batch: list[Sequence], proposal: Proposal, accepted: list[list[int]], drafted: list[int],
                next_tokens: list[int], logits: torch.Tensor) -> list[StepOutput]:
         """Append each row's accepted drafts and next token; `drafted`: the drafts it could have accepted."""
-        outputs = []
-        drafts = proposal.tokens.tolist()
-        for b, seq in enumerate(batch):
-            try:
-                path = accepted[b]
-                new = [drafts[b][j] for j in path] + [next_tokens[b]]
-                seq.stats.record(drafted[b], len(path))
-                self.stats.record(drafted[b], len(path))
-                # The logits that chose them: after the last token (0), after each accepted draft (j + 1).
-                lps = None if seq.params.logprobs is None else token_logprobs(
-                    logits[b, [0, *(j + 1 for j in path)]], new, seq.params.logprobs)
-                outputs.append(self.outputs.append(seq, new, lps))
-            except Exception as e:  # this row alone: the others' commits stand
-                outputs.append(self._fail(seq, e))
-            # The target has seen every token but the newest (it is the next pass's input).
+        outputs = self.outputs.commit(batch, proposal.tokens.tolist(), accepted, drafted, next_tokens, logits,
+                                      self.stats)
+        for seq in batch:  # the target has seen every token but the newest (it is the next pass's input)
             seq.num_cached = len(seq.tokens) - 1
         self.cache.set_lengths([s.slot for s in batch], [s.num_cached for s in batch])
         return outputs
@@ -405,42 +326,10 @@ class Engine:
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _k_for(self, seq: Sequence, k: int) -> int:
-        # The first token is what a caller waits on: it comes from a pass over the prompt's last token alone,
-        # before the proposer has caught up on the prompt. A step yields accepted + 1 tokens: never draft past
-        # max_tokens.
-        if self.first_token_alone and seq.num_generated == 0:
-            return 0
-        return max(0, min(k, seq.max_tokens - seq.num_generated - 1))
-
     def _fail(self, seq: Sequence, error: Exception) -> StepOutput:
-        log.error("sequence %s failed: %s: %s", seq.request_id, type(error).__name__, error,
-                  exc_info=(type(error), error, error.__traceback__))
-        finish(seq, "error")
-        return StepOutput(seq, [], "", None, error)
-
-    def _reset_proposer(self, seq: Sequence) -> None:
-        """Forget a sequence's draft state (it may be half updated): the proposer starts it over, so
-        drafts get worse for a while, the output stays the same."""
-        if self.proposer is not None and not seq.finished:
-            self.proposer.remove(seq)
-            self.proposer.add(seq)
+        return failed(seq, error)
 
     def _release_finished(self) -> None:
         for seq in self.scheduler.release_finished():
             if self.proposer is not None:
                 self.proposer.remove(seq)
-
-    def _maybe_log(self) -> None:
-        now = time.perf_counter()
-        if now - self._last_log < self.log_interval_s or not self.k:
-            return
-        interval = self.stats - self._logged
-        if interval.num_drafts:
-            log.info("SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, Drafted: %d "
-                     "tokens, Avg Draft acceptance rate: %.1f%%, Per-position acceptance rate: %s",
-                     interval.mean_acceptance_length, interval.num_accepted_tokens, interval.num_draft_tokens,
-                     100 * interval.acceptance_rate,
-                     ", ".join(f"{a:.3f}" for a in interval.per_position_acceptance))
-        self._logged = self.stats + SpecStats()  # a snapshot
-        self._last_log = now

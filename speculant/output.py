@@ -4,12 +4,15 @@ tail that could still grow into a stop string."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
-from speculant.sequence import Sequence, TokenLogprob
+from speculant.sequence import Sequence, SpecStats, TokenLogprob
+
+log = logging.getLogger("speculant")
 
 
 @dataclass
@@ -37,11 +40,38 @@ def finish(seq: Sequence, reason: str) -> None:
     seq.finish_time = time.perf_counter()
 
 
+def failed(seq: Sequence, error: Exception) -> StepOutput:
+    """Serving `seq` raised: it finishes as "error", the output carries the exception."""
+    log.error("sequence %s failed: %s: %s", seq.request_id, type(error).__name__, error,
+              exc_info=(type(error), error, error.__traceback__))
+    finish(seq, "error")
+    return StepOutput(seq, [], "", None, error)
+
+
 class OutputProcessor:
     """Appends tokens for an engine whose model ends sequences at `eos_ids`."""
 
     def __init__(self, eos_ids: set[int]):
         self.eos_ids = eos_ids
+
+    def commit(self, batch: list[Sequence], drafts: list[list[int]], accepted: list[list[int]], drafted: list[int],
+               next_tokens: list[int], logits: torch.Tensor, stats: SpecStats) -> list[StepOutput]:
+        """Each row's accepted drafts (indices into its `drafts`) and next token into its sequence, counted in
+        its statistics and `stats`; a row that raises fails alone, the others' commits stand."""
+        outputs = []
+        for b, seq in enumerate(batch):
+            try:
+                path = accepted[b]
+                new = [drafts[b][j] for j in path] + [next_tokens[b]]
+                seq.stats.record(drafted[b], len(path))
+                stats.record(drafted[b], len(path))
+                # The logits that chose them: after the last token (0), after each accepted draft (j + 1).
+                lps = None if seq.params.logprobs is None else token_logprobs(
+                    logits[b, [0, *(j + 1 for j in path)]], new, seq.params.logprobs)
+                outputs.append(self.append(seq, new, lps))
+            except Exception as e:
+                outputs.append(failed(seq, e))
+        return outputs
 
     def append(self, seq: Sequence, new_ids: list[int], logprobs: list[TokenLogprob] | None) -> StepOutput:
         """`new_ids` (a step's accepted drafts and next token) up to where the sequence stops."""

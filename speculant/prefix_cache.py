@@ -18,18 +18,43 @@ the pass (a whole prompt, a chunk, a decode step): the kernels' row invariance, 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from speculant.models.kernels import inexact_reason
 from speculant.models.kv_cache import KVCache
+
+log = logging.getLogger("speculant")
 
 
 def default_capacity_bytes() -> int:
     """An eighth of the machine's memory, at most 4 GiB: a few long conversations of a 1.5B model."""
     return min(4 << 30, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8)
+
+
+def prefix_cache_for(model: torch.nn.Module, cache: KVCache, proposer, budget: int) -> PrefixCache | None:
+    """The target's store of past sequences, and the proposer's own, sharing `budget` bytes in proportion to
+    what a token costs each. None where it is off, where the kernels are not row-exact (a hit would not give a
+    cold prefill's bits), or where the proposer cannot start from a cached prefix (it reads the target's
+    features of the whole prompt)."""
+    if budget <= 0:
+        return None
+    inexact = inexact_reason(model, model.device)
+    if inexact is not None:
+        log.warning("prefix caching is off: %s, so a cached prefix's keys would not be a cold prefill's", inexact)
+        return None
+    target = cache.row_bytes_per_token
+    draft = proposer.kv_bytes_per_token if proposer is not None else 0
+    share = budget * target // (target + draft)
+    if proposer is not None and not proposer.use_prefix_cache(budget - share):
+        log.info("prefix caching is off: the %s proposer reads the target's features of the whole prompt",
+                 proposer.name)
+        return None
+    return PrefixCache(share)
 
 
 @dataclass

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from speculant.config import SamplingParams
+from speculant.errors import SpeculantError
 from speculant.models.tokenizer import Detokenizer
 
 if TYPE_CHECKING:
@@ -141,3 +142,15 @@ class Sequence:
             "tokens_per_s": (self.num_generated - 1) / decode_s if decode_s > 0 else None,
             **self.stats.as_dict(),
         }
+
+
+def check_prompt(prompt_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    """Refuse a prompt the model cannot take: empty, a token outside its vocabulary, no room left to generate."""
+    if not prompt_ids:
+        raise SpeculantError("the prompt is empty")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise SpeculantError(f"prompt token id {bad[0]} is out of the vocabulary [0, {vocab_size})")
+    if len(prompt_ids) >= max_model_len:
+        raise SpeculantError(f"the prompt has {len(prompt_ids)} tokens; the context holds "
+                             f"{max_model_len} (prompt plus at least one generated token)")

@@ -3,7 +3,13 @@ against one of a single token, as run), and the rest."""
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
+
+from speculant.sequence import SpecStats
+
+log = logging.getLogger("speculant")
 
 
 @dataclass
@@ -34,3 +40,26 @@ class EngineTiming:
     def pass_ms(self, width: int) -> float | None:
         n, s = self.passes.get(width, (0, 0.0))
         return 1e3 * s / n if n else None
+
+
+class SpecMetricsLog:
+    """vLLM's periodic `SpecDecoding metrics:` line, over the drafts since the last one."""
+
+    def __init__(self, interval_s: float):
+        self.interval_s = interval_s
+        self.last = time.perf_counter()
+        self.logged = SpecStats()
+
+    def maybe_log(self, stats: SpecStats) -> None:
+        now = time.perf_counter()
+        if now - self.last < self.interval_s:
+            return
+        interval = stats - self.logged
+        if interval.num_drafts:
+            log.info("SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, Drafted: %d "
+                     "tokens, Avg Draft acceptance rate: %.1f%%, Per-position acceptance rate: %s",
+                     interval.mean_acceptance_length, interval.num_accepted_tokens, interval.num_draft_tokens,
+                     100 * interval.acceptance_rate,
+                     ", ".join(f"{a:.3f}" for a in interval.per_position_acceptance))
+        self.logged = stats + SpecStats()  # a snapshot
+        self.last = now

@@ -18,11 +18,27 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from speculant.models import native
 from speculant.sampling import ACCEPT, TOKEN, SamplingBatch, argmax, inverse_cdf, probabilities, sample, uniform
+
+if TYPE_CHECKING:
+    from speculant.proposers import Proposal  # a proposer's drafts, which this module verifies
+
+
+def verify_proposal(proposal: Proposal, logits: torch.Tensor,
+                    sb: SamplingBatch) -> tuple[list[list[int]], list[int]]:
+    """A step's drafts against the target's logits → (each row's accepted drafts, as indices into its drafts;
+    each row's next token)."""
+    if proposal.parents is None:
+        n_accepted, next_tokens = verify_logits(proposal.tokens, proposal.n_draft, logits, proposal.q, sb,
+                                                proposal.by_rule)
+        return [list(range(n)) for n in n_accepted], next_tokens
+    paths, next_tokens = verify_tree_logits(proposal.tokens, proposal.n_draft, proposal.parents, logits, sb)
+    return paths, next_tokens.tolist()
 
 
 def verify_logits(draft: torch.Tensor, n_draft: torch.Tensor, logits: torch.Tensor, q: torch.Tensor | None,
