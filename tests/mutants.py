@@ -81,7 +81,7 @@ VERIFIER_MUTANTS = ["residual_not_renormalized", "acceptance_ignores_q"]
 
 def patch_mixed_rows(name: str, monkeypatch) -> None:
     """Break the per-row choice of verification in a step that mixes deterministic and model drafts."""
-    import speculant.engine as engine_module
+    import speculant.drafting as drafting_module
     import speculant.proposers.base as base_module
     import speculant.proposers.lookup_first as lookup_first_module
 
@@ -97,7 +97,7 @@ def patch_mixed_rows(name: str, monkeypatch) -> None:
             return replace(out, q=torch.where(deterministic, one_hot, out.q), by_rule=None)
 
         monkeypatch.setattr(lookup_first_module, "merged", merged)
-        monkeypatch.setattr(engine_module, "merged", merged)
+        monkeypatch.setattr(drafting_module, "merged", merged)
     else:
         raise ValueError(name)
 

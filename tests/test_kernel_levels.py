@@ -40,3 +40,18 @@ def test_an_unknown_level_is_refused_with_the_choices():
     env = {**os.environ, native.SWITCH_ENV: "avx9000"}
     out = subprocess.run([sys.executable, "-c", LEVEL_PROBE], env=env, capture_output=True, text=True)
     assert out.returncode != 0 and "choose one of on, amx, avx512, avxvnni, avx2, off" in out.stderr
+
+
+def test_a_lock_left_by_a_killed_build_is_removed(tmp_path, monkeypatch):
+    """PyTorch's build lock has no owner: one a killed build left would hang every later load. An old one goes,
+    a fresh one (a build running in another process) stays."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path / name))
+    for name, age in (("old", native.STALE_LOCK_S + 60), ("fresh", 5)):
+        (tmp_path / name).mkdir()
+        lock = tmp_path / name / "lock"
+        lock.touch()
+        os.utime(lock, (lock.stat().st_atime - age, lock.stat().st_mtime - age))
+        native.clear_stale_lock(name)
+    assert not (tmp_path / "old" / "lock").exists() and (tmp_path / "fresh" / "lock").exists()

@@ -19,6 +19,7 @@ def app_for(limits: ServerLimits, api_key: str | None = KEY, bind_host: str | No
     from speculant.server.app import create_app
 
     engine = SimpleNamespace(tokenizer=None, k=0, max_batch_size=2, max_model_len=16, proposer=None,
+                             scheduler=SimpleNamespace(policy=None),
                              target=SimpleNamespace(source="/secret/place/model.gguf"))
     return create_app(engine, ["m"], api_key=api_key, limits=limits, bind_host=bind_host)
 

@@ -35,6 +35,7 @@ import functools
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -139,6 +140,7 @@ def kernels() -> ModuleType | None:
 
         # The name carries the sources' hash: checkouts of other sources never share (or race on) one build.
         name = f"speculant_native_{build}_{source_digest()}"
+        clear_stale_lock(name)
         if not _built(name):
             notice.announce(f"compiling the native CPU kernels ({build}), cached for later runs", build_seconds())
         sources = sorted(SOURCES, key=lambda s: s != BINDING)
@@ -149,6 +151,23 @@ def kernels() -> ModuleType | None:
         return None
     module.set_amx(allowed == "amx")  # the C++ side asks CPUID; a lower level forced must reach it
     return module
+
+
+STALE_LOCK_S = 20 * 60  # a build takes minutes: a lock this old was left by a build that was killed
+
+
+def clear_stale_lock(name: str) -> None:
+    """Remove the lock a killed build left in PyTorch's extension cache: every later load would wait on it
+    forever (PyTorch's baton has no owner to check)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+        if lock.is_file() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            log.warning("native kernels: removing %s, left by a build that did not finish", lock)
+            lock.unlink(missing_ok=True)
+    except Exception:  # a PyTorch without the helper, a lock another process just took: leave it to PyTorch
+        return
 
 
 def _built(name: str) -> bool:
