@@ -73,6 +73,13 @@ def test_the_package_has_no_import_cycle():
     assert cycle is None, " → ".join(cycle)
 
 
+def test_models_import_nothing_above_them():
+    """models/ is the bottom layer: the decoder, its kernels and loaders know nothing of engines or servers."""
+    up = {name: sorted(d for d in deps if not d.startswith(("speculant.models", "speculant.errors")))
+          for name, deps in import_graph().items() if name.startswith("speculant.models")}
+    assert not any(up.values()), {name: deps for name, deps in up.items() if deps}
+
+
 def test_a_cycle_is_found():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert find_cycle(graph) == ["a", "b", "c", "a"]

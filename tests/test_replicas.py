@@ -102,7 +102,7 @@ class EngineThatDies:
 
 
 def dead_worker():
-    from speculant.metrics import ServerMetrics
+    from speculant.server.metrics import ServerMetrics
     from speculant.server.worker import EngineWorker
 
     worker = EngineWorker(EngineThatDies(), ServerMetrics("m"))
@@ -155,7 +155,7 @@ def test_label_sample_puts_the_replica_first():
 
 
 def replica_metrics(prompt_tokens: int, finished: int) -> str:
-    from speculant.metrics import ServerMetrics
+    from speculant.server.metrics import ServerMetrics
 
     m = ServerMetrics("smollm", num_speculative_tokens=2)
     m.observe_admitted(prompt_tokens)

@@ -30,9 +30,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from speculant.config import StructuredOutputsParams
 from speculant.engine import Engine
 from speculant.errors import SpeculantError
-from speculant.metrics import ServerMetrics
 from speculant.sequence import Sequence, SpecStats
 from speculant.server.guard import RequestGuard, ServerLimits, allowed_host_names, header_timeout_protocol
+from speculant.server.metrics import ServerMetrics
 from speculant.server.protocol import (
     AssistantMessage,
     ChatChoice,

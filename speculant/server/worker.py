@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from speculant.config import SamplingParams
 from speculant.engine import Engine
 from speculant.errors import SpeculantError
-from speculant.metrics import ServerMetrics
 from speculant.scheduler import RoundRobin
 from speculant.sequence import Sequence, TokenLogprob
+from speculant.server.metrics import ServerMetrics
 
 log = logging.getLogger("speculant.server")
 
