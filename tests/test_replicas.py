@@ -316,7 +316,8 @@ def lone_answers(smollm_path):
     """What one engine, alone, writes greedily for each prompt (configured as `serve` configures it)."""
     import torch
 
-    from speculant.cli import build_parser, engine_from_args
+    from speculant.arguments import engine_from_args
+    from speculant.cli import build_parser
     from speculant.config import SamplingParams
 
     torch.set_num_threads(1)  # as each replica runs: the same sums in the same order

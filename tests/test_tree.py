@@ -10,7 +10,8 @@ from mutants import patch_coupling
 from test_distribution import ALPHA, N_SAMPLES, N_TOKENS, SETTINGS, exact_joint, g_test, sampled_joint
 from test_eagle import BATCH, eagle_engine, saved_head
 
-from speculant.cli import build_parser, speculative_config_from_args
+from speculant.arguments import speculative_config_from_args
+from speculant.cli import build_parser
 from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.engine import Engine
 from speculant.errors import SpeculantError

@@ -9,11 +9,11 @@ import shlex
 import sys
 from pathlib import Path
 
+from speculant.arguments import add_target_arguments
 from speculant.bench.agents import WORKLOADS as AGENT_WORKLOADS
 from speculant.bench.cost import DEFAULT_PRICE_PER_HOUR, PRICE_HELP
 from speculant.bench.prompts import PROMPT_CLASSES
 from speculant.bench.suite import DEFAULT_PROPOSERS, PEERS, PROPOSERS, BenchPlan, without_draft_options
-from speculant.cli import add_target_arguments
 from speculant.defaults import TREE_WIDTH
 from speculant.errors import SpeculantError
 

@@ -8,7 +8,7 @@ import logging
 import os
 import socket
 
-from speculant.cli import add_model_arguments, engine_from_args, speculative_config_from_args
+from speculant.arguments import add_model_arguments, engine_from_args, speculative_config_from_args
 from speculant.errors import SpeculantError
 from speculant.server.guard import ServerLimits, limits_from_args
 from speculant.server.replicas import check_replicas, cpu_count

@@ -81,7 +81,7 @@ class EngineReplica:
     wrapper owns that name.)"""
 
     def __init__(self, args: argparse.Namespace, threads: int):
-        from speculant.cli import engine_from_args
+        from speculant.arguments import engine_from_args
         from speculant.server.app import create_app
         from speculant.server.guard import limits_from_args
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from speculant.cli import add_target_arguments
+from speculant.arguments import add_target_arguments
 from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.defaults import SHIPPED, default_speculative_config
 from speculant.engine import Engine
