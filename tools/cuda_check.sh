@@ -12,7 +12,7 @@ DRAFT=speculant/data/drafts/smollm2-135m-instruct/draft_model
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv
 python3 tools/random_smollm2.py /tmp/random-smollm2
-timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py -k cuda 2>&1 | tail -15
+timeout 60 python3 -m pytest -q -p no:cacheprovider tests/models/test_cuda_graphs.py -k cuda 2>&1 | tail -15
 timeout 200 python3 -m speculant.bench.cuda_check --model /tmp/random-smollm2 --draft-model $DRAFT \
     --agreement-model $DRAFT 2>&1 | tee "$OUT/cuda_check.md"
 timeout 90 python3 -m speculant.bench.precisions --device cuda --model /tmp/random-smollm2 --rounds 20 \

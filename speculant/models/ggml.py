@@ -4,7 +4,7 @@ Each format is read as one form, per group of 32 inputs of one output:
     w = (D·sc_h)·(u − offset) + M·mn
 u the stored unsigned value, sc_h an int8 scale per half group (Q6_K) or group, D and M fp16 per superblock
 (256 inputs for K-quants, 32 for the others), mn a uint8 per group where the format has a minimum. Every
-value equals the one `gguf`'s dequantizer computes (tests/test_ggml.py): the target is the file's model.
+value equals the one `gguf`'s dequantizer computes (tests/models/test_ggml.py): the target is the file's model.
 """
 
 from __future__ import annotations

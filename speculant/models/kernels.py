@@ -4,7 +4,7 @@ that a row gets the same bits whatever the other rows of the call and however ma
 A verify pass multiplies T = k + 1 rows by every weight, a batch many such rows, a prompt hundreds: greedy
 output independent of the batch, and a prefix cache whose keys equal a cold prefill's, need each row's
 product to be the same bits in every one of these calls. On CPUs with the native kernels every kind here is
-(tests/test_row_invariance.py): fp32 and fp16 weights stored transposed (W' = Wᵀ contiguous) go to
+(tests/models/test_row_invariance.py): fp32 and fp16 weights stored transposed (W' = Wᵀ contiguous) go to
 f32_mm.cpp, bf16 ones in AMX's tile layout to bf16_mm (AMX tiles, or vdpbf16ps where the CPU has no AMX:
 bf16_dot.cpp), each output one chain of products in input order. PyTorch's kernels, which ran here before,
 are not row-exact: MKL's fp32 product changed rows from 5 rows on, oneDNN's packed bf16 kernel from 2 rows
@@ -116,7 +116,7 @@ class PackedLinear(nn.Module):
 def inexact_reason(model: nn.Module, device: torch.device) -> str | None:
     """Why a position's keys and values may depend on the pass that computed them (a whole prompt, a chunk, a
     decode step), so that a prefix cache's would differ from a cold prefill's in the last bits; None where
-    every kernel gives a row the same bits in any call (tests/test_row_invariance.py)."""
+    every kernel gives a row the same bits in any call (tests/models/test_row_invariance.py)."""
     if device.type != "cpu":
         return f"{device.type.upper()}'s prompt passes run blocked kernels, not row-exact ones"
     if native.level() == "off":

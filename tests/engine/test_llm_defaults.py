@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from speculant import LLM
-from speculant.cli import build_parser, engine_from_args
+from speculant.arguments import engine_from_args
+from speculant.cli import build_parser
 from speculant.engine import Engine
 
 

@@ -11,15 +11,16 @@ import pytest
 
 from speculant.models import native
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 # The tests that run the native kernels' every entry point: GGUF matrices, attention, the layer operations,
 # argmax and sampling, every linear layer's kernel at 1 to 700 rows and every weight path's batch invariance, and a
 # GGUF model's greedy speculation against plain decoding; the model's own tests (the fused stack against its
 # modules, which a level's paths can make or break) and the prefix cache's hits against cold prefills.
-KERNEL_TESTS = ["tests/test_ggml.py", "tests/test_attention.py", "tests/test_sampling.py",
-                "tests/test_row_invariance.py::test_a_row_gets_the_same_bits_at_any_row_count",
-                "tests/test_row_invariance.py::test_packed_linear_matches_the_plain_product",
-                "tests/test_batch_invariance.py", "tests/test_models.py", "tests/test_prefix_cache.py"]
+KERNEL_TESTS = ["tests/models/test_ggml.py", "tests/models/test_attention.py", "tests/engine/test_sampling.py",
+                "tests/models/test_row_invariance.py::test_a_row_gets_the_same_bits_at_any_row_count",
+                "tests/models/test_row_invariance.py::test_packed_linear_matches_the_plain_product",
+                "tests/engine/test_batch_invariance.py", "tests/models/test_models.py",
+                "tests/scheduler/test_prefix_cache.py"]
 BELOW = [lv for lv in native.LEVELS[1:] if native.LEVELS.index(lv) < native.LEVELS.index(native.cpu_level())
          and native.build_of(lv) != native.build_of(native.cpu_level())]
 

@@ -25,7 +25,8 @@ from test_tree import count_sibling_paths
 
 from speculant import adaptive, llm
 from speculant.adaptive import AdaptiveK
-from speculant.cli import build_parser, speculative_config_from_args
+from speculant.arguments import speculative_config_from_args
+from speculant.cli import build_parser
 from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.engine import Engine
 from speculant.llm import engine_for

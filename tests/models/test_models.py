@@ -369,7 +369,7 @@ def test_packed_bf16_linear_gives_every_row_the_same_bits_whatever_the_row_count
     """The native bf16 kernels (AMX tiles, or bf16_dot.cpp without them) compute every row alike; oneDNN's
     packed bf16 kernel (where they do not run) is row-exact up to 32 rows only on this shape (measured: on
     SmolLM2's qkv shape a 40-row call changed rows 1, 6, 16 …), so a batched verify pass goes to it in
-    chunks. tests/test_row_invariance.py checks every kind at 1 to 700 rows."""
+    chunks. tests/models/test_row_invariance.py checks every kind at 1 to 700 rows."""
     from speculant.models import native
     from speculant.models.kernels import PackedLinear, fast_bfloat16
 

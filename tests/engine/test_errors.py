@@ -246,7 +246,8 @@ def test_cli_errors_are_one_line_without_traceback(tmp_path):
 
 
 def test_speculation_shortcut_flags():
-    from speculant.cli import build_parser, speculative_config_from_args
+    from speculant.arguments import speculative_config_from_args
+    from speculant.cli import build_parser
 
     def config(*flags):
         return speculative_config_from_args(build_parser().parse_args(["generate", "hi", *flags]))

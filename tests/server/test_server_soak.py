@@ -1,7 +1,7 @@
 """The server's long checks (the `slow` suite): schema-driven fuzzing of every operation /openapi.json
 declares, and a soak of mixed traffic.
 
-    pytest -m slow tests/test_server_soak.py
+    pytest -m slow tests/server/test_server_soak.py
 """
 
 from __future__ import annotations

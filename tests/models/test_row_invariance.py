@@ -8,7 +8,7 @@ bf16_dot.cpp, whichever this CPU and level run), int8 (quantize.Int8Linear, PyTo
 and bf16 activations), int4 (Int4Linear: quantized.cpp where it runs, PyTorch's int4 kernel forced as well),
 the int4 model's Q8_0 head (Int8GroupLinear), GGUF blocks (ggml.GGMLLinear). Shapes: the tiny test models'
 layers (tests/conftest.py) and SmolLM2-135M's by default, a 1.5B model's (Qwen2.5-1.5B: 1536 wide, MLP 8960)
-in the slow suite. tests/test_lower_levels.py runs this file again at every kernel level below this CPU's.
+in the slow suite. tests/models/test_lower_levels.py runs this file again at every kernel level below this CPU's.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 /metrics, and (slow, with Ray installed) two real replicas on a local Ray cluster behind Ray's proxy.
 
 Ray opens some ports on every interface, so the Ray tests run only in a loopback-only network namespace:
-    unshare -n sh -c 'ip link set lo up && pytest -m slow tests/test_replicas.py'
+    unshare -n sh -c 'ip link set lo up && pytest -m slow tests/server/test_replicas.py'
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ def cluster(smollm_path):
         pytest.skip("ray is not installed: pip install 'speculant[ray]'")
     if not loopback_only() and not os.environ.get("SPECULANT_RAY_ANY_NETWORK"):
         pytest.skip("Ray opens ports on every interface: run in a loopback-only namespace, "
-                    "unshare -n sh -c 'ip link set lo up && pytest -m slow tests/test_replicas.py' "
+                    "unshare -n sh -c 'ip link set lo up && pytest -m slow tests/server/test_replicas.py' "
                     "(or set SPECULANT_RAY_ANY_NETWORK=1)")
     port = free_port()
     log = open(os.environ.get("SPECULANT_RAY_TEST_LOG", os.devnull), "w")  # noqa: SIM115

@@ -5,7 +5,7 @@ batch) writes plain decoding's tokens.
 Paths: dtype auto (bf16 where the CPU has AMX or AVX512-BF16, else fp32), float32, bfloat16, float16, int8 and
 int4 (dtype auto). The models: tests/conftest.py's tiny pair (head_dim 16: attention on PyTorch's kernel) and the
 same shapes with head_dim 32 (the native attention kernel): the linear layers are row-exact on both
-(tests/test_row_invariance.py), so a failure on the first alone is attention's (models/llama.py's attend).
+(tests/models/test_row_invariance.py), so a failure on the first alone is attention's (models/llama.py's attend).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from speculant.cli import build_parser, speculative_config_from_args
+from speculant.arguments import speculative_config_from_args
+from speculant.cli import build_parser
 from speculant.defaults import DRAFT_K, DRAFT_RULES, default_speculative_config
 from speculant.errors import SpeculantError
 from speculant.models.loader import load_model
