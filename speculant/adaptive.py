@@ -19,7 +19,7 @@ Two ways in, chosen by the proposer (Proposer.propose_adaptive): a proposer whos
 pass is asked for `choose()` drafts; one whose drafts cost nothing (lookup) finds all it can and
 `plan()` says how many of them to verify. After the step the engine hands `observe()` one StepRecord.
 
-The runs behind these choices and the constants below: docs/benchmarks/README.md ("Adaptive k").
+The runs behind these choices and the constants below: docs/history.md ("Adaptive k").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The runtime defaults: what `speculant generate`, `serve` and `bench` use when no flag says otherwise.
 
-Why these values, with the runs behind them: docs/benchmarks/README.md ("The default").
+Why these values, with the runs behind them: docs/history.md ("The default").
 """
 
 from __future__ import annotations

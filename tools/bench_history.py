@@ -1,8 +1,8 @@
-"""The run summary of docs/benchmarks/README.md: one row per `speculant bench` report this repository has held,
+"""The run summary of docs/history.md: one row per `speculant bench` report this repository has held,
 read from its report.json as last committed (removed runs included, from history): the date, the commit that
 wrote it, the CPU and kernel level, the model, and the headline at batch 1, greedy, all prompts.
 
-    python tools/bench_history.py > /tmp/rows.md     # then paste between the README's markers
+    python tools/bench_history.py > /tmp/rows.md     # then paste between history.md's markers
 """
 
 from __future__ import annotations

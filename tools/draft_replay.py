@@ -7,7 +7,7 @@ earlier match (not only the latest one's) at k = 6. No engine overhead is counte
 
     python tools/draft_replay.py [--costs 1.08,1.13,1.20,1.30,1.42,1.63] [--per-class 6] [--max-tokens 128]
 
---costs: C(w)/C(1) for w = 2 … 7 as the decoding loop pays them (the default: docs/benchmarks/README.md,
+--costs: C(w)/C(1) for w = 2 … 7 as the decoding loop pays them (the default: docs/history.md,
 timed steps of each width in the loop; an isolated pass costs less).
 """
 

@@ -13,7 +13,7 @@
 // Why int8 activations: with bf16 ones each group of weights had to be unpacked to bf16 tiles (stored,
 // then loaded) for AMX's bf16 product, and that work bounded the product; nibbles unpacked to bytes stay
 // in registers for VNNI. Their rounding error is small, as in llama.cpp. The Q8_0 lm_head the same way,
-// its greedy choices unchanged (figures: docs/benchmarks/README.md, "models/ and its kernels").
+// its greedy choices unchanged (figures: docs/history.md, "models/ and its kernels").
 #include "tensor.h"
 #include <immintrin.h>
 #include <type_traits>
