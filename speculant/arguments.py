@@ -6,10 +6,15 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 
-from speculant.config import SpeculativeConfig
+from speculant.config import (
+    DEFAULT_PREFILL_CHUNK,
+    EngineConfig,
+    SpeculativeConfig,
+    engine_config,
+    resolve_speculative_config,
+)
 from speculant.errors import SpeculantError
 from speculant.models.quantize import QUANTIZATIONS
-from speculant.scheduler import DEFAULT_PREFILL_CHUNK
 
 
 def add_target_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -111,14 +116,10 @@ def _speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
         return None
     if args.speculative_config:
         cfg = SpeculativeConfig.parse(args.speculative_config)
-        if args.num_speculative_tokens is not None:
-            cfg.num_speculative_tokens = args.num_speculative_tokens
-        cfg.adaptive = True if args.adaptive else cfg.adaptive
-        if args.lookup_first or args.tree_width is not None:
-            width = cfg.tree_width if args.tree_width is None else args.tree_width
-            cfg = SpeculativeConfig.parse({**asdict(cfg), "lookup_first": cfg.lookup_first or args.lookup_first,
-                                           "tree_width": width})
-        return cfg
+        flags = {"num_speculative_tokens": args.num_speculative_tokens, "adaptive": True if args.adaptive else None,
+                 "lookup_first": True if args.lookup_first else None, "tree_width": args.tree_width}
+        given = {key: v for key, v in flags.items() if v is not None}
+        return SpeculativeConfig.parse({**asdict(cfg), **given}) if given else cfg
     k = args.num_speculative_tokens if args.num_speculative_tokens is not None else 4
     rules = {key: v for key, v in (("draft_p_min", args.draft_p_min), ("draft_p_chain", args.draft_p_chain),
                                    ("draft_vocab_size", args.draft_vocab_size)) if v is not None}
@@ -148,19 +149,21 @@ def _speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": k, "adaptive": args.adaptive})
     # No flags: the bundled model speculates with its best measured proposer, adaptively (k per step,
     # off where it would lose); other models decode plainly. LLM() resolves its default the same way.
-    from speculant.llm import resolve_speculative_config
-
     return resolve_speculative_config(args.model, "auto")
 
 
-def engine_from_args(args: argparse.Namespace):
-    from speculant.llm import build_engine
-
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The flags through the one resolver (config.engine_config)."""
     if args.prefix_cache_gb is not None and args.prefix_cache_gb < 0:
         raise SpeculantError(f"--prefix-cache-gb must be at least 0, got {args.prefix_cache_gb:g}")
-    if args.prefill_chunk < 0:
-        raise SpeculantError(f"--prefill-chunk must be at least 0 (0: no chunks), got {args.prefill_chunk}")
     cache_bytes = None if args.prefix_cache_gb is None else int(args.prefix_cache_gb * 2**30)
-    return build_engine(args.model, args.dtype, args.device, speculative_config_from_args(args),
-                        args.max_batch_size, args.max_model_len, args.quantization,
-                        cache_bytes if args.prefix_caching else 0, args.prefill_chunk)
+    return engine_config(args.model, speculative_config_from_args(args), dtype=args.dtype, device=args.device,
+                         quantization=args.quantization, max_batch_size=args.max_batch_size,
+                         max_model_len=args.max_model_len, prefix_cache_bytes=cache_bytes if args.prefix_caching else 0,
+                         prefill_chunk=args.prefill_chunk)
+
+
+def engine_from_args(args: argparse.Namespace):
+    from speculant.llm import engine_from_config
+
+    return engine_from_config(engine_config_from_args(args))

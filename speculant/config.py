@@ -1,4 +1,5 @@
-"""Request sampling parameters and the speculative configuration (vLLM's JSON shape), validated."""
+"""Request sampling parameters, the speculative configuration (vLLM's JSON shape) and the engine's whole
+configuration, each validated; `engine_config` is the one resolver every way in (CLI, server, LLM) goes through."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from speculant.errors import SpeculantError
-from speculant.models.limits import MAX_SPECULATIVE_TOKENS, MAX_VERIFY_WIDTH  # noqa: F401 (kernels.py imports it here)
+from speculant.models.limits import ADAPTIVE_BATCHED, MAX_SPECULATIVE_TOKENS, MAX_VERIFY_WIDTH  # noqa: F401 (re-exported)
+from speculant.models.registry import gguf_draft
 
 MAX_LOGPROBS = 20
+DEFAULT_PREFILL_CHUNK = 512  # the most prompt tokens a pass feeds (scheduler/chunks.py)
 MAX_TREE_WIDTH = 8
 MAX_HISTORY_TOKENS = 10_000_000  # an answer history holds ~220 bytes a token (its lists and index entry)
 METHODS = ("draft_model", "ngram", "eagle")
@@ -206,13 +209,6 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def gguf_draft(model: str | None) -> bool:
-    """Whether a draft is a GGUF file, by its name: a .gguf path or a named model (no file is read)."""
-    from speculant.models.registry import find
-
-    return bool(model) and (str(model).lower().endswith(".gguf") or find(str(model)) is not None)
-
-
 def method_error(method: object) -> str:
     """Why a method name is refused: not run here (with what to pass instead), or unknown."""
     if isinstance(method, str):
@@ -226,7 +222,6 @@ def _uses_lookup(c: SpeculativeConfig) -> bool:
     return c.method == "ngram" or c.lookup_first
 
 
-ADAPTIVE_BATCHED = "batched"  # adaptive k from batch 2 on: the fixed k for a sequence alone
 
 # (what a valid config satisfies, the error otherwise), in order: each check may assume those before it passed.
 CHECKS: tuple[tuple[Callable[[SpeculativeConfig], bool], Callable[[SpeculativeConfig], str]], ...] = (
@@ -302,3 +297,48 @@ def _load_json_or_file(text: str) -> dict:
     except json.JSONDecodeError as e:
         raise SpeculantError(f"speculative config: invalid JSON ({e.msg} at line {e.lineno} column {e.colno})") \
             from None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What an engine is built from: the model and how it loads, the speculation, the batch, the context and
+    the prefix cache's budget. Made by `engine_config`, checked once, read by llm.engine_from_config."""
+
+    model: str | None = None  # a folder, a .gguf file or a name from `speculant models`; None: the bundled model
+    dtype: str = "auto"
+    device: str = "cpu"
+    quantization: str | None = "auto"
+    speculative: SpeculativeConfig | None = None  # None: plain decoding
+    max_batch_size: int = 8
+    max_model_len: int | None = None  # None: the model's own, as far as the KV cache fits (context.context_for)
+    prefix_cache_bytes: int | None = None  # None: prefix_cache.default_capacity_bytes() on CPU, none on CUDA
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # 0: every prompt in one pass
+
+    def __post_init__(self):
+        if not (_is_int(self.max_batch_size) and self.max_batch_size >= 1):
+            raise SpeculantError(f"max_batch_size must be at least 1, got {self.max_batch_size!r}")
+        if self.max_model_len is not None and not (_is_int(self.max_model_len) and self.max_model_len >= 2):
+            raise SpeculantError(f"max_model_len={self.max_model_len!r} is too small")
+        if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:
+            raise SpeculantError(f"the prefix cache's budget must be at least 0, got {self.prefix_cache_bytes}")
+        if not (_is_int(self.prefill_chunk) and self.prefill_chunk >= 0):
+            raise SpeculantError(f"prefill chunk must be at least 0 (0: no chunks), got {self.prefill_chunk!r}")
+
+
+def engine_config(model: str | None = None, speculative_config: str | dict | SpeculativeConfig | None = None,
+                  **settings: Any) -> EngineConfig:
+    """The one resolver: a speculative config as vLLM's JSON (a dict, a JSON string or a file), "auto" (the named
+    model's shipped default: the bundled model's best proposer, a named model's sibling draft, else plain
+    decoding) or None, with the other settings (EngineConfig's fields) → a frozen, checked EngineConfig."""
+    return EngineConfig(model=model, speculative=resolve_speculative_config(model, speculative_config), **settings)
+
+
+def resolve_speculative_config(model: str | None,
+                               speculative_config: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+    if isinstance(speculative_config, SpeculativeConfig):
+        return speculative_config
+    if speculative_config == "auto":
+        from speculant.defaults import default_speculative_config
+
+        speculative_config = default_speculative_config(model)
+    return SpeculativeConfig.parse(speculative_config)

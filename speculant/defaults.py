@@ -41,8 +41,9 @@ def draft_model_config(draft: str, k: int = DRAFT_K, **overrides) -> dict:
     adaptive k below FLAT_VERIFY_LEVELS and, on them, for batches (a verify pass over several sequences is
     compute-bound where one sequence's is flat), then `overrides`. Chains: a tree (`tree_width`) drew level with
     the chain on AVX2 and lost seeded (docs/performance.md)."""
-    from speculant.config import ADAPTIVE_BATCHED, gguf_draft
     from speculant.models import native
+    from speculant.models.limits import ADAPTIVE_BATCHED
+    from speculant.models.registry import gguf_draft
 
     adaptive = ADAPTIVE_BATCHED if native.level() in FLAT_VERIFY_LEVELS else True
     return {"method": "draft_model", "model": draft, "num_speculative_tokens": k, **DRAFT_RULES,

@@ -5,14 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from speculant.adaptive import AdaptiveK, cost_curve_for
-from speculant.config import ADAPTIVE_BATCHED, SamplingParams, SpeculativeConfig
+from speculant.config import (
+    ADAPTIVE_BATCHED,
+    DEFAULT_PREFILL_CHUNK,
+    EngineConfig,
+    SamplingParams,
+    SpeculativeConfig,
+    engine_config,
+)
 from speculant.context import cache_len, context_for
 from speculant.engine import Engine
 from speculant.errors import SpeculantError
 from speculant.models.loader import LoadedModel, load_model
 from speculant.prefix_cache import default_capacity_bytes
 from speculant.proposers import build_proposer
-from speculant.scheduler import DEFAULT_PREFILL_CHUNK
 from speculant.sequence import Sequence, TokenLogprob
 
 Prompt = str | dict
@@ -54,33 +60,27 @@ class RequestOutput:
         return cls(seq.request_id, prompt, seq.prompt_ids, [out], seq.metrics())
 
 
-def resolve_speculative_config(model: str | None,
-                               speculative_config: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
-    """"auto" (LLM's default, and the CLI's without speculation flags): the bundled model's best shipped
-    proposer, plain decoding for other models; None: plain decoding."""
-    if isinstance(speculative_config, SpeculativeConfig):
-        return speculative_config
-    if speculative_config == "auto":
-        from speculant.defaults import default_speculative_config
-
-        speculative_config = default_speculative_config(model)
-    return SpeculativeConfig.parse(speculative_config)
-
-
 def build_engine(model: str | None = None, dtype: str = "float32", device: str = "cpu",
-                 speculative_config: str | dict | SpeculativeConfig | None = None,
-                 max_batch_size: int = 8, max_model_len: int | None = None,
-                 quantization: str | None = None, prefix_cache_bytes: int | None = None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Engine:
-    """`max_model_len` None: the model's own context, as far as the KV cache fits (context.context_for);
-    `prefix_cache_bytes` None: prefix_cache.default_capacity_bytes(), 0: no prefix cache."""
-    spec = resolve_speculative_config(model, speculative_config)
-    target = load_model(model, dtype=dtype, device=device, quantization=quantization)
-    context = context_for(target.config, max_model_len, max_batch_size, target.model.dtype, target.model.device)
+                 speculative_config: str | dict | SpeculativeConfig | None = None, quantization: str | None = None,
+                 **settings) -> Engine:
+    """An engine from settings given by name (EngineConfig's fields), through the one resolver; the defaults
+    are the library's plain ones (fp32, no quantization), LLM's and the CLI's are "auto"."""
+    return engine_from_config(engine_config(model, speculative_config, dtype=dtype, device=device,
+                                            quantization=quantization, **settings))
+
+
+def engine_from_config(config: EngineConfig) -> Engine:
+    """Load the target and build its engine. What depends on the loaded model is decided here: the context
+    (the model's own as far as the KV cache fits, context.context_for) and the prefix cache's default budget
+    (CPU only: CUDA attends prompts on blocked kernels whose sums depend on the pass)."""
+    target = load_model(config.model, dtype=config.dtype, device=config.device, quantization=config.quantization)
+    context = context_for(target.config, config.max_model_len, config.max_batch_size, target.model.dtype,
+                          target.model.device)
+    prefix_cache_bytes = config.prefix_cache_bytes
     if prefix_cache_bytes is None:
-        # CUDA attends prompts on blocked kernels whose sums depend on the pass: a hit would not be exact there.
         prefix_cache_bytes = default_capacity_bytes() if target.model.device.type == "cpu" else 0
-    return engine_for(target, spec, max_batch_size, context, prefix_cache_bytes, prefill_chunk)
+    return engine_for(target, config.speculative, config.max_batch_size, context, prefix_cache_bytes,
+                      config.prefill_chunk)
 
 
 def engine_for(target: LoadedModel, spec: SpeculativeConfig | None, max_batch_size: int,
@@ -112,8 +112,9 @@ class LLM:
                  speculative_config: str | dict | SpeculativeConfig | None = "auto", max_batch_size: int = 8,
                  max_model_len: int | None = None, quantization: str | None = "auto",
                  prefix_cache_bytes: int | None = None):
-        self.engine = build_engine(model, dtype, device, speculative_config, max_batch_size, max_model_len,
-                                   quantization, prefix_cache_bytes)
+        self.engine = engine_from_config(engine_config(
+            model, speculative_config, dtype=dtype, device=device, max_batch_size=max_batch_size,
+            max_model_len=max_model_len, quantization=quantization, prefix_cache_bytes=prefix_cache_bytes))
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: Prompt | list[Prompt],

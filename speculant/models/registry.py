@@ -289,3 +289,8 @@ def run(args: argparse.Namespace) -> None:
             bad += [] if ok else [str(model_file(m))]
         if bad:
             raise SpeculantError(f"corrupted: {', '.join(bad)}; delete and fetch again")
+
+
+def gguf_draft(model: str | None) -> bool:
+    """Whether a draft is a GGUF file, by its name: a .gguf path or a named model (no file is read)."""
+    return bool(model) and (str(model).lower().endswith(".gguf") or find(str(model)) is not None)

@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from speculant.config import DEFAULT_PREFILL_CHUNK  # noqa: F401 (the scheduler's default, kept in config.py)
 from speculant.sequence import Sequence
 
-DEFAULT_PREFILL_CHUNK = 512
 MIN_CHUNK = 4  # tokens, where passes pad their rows: a long prompt must move on even where every step is dear
 BUDGET_STEPS = 1.5  # what a chunk may add to a step, in steps: a stream's wait stays within 2.5 of its steps
 
