@@ -70,7 +70,7 @@ class PassGraphs:
         self.pool = None  # the graphs' shared memory, made by the first capture
         # Padding tokens past a row's end are rotated for positions up to a verify pass's width beyond the cache.
         self.cos, self.sin = rope_tables(model.inv_freq.to(cache.k.device), cache.max_len + MAX_VERIFY_WIDTH + 1,
-                                         model.dtype)
+                                         model.dtype, model.rope.scale)
         self.chains: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, tokens: torch.Tensor, slots: torch.Tensor, n_new: torch.Tensor | None,

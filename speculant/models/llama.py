@@ -32,6 +32,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",  # its checkpoints store qkv and gate_up fused (loader.split_fused)
 }
 
 
@@ -54,6 +55,7 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    rope_scale: float = 1.0  # cos and sin multiplied by it: LongRoPE's attention factor
 
     @classmethod
     def from_hf(cls, cfg: dict, source: str = "config.json") -> ModelConfig:
@@ -76,12 +78,16 @@ class ModelConfig:
         n_heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_parameters") or {}
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        max_positions, rope_scale = cfg.get("max_position_embeddings", 4096), 1.0
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
-            if kind not in ("default", "llama3"):
-                raise SpeculantError(f"{source}: unsupported rope_scaling type '{kind}' (supported: llama3).")
+            if kind not in ("default", "llama3", "longrope"):
+                raise SpeculantError(f"{source}: unsupported rope_scaling type '{kind}' (supported: llama3, "
+                                     "longrope).")
             if kind == "default":
                 scaling = None
+            if kind == "longrope":
+                scaling, max_positions, rope_scale = longrope(cfg, scaling, source)
         sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
         return cls(
             model_type=model_type,
@@ -94,14 +100,33 @@ class ModelConfig:
             intermediate_size=cfg["intermediate_size"],
             norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            max_position_embeddings=max_positions,
             rope_scaling=scaling,
+            rope_scale=rope_scale,
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=bool(cfg.get("attention_bias") or model_type == "qwen2"),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
             sliding_window=sliding,
         )
+
+
+def longrope(cfg: dict, scaling: dict, source: str) -> tuple[dict, int, float]:
+    """Phi-3's LongRoPE → (the scaling rope_inv_freq reads, the context served, the attention factor). Served up
+    to the pretrained context, with the short factors: transformers switches to the long ones only past it
+    (and then for every position at once), which a KV cache written earlier cannot follow."""
+    partial = scaling.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise SpeculantError(f"{source}: partial rotary embeddings (partial_rotary_factor {partial}, as Phi-4-mini) "
+                             "are not supported yet")
+    original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if not original:
+        raise SpeculantError(f"{source}: longrope needs original_max_position_embeddings")
+    factor = scaling.get("factor") or cfg.get("max_position_embeddings", original) / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {"rope_type": "longrope", "short_factor": list(scaling["short_factor"])}, original, attention
 
 
 class RMSNorm(nn.Module):
@@ -123,6 +148,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     s = cfg.rope_scaling
     if s is None:
         return inv_freq.float()
+    if s.get("rope_type") == "longrope":  # each frequency divided by its own factor
+        return (inv_freq / torch.tensor(s["short_factor"], dtype=torch.float64)).float()
     # llama3: long wavelengths are slowed by `factor`, short ones kept, a smooth blend between.
     factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
     old_len = s["original_max_position_embeddings"]
@@ -134,12 +161,16 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(mid, blended, out).float()
 
 
-def rope_tables(inv_freq: torch.Tensor, n_positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(inv_freq: torch.Tensor, n_positions: int, dtype: torch.dtype,
+                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin [n_positions, Dh] for the rotate-half layout of HF checkpoints; the sign of
-    the first half is folded into sin so that apply_rope is a roll, two products and a sum."""
+    the first half is folded into sin so that apply_rope is a roll, two products and a sum. `scale`:
+    LongRoPE's attention factor, on both."""
     angles = torch.arange(n_positions, device=inv_freq.device, dtype=torch.float32)[:, None] * inv_freq
-    sin = angles.sin()
-    return torch.cat((angles.cos(),) * 2, -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)
+    cos, sin = angles.cos(), angles.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return torch.cat((cos,) * 2, -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, n_heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -196,8 +227,9 @@ def tree_layout(parents: list[list[int]]) -> tuple[list[list[int]], list[list[in
 class Rope:
     """Rotary tables for positions 0..n, grown on demand (a model's full context can be long)."""
 
-    def __init__(self):
+    def __init__(self, scale: float = 1.0):
         self.cos = self.sin = None
+        self.scale = scale  # ModelConfig.rope_scale
 
     def __call__(self, inv_freq: torch.Tensor, positions: torch.Tensor,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,7 +240,7 @@ class Rope:
         """The tables [n ≥ need, Dh]."""
         have = 0 if self.cos is None else len(self.cos)
         if have < need or self.cos.dtype != dtype or self.cos.device != inv_freq.device:
-            self.cos, self.sin = rope_tables(inv_freq, max(need, 2 * have), dtype)
+            self.cos, self.sin = rope_tables(inv_freq, max(need, 2 * have), dtype, self.scale)
         return self.cos, self.sin
 
 
@@ -464,7 +496,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        self.rope = Rope()
+        self.rope = Rope(cfg.rope_scale)
         # Narrow passes (decoding, verification) as prepare_pass builds them, or as the static passes of
         # models/cuda_graphs.py: run eagerly ("static"; tests on CPU, --enforce-eager on CUDA) or replayed
         # from CUDA graphs ("graphs", the default on CUDA).

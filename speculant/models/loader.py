@@ -214,6 +214,27 @@ def _eos_ids(folder: Path, cfg: dict) -> list[int]:
     return ids
 
 
+def split_fused(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """A checkpoint that stores q, k, v and gate, up as one tensor each (Phi-3's qkv_proj, gate_up_proj) → the
+    separate names the model loads (and fuses again, llama.fuse_on_load)."""
+    hd, inter = cfg.head_dim, cfg.intermediate_size
+    parts = {"self_attn.qkv_proj": {"self_attn.q_proj": cfg.n_heads * hd, "self_attn.k_proj": cfg.n_kv_heads * hd,
+                                    "self_attn.v_proj": cfg.n_kv_heads * hd},
+             "mlp.gate_up_proj": {"mlp.gate_proj": inter, "mlp.up_proj": inter}}
+    out = {}
+    for name, tensor in state.items():
+        prefix, _, rest = name.rpartition(".layers.")
+        index, _, key = rest.partition(".")
+        fused = next((f for f in parts if key.startswith(f + ".")), None) if prefix else None
+        if fused is None or tensor.shape[0] != sum(parts[fused].values()):
+            out[name] = tensor
+            continue
+        suffix = key[len(fused):]  # ".weight" or ".bias"
+        for part, piece in zip(parts[fused], tensor.split(list(parts[fused].values()))):
+            out[f"{prefix}.layers.{index}.{part}{suffix}"] = piece
+    return out
+
+
 def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> tuple[Transformer, list[int]]:
     cfg_dict = _read_json(folder / "config.json")
     cfg = ModelConfig.from_hf(cfg_dict, source=str(folder / "config.json"))
@@ -229,6 +250,7 @@ def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> tupl
             raise SpeculantError(f"{file}: cannot read safetensors ({e})") from None
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
+    state = split_fused(state, cfg)
     # The checkpoint's names (state_dict() gives them even where layers are stored fused).
     expected = set(model.state_dict()) - ({"lm_head.weight"} if cfg.tie_embeddings else set())
     missing = sorted(expected - state.keys())

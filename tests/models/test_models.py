@@ -12,6 +12,11 @@ from speculant.models.kv_cache import KVCache
 from speculant.models.loader import load_model
 
 TOL = 1e-4
+# Phi-3.5-style LongRoPE on the tiny model's head size 16: 8 frequencies, each with its own short and long factor;
+# trained for 256 positions, stretched to 1024 (so the attention factor is not 1).
+PHI3_LONGROPE = dict(max_position_embeddings=1024, original_max_position_embeddings=256,
+                     rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                                   "long_factor": [2.0 + 0.2 * i for i in range(8)]})
 ARCHITECTURES = {
     "llama": (transformers.LlamaConfig, {}),
     "llama3_rope_tied": (transformers.LlamaConfig, dict(
@@ -23,6 +28,7 @@ ARCHITECTURES = {
     "qwen3": (transformers.Qwen3Config, dict(head_dim=16)),
     "smollm2_like": (transformers.LlamaConfig, dict(tie_word_embeddings=True, rope_theta=100000.0,
                                                      num_attention_heads=8, num_key_value_heads=2)),
+    "phi3_longrope": (transformers.Phi3Config, dict(PHI3_LONGROPE, pad_token_id=0)),
 }
 
 
