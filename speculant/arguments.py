@@ -16,6 +16,10 @@ from speculant.config import (
 from speculant.errors import SpeculantError
 from speculant.models.quantize import QUANTIZATIONS
 
+DTYPE_HELP = ("auto | float32 | bfloat16 | float16 (default auto: bfloat16 on CUDA, for a GGUF file on the native "
+              "kernels (any CPU with AVX2) and where the CPU has AMX or AVX512-BF16; float32 elsewhere)")
+DEVICE_HELP = "cpu | cuda (default cpu)"
+
 
 def add_target_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """The target model's flags, shared by every subcommand that loads one."""
@@ -25,10 +29,8 @@ def add_target_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                         "qwen2.5-coder-1.5b-instruct, fetched on first use; ./NAME for a folder of that name) "
                         "(default: the bundled SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="auto",
-                   help="auto | float32 | bfloat16 | float16 (default auto: bfloat16 on CUDA, for a GGUF "
-                        "file on the native kernels (any CPU with AVX2) and where the CPU has AMX or AVX512-BF16; "
-                        "float32 elsewhere)")
-    g.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+                   help=DTYPE_HELP)
+    g.add_argument("--device", default="cpu", help=DEVICE_HELP)
     g.add_argument("--quantization", "-q", default="auto", choices=list(QUANTIZATIONS),
                    help="weight-only quantization of target and draft: int8 (per channel), int4 (groups of 32 "
                         "with scale and minimum, as GGUF Q4_1; CPU), none, or auto (default: a GGUF file runs at "

@@ -188,7 +188,7 @@ class Engine:
                 outputs += self._step([seq])[0]
             except Exception as row_error:
                 self.cache.set_lengths([seq.slot], [seq.num_cached])
-                outputs.append(self._fail(seq, row_error))
+                outputs.append(failed(seq, row_error))
         return outputs
 
     def _step(self, batch: list[Sequence], riders: list[tuple[Prefill, int]] = ()) -> tuple[list[StepOutput], Scored]:
@@ -302,7 +302,7 @@ class Engine:
 
     def fail_group(self, group: Prefill, error: Exception) -> None:
         """A prompt's chunk failed: its sequences finish as errors, reported by the next step."""
-        self._failed += [self._fail(s, error) for s in group.seqs]
+        self._failed += [failed(s, error) for s in group.seqs]
 
     def ride(self, riders: list[tuple[Prefill, int]], hidden: torch.Tensor) -> None:
         """After a decode pass that carried prompt chunks (hidden [riders, T, D]): each group's chunk is in;
@@ -325,9 +325,6 @@ class Engine:
             self.proposer.prefill(seqs, TargetHidden(hidden.expand(k, -1, -1), [start] * k, [n] * k))
 
     # -- helpers ----------------------------------------------------------------------------
-
-    def _fail(self, seq: Sequence, error: Exception) -> StepOutput:
-        return failed(seq, error)
 
     def _release_finished(self) -> None:
         for seq in self.scheduler.release_finished():

@@ -89,3 +89,21 @@ def rule_path(monkeypatch):
     from speculant.sampling import SamplingBatch
 
     monkeypatch.setattr(SamplingBatch, "is_seeded", lambda self, b: False)
+
+
+def wait_until_healthy(proc, base: str, timeout_s: float, poll_s: float = 0.1) -> None:
+    """Until a `speculant serve` process answers /health; fails with its stderr if it exits first."""
+    import time
+
+    import httpx
+
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{base}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.time() < deadline, "the server did not come up"
+        time.sleep(poll_s)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from speculant.arguments import DEVICE_HELP, DTYPE_HELP
 from speculant.bench.cli import int_list, price_from_args
 from speculant.bench.cost import PRICE_HELP, cost_line, usd_per_million
 from speculant.bench.prompts import PROMPT_CLASSES, load_prompts
@@ -60,11 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None,
                    help="a draft model path or name: also consider method draft_model")
     p.add_argument("--eagle", default=None, help="an EAGLE head path: also consider method eagle")
-    p.add_argument("--dtype", default="auto",
-                   help="auto | float32 | bfloat16 | float16 (default auto: bfloat16 on CUDA, for a GGUF "
-                        "file on the native kernels (any CPU with AVX2) and where the CPU has AMX or AVX512-BF16; "
-                        "float32 elsewhere)")
-    p.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    p.add_argument("--device", default="cpu", help=DEVICE_HELP)
     p.add_argument("--quantization", "-q", default="auto", choices=list(QUANTIZATIONS),
                    help="as for generate (default auto: a GGUF file at the precision it stores)")
     p.add_argument("--threads", type=int, default=None,

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from speculant.arguments import DEVICE_HELP
 from speculant.models.cuda_graphs import use_static_passes
 from speculant.models.loader import LoadedModel, default_model_path, load_model
 
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--max-width", type=int, default=8)
-    p.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    p.add_argument("--device", default="cpu", help=DEVICE_HELP)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -56,6 +56,8 @@ class Scheduler:
     def admit(self) -> list[Sequence]:
         """Give waiting sequences free cache rows, in the policy's order → those admitted. Each starts from the
         longest prefix of its prompt the prefix cache holds; the rest is fed in chunks."""
+        if not (self.waiting and self.free_slots):  # a full batch with a long queue: no ordering every step
+            return []
         admitted = self.policy(self.waiting)[:len(self.free_slots)]
         taken = {id(s) for s in admitted}
         self.waiting = deque(s for s in self.waiting if id(s) not in taken)

@@ -9,11 +9,10 @@ import shlex
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
-from conftest import save_tiny
+from conftest import save_tiny, wait_until_healthy
 from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
 
@@ -119,16 +118,7 @@ def test_seed_draft_config_serves(pair):
     proc = serve(str(target), *seed_draft_flags(draft), "--max-model-len", "256", port=port)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(f"{base}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, proc.communicate()[1]
-            assert time.time() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        wait_until_healthy(proc, base, timeout_s=120, poll_s=0.2)
         body = {"prompt": "w5 w9 w5 w9", "max_tokens": 6, "ignore_eos": True, "temperature": 0}
         r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text

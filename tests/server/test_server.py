@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 import uvicorn
-from conftest import save_tiny, server_engine
+from conftest import save_tiny, server_engine, wait_until_healthy
 
 openai = pytest.importorskip("openai")
 prom_parser = pytest.importorskip("prometheus_client.parser")
@@ -401,16 +401,7 @@ def test_sigterm_drains_and_exits_as_terminated(tmp_path):
                      "--shutdown-timeout", "0.2", env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 60
-        while True:
-            try:
-                if httpx.get(f"{base}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, proc.communicate()[1]
-            assert time.time() < deadline, "the server did not come up"
-            time.sleep(0.1)
+        wait_until_healthy(proc, base, timeout_s=60)
         body = {"prompt": [1, 5, 9, 5, 9], "max_tokens": 500, "ignore_eos": True, "stream": True,
                 "return_token_ids": True, **GREEDY}
         events = []
