@@ -55,7 +55,10 @@ def static_index(cache: KVCache, slots: torch.Tensor, positions: torch.Tensor) -
 
 def use_static_passes(model: Transformer, replay: bool) -> None:
     """Run the model's narrow passes (decoding, verification) as static passes: replayed from CUDA graphs, or
-    eagerly (`--enforce-eager`, tests on CPU)."""
+    eagerly (`--enforce-eager`, tests on CPU). Models whose layers mix attention kinds (Gemma 3's local and global
+    layers) keep prepared passes: a static pass holds one mask and one set of rotary tables."""
+    if len(model.cfg.attention_kinds) > 1:
+        return
     model.narrow_passes = "graphs" if replay else "static"
     model.pass_graphs = PassGraphs
 
@@ -146,7 +149,7 @@ class PassGraphs:
         fwd = Pass(cache, slots, positions, span, mask, self.cos[rotated][:, :, None], self.sin[rotated][:, :, None],
                    end=None)
         fwd.at = static_index(cache, slots, positions)
-        x = model.model.embed_tokens(tokens)
+        x = model.embed(tokens)
         with sdpa_kernel(ATTENTION_BACKEND):
             for block in model.model.layers:
                 x = block(x, cache, fwd)

@@ -27,15 +27,11 @@ from safetensors.torch import save_file
 
 from speculant.errors import SpeculantError
 from speculant.models import notice
+from speculant.models.families import BY_GGUF
 
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+ARCHITECTURES = {name: f.architectures[0] for name, f in BY_GGUF.items()}
 # llama.cpp's Llama converter interleaves q/k rows for its RoPE kernel; the Qwen converters do not.
-PERMUTED_QK = {"llama", "mistral"}
+PERMUTED_QK = {name for name, f in BY_GGUF.items() if f.permuted_qk}
 # Bump when the converted output changes, so stale cache entries are not reused.
 FORMAT_VERSION = 1
 
@@ -53,6 +49,13 @@ BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+
+
+def block_names(arch: str) -> dict[str, str]:
+    """A family's GGUF block tensor → Hugging Face module, under model.layers.N."""
+    return BLOCK_NAMES | BY_GGUF[arch].gguf_names
+
+
 # Every block must have these; q/k norms and biases are optional (qwen3 / qwen2).
 REQUIRED_BLOCK = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
                   "attn_norm", "ffn_norm"]
@@ -230,8 +233,14 @@ def hf_config(reader: gguf.GGUFReader, meta: dict, arch: str, src: Path) -> dict
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
     }
-    if arch == "mistral":  # HF's Mistral defaults to a 4096 window; only use one the file states
+    family = BY_GGUF[arch]
+    if family.window_by_default:  # HF's Mistral defaults to a 4096 window; only use one the file states
         config["sliding_window"] = meta.get(f"{arch}.attention.sliding_window")
+    config.update(family.gguf_defaults)
+    if family.norm_offset:  # llama.cpp's converter added it to the norms already (llama.ModelConfig reads this)
+        config["norm_weights_include_offset"] = True
+    if arch == "gemma3":  # llama.cpp scales Gemma 3 27B's scores (62 layers) by its width per head, not head_dim
+        config["query_pre_attn_scalar"] = hidden // n_heads if config["num_hidden_layers"] == 62 else head_dim
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is not None:
         scaling = llama3_scaling(dequantize(freqs).numpy(), rope_theta, head_dim)
@@ -296,12 +305,13 @@ def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def hf_name(name: str, src: Path) -> str | None:
+def hf_name(name: str, src: Path, arch: str = "llama") -> str | None:
     if name == "rope_freqs.weight":
         return None  # folded into config["rope_scaling"]
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
-    if m and m[2] in BLOCK_NAMES:
-        return f"model.layers.{m[1]}.{BLOCK_NAMES[m[2]]}.{m[3]}"
+    names = block_names(arch)
+    if m and m[2] in names:
+        return f"model.layers.{m[1]}.{names[m[2]]}.{m[3]}"
     base, _, kind = name.rpartition(".")
     if base in TOP_NAMES:
         return f"{TOP_NAMES[base]}.{kind}"
@@ -320,7 +330,7 @@ def hf_tensors(reader: gguf.GGUFReader, config: dict, arch: str, src: Path) -> d
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     out = {}
     for t in reader.tensors:
-        name = hf_name(t.name, src)
+        name = hf_name(t.name, src, arch)
         if name is None:
             continue
         w = dequantize(t)

@@ -23,6 +23,7 @@ from speculant.models import ggml, native, notice
 from speculant.models.gguf import (
     ARCHITECTURES,
     PERMUTED_QK,
+    block_names,
     cache_dir,
     cache_key,
     hf_config,
@@ -34,7 +35,7 @@ from speculant.models.gguf import (
     write_tokenizer,
 )
 from speculant.models.hugepages import read_into_huge_pages
-from speculant.models.llama import ModelConfig, Transformer, rope_inv_freq
+from speculant.models.llama import ModelConfig, Transformer
 
 FORMAT_VERSION = 4
 # An embedding table up to this size is dequantized whole at load (SmolLM2-135M's: 57 MB), a larger one a
@@ -270,11 +271,9 @@ def assemble(src: Path, cfg: ModelConfig, packed: dict, dtype: torch.dtype) -> T
         attn.o_proj = linear([p + "attn_output.weight"], cfg.n_heads * cfg.head_dim)
         mlp.gate_up_proj = linear([p + "ffn_gate.weight", p + "ffn_up.weight"], cfg.dim)
         mlp.down_proj = linear([p + "ffn_down.weight"], cfg.intermediate_size)
-        norms = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-        if cfg.qk_norm:
-            norms |= {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
-        for module, name in norms.items():
-            block.get_submodule(module).weight = nn.Parameter(vector(f"{p}{name}.weight"), requires_grad=False)
+        for name, module in block_names(arch).items():  # the norms, as the file holds them
+            if name.endswith("norm") and f"{p}{name}.weight" in vectors:
+                block.get_submodule(module).weight = nn.Parameter(vector(f"{p}{name}.weight"), requires_grad=False)
     model.model.norm.weight = nn.Parameter(vector("output_norm.weight"), requires_grad=False)
     head, rows = matrices["output.weight" if "output.weight" in matrices else "token_embd.weight"]
     model.lm_head = ggml.GGMLLinear([head], cfg.dim, out_features=rows)
@@ -282,7 +281,7 @@ def assemble(src: Path, cfg: ModelConfig, packed: dict, dtype: torch.dtype) -> T
     if embed.num_embeddings * embed.embedding_dim * 2 <= SMALL_EMBEDDING_BYTES:
         embed = embed.table()
     model.model.embed_tokens = embed
-    model.inv_freq = rope_inv_freq(cfg)
+    model.set_rope_frequencies()
     left = [n for n, t in model.named_parameters() if t.is_meta]
     if left:
         raise SpeculantError(f"{src}: no weights for {', '.join(left[:3])}")

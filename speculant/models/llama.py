@@ -18,6 +18,7 @@ from torch import nn
 
 from speculant.errors import SpeculantError
 from speculant.models import native
+from speculant.models.families import FAMILIES, family_of
 from speculant.models.ggml import GGMLLinear
 from speculant.models.kernels import PackedLinear
 from speculant.models.kv_cache import CacheIndex, KVCache
@@ -27,13 +28,8 @@ from speculant.models.quantize import Int4Linear
 if TYPE_CHECKING:
     from speculant.models.cuda_graphs import PassGraphs
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Phi3ForCausalLM": "phi3",  # its checkpoints store qkv and gate_up fused (loader.split_fused)
-}
+SUPPORTED_ARCHITECTURES = {a: f.model_type for f in FAMILIES for a in f.architectures}
+SLIDING, FULL = "sliding_attention", "full_attention"  # Hugging Face's layer_types
 
 
 @dataclass
@@ -56,16 +52,23 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     rope_scale: float = 1.0  # cos and sin multiplied by it: LongRoPE's attention factor
+    # What the family changes (families.Family, copied here so that a config alone builds the model).
+    norm_offset: float = 0.0
+    activation: str = "silu"
+    scale_embeddings: bool = False
+    sandwich_norms: bool = False
+    layer_types: tuple[str, ...] | None = None  # SLIDING or FULL per layer; None: every layer alike
+    local_rope_theta: float | None = None  # the sliding layers' own RoPE base, unscaled
+    query_scale: float | None = None  # attention's score scale where it is not 1/√head_dim
 
     @classmethod
     def from_hf(cls, cfg: dict, source: str = "config.json") -> ModelConfig:
         archs = cfg.get("architectures") or []
-        model_type = cfg.get("model_type")
-        known = [SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES]
-        if known:
-            model_type = known[0]
-        elif model_type not in SUPPORTED_ARCHITECTURES.values():
-            name = ", ".join(archs) or model_type or "unknown"
+        if isinstance(cfg.get("text_config"), dict):  # a multimodal checkpoint: its text decoder only
+            cfg = {**cfg["text_config"], "architectures": archs}
+        family = family_of(archs, cfg.get("model_type"))
+        if family is None:
+            name = ", ".join(archs) or cfg.get("model_type") or "unknown"
             raise SpeculantError(
                 f"{source}: unsupported architecture '{name}'. "
                 f"Supported: {', '.join(SUPPORTED_ARCHITECTURES)}."
@@ -75,40 +78,86 @@ class ModelConfig:
         missing = [k for k in required if cfg.get(k) is None]
         if missing:
             raise SpeculantError(f"{source}: missing required key(s): {', '.join(missing)}.")
+        for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if cfg.get(cap) is not None:
+                raise SpeculantError(f"{source}: {cap} (Gemma 2) is not supported")
         n_heads = cfg["num_attention_heads"]
-        rope = cfg.get("rope_parameters") or {}
+        rope, local_rope = rope_parameters(cfg)
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         max_positions, rope_scale = cfg.get("max_position_embeddings", 4096), 1.0
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
-            if kind not in ("default", "llama3", "longrope"):
+            if kind not in ("default", "llama3", "longrope", "linear"):
                 raise SpeculantError(f"{source}: unsupported rope_scaling type '{kind}' (supported: llama3, "
-                                     "longrope).")
+                                     "longrope, linear).")
             if kind == "default":
                 scaling = None
-            if kind == "longrope":
+            elif kind == "linear":
+                scaling = {"rope_type": "linear", "factor": float(scaling["factor"])}
+            elif kind == "longrope":
                 scaling, max_positions, rope_scale = longrope(cfg, scaling, source)
-        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
+        windowed = cfg.get("use_sliding_window", family.window_by_default)
+        sliding = cfg.get("sliding_window") if windowed else None
+        layer_types = cfg.get("layer_types")
+        if layer_types is None and cfg.get("sliding_window_pattern") and sliding:
+            pattern = cfg["sliding_window_pattern"]
+            layer_types = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(cfg["num_hidden_layers"])]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
+        scalar = cfg.get("query_pre_attn_scalar")
+        # GGUF folders converted by gguf.py hold Gemma's norms as llama.cpp stores them, with the 1 added.
+        offset = 0.0 if cfg.get("norm_weights_include_offset") else family.norm_offset
         return cls(
-            model_type=model_type,
+            model_type=family.model_type,
             vocab_size=cfg["vocab_size"],
             dim=cfg["hidden_size"],
             n_layers=cfg["num_hidden_layers"],
             n_heads=n_heads,
             n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+            head_dim=head_dim,
             intermediate_size=cfg["intermediate_size"],
             norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0,
             max_position_embeddings=max_positions,
             rope_scaling=scaling,
             rope_scale=rope_scale,
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bool(cfg.get("attention_bias") or model_type == "qwen2"),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", family.tied_by_default)),
+            qkv_bias=bool(cfg.get("attention_bias") or family.qkv_bias),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=family.qk_norm,
             sliding_window=sliding,
+            norm_offset=offset,
+            activation=family.activation,
+            scale_embeddings=family.scale_embeddings,
+            sandwich_norms=family.sandwich_norms,
+            layer_types=tuple(layer_types) if layer_types and sliding and SLIDING in layer_types else None,
+            local_rope_theta=cfg.get("rope_local_base_freq") or local_rope.get("rope_theta"),
+            query_scale=None if scalar is None or scalar == head_dim else scalar ** -0.5,
         )
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (None: it sees every key)."""
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == SLIDING else None
+
+    @property
+    def attention_kinds(self) -> list[str]:
+        """The layers' kinds of attention (a pass prepares each once): FULL, or SLIDING where windowed."""
+        if self.layer_types is None:
+            return [SLIDING if self.sliding_window else FULL]
+        return sorted(set(self.layer_types))
+
+    def kind(self, layer: int) -> str:
+        return self.attention_kinds[0] if self.layer_types is None else self.layer_types[layer]
+
+
+def rope_parameters(cfg: dict) -> tuple[dict, dict]:
+    """(the global layers' RoPE parameters, the sliding layers') from transformers' `rope_parameters`, flat or
+    one entry per layer type."""
+    rope = cfg.get("rope_parameters") or {}
+    if FULL in rope or SLIDING in rope:
+        return rope.get(FULL) or {}, rope.get(SLIDING) or {}
+    return rope, {}
 
 
 def longrope(cfg: dict, scaling: dict, source: str) -> tuple[dict, int, float]:
@@ -130,10 +179,12 @@ def longrope(cfg: dict, scaling: dict, source: str) -> tuple[dict, int, float]:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        if offset:
+            fold_offset_on_load(self, offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == x.dtype and native.layer_ops_usable(x):
@@ -143,11 +194,33 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
-    s = cfg.rope_scaling
+def fold_offset_on_load(norm: RMSNorm, offset: float) -> None:
+    """A norm that scales by (offset + weight) holds the sum, computed in fp32 when its checkpoint loads (as
+    transformers computes it in every pass): the norm then runs as any other. state_dict() gives the
+    checkpoint's weight back."""
+
+    def add(_module, state, prefix, *_):
+        if prefix + "weight" in state:
+            state[prefix + "weight"] = state[prefix + "weight"].float() + offset
+
+    def subtract(_module, state, prefix, _meta):
+        state[prefix + "weight"] = state[prefix + "weight"] - offset
+
+    norm.register_load_state_dict_pre_hook(add)
+    norm.register_state_dict_post_hook(subtract)
+
+
+def rope_inv_freq(cfg: ModelConfig, kind: str = FULL) -> torch.Tensor:
+    """The rotary frequencies of layers of `kind`: a sliding layer with a base of its own (Gemma 3) has no
+    scaling; every other layer has the model's."""
+    local = kind == SLIDING and cfg.local_rope_theta is not None
+    theta = cfg.local_rope_theta if local else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    s = None if local else cfg.rope_scaling
     if s is None:
         return inv_freq.float()
+    if s.get("rope_type") == "linear":
+        return (inv_freq / s["factor"]).float()
     if s.get("rope_type") == "longrope":  # each frequency divided by its own factor
         return (inv_freq / torch.tensor(s["short_factor"], dtype=torch.float64)).float()
     # llama3: long wavelengths are slowed by `factor`, short ones kept, a smooth blend between.
@@ -196,6 +269,7 @@ class Pass:
     sin: torch.Tensor
     end: torch.Tensor | None  # [B] the rows' cache lengths after the pass (None: the caller advances them)
     n_keys: torch.Tensor | None = None  # [B, T] keys each row sees, for the native kernel (see prepare_pass)
+    window: int | None = None  # the native kernel's sliding window
     row_keys: list | None = None  # [B][T]: attend row by row over these keys (slices or indices; see prepare_pass)
     tree: torch.Tensor | None = None  # [B, T] int64: the new tokens row (b, t) sees, a bit each (draft trees)
 
@@ -244,11 +318,10 @@ class Rope:
         return self.cos, self.sin
 
 
-def native_attention_usable(dtype: torch.dtype, window: int | None, device: torch.device, head_dim: int) -> bool:
-    """Whether a pass attends on the native kernel (each row over exactly its keys): bf16 or fp32 on CPU, no
-    sliding window, a head size the kernel takes."""
-    return (dtype in (torch.bfloat16, torch.float32) and window is None and device.type == "cpu"
-            and native.attention_usable(head_dim))
+def native_attention_usable(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
+    """Whether a pass attends on the native kernel (each row over exactly its keys, within its sliding window):
+    bf16 or fp32 on CPU, a head size the kernel takes."""
+    return dtype in (torch.bfloat16, torch.float32) and device.type == "cpu" and native.attention_usable(head_dim)
 
 
 def prepare_pass(cache: KVCache, slots: torch.Tensor, T: int, n_new: torch.Tensor | None, rope: Rope,
@@ -283,7 +356,7 @@ def prepare_pass(cache: KVCache, slots: torch.Tensor, T: int, n_new: torch.Tenso
     # speculative output drifts from plain output and a cached prefix (prefix_cache.py) differs from a
     # cold prefill. The native kernel attends each row over its own keys alone, in every pass; without
     # it, one sequence's passes attend row by row (linear kernels are row-invariant, models/kernels.py).
-    if native_attention_usable(dtype, window, slots.device, 2 * len(inv_freq)):
+    if native_attention_usable(dtype, slots.device, 2 * len(inv_freq)):
         n_keys = positions + 1
     elif slots.device.type != "cpu" and (T > MAX_VERIFY_WIDTH or len(slots) > 1 or T == 1 or dtype == torch.float32
                                          or window is not None):
@@ -297,7 +370,7 @@ def prepare_pass(cache: KVCache, slots: torch.Tensor, T: int, n_new: torch.Tenso
         # A masked SDPA over a batch of trees is not row-exact: every row's nodes go row by row.
         real = [T] * len(slots) if n_new is None else n_new.tolist()
         row_keys = tree_row_keys(start.tolist(), real, depths, bits, window, slots.device)
-    return Pass(cache, slots, positions, span, mask, cos, sin, end, n_keys, row_keys, tree)
+    return Pass(cache, slots, positions, span, mask, cos, sin, end, n_keys, window, row_keys, tree)
 
 
 def tree_row_keys(starts: list[int], real: list[int], depths: list[list[int]], bits: list[list[int]],
@@ -365,16 +438,18 @@ def fuse_on_load(module: nn.Module, fused: str, parts: dict[str, int]) -> None:
     module.register_state_dict_post_hook(split)
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, fwd: Pass, gqa: bool) -> torch.Tensor:
-    """q [B, T, Hq, Dh], keys/values [B, Hkv, span, Dh] → [B, T, Hq, Dh]."""
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, fwd: Pass, gqa: bool,
+           scale: float | None = None) -> torch.Tensor:
+    """q [B, T, Hq, Dh], keys/values [B, Hkv, span, Dh] → [B, T, Hq, Dh]; scores scaled by `scale` (1/√Dh)."""
     if fwd.n_keys is not None:
-        return native.attention(q, keys, values, fwd.n_keys, fwd.tree)
+        return native.attention(q, keys, values, fwd.n_keys, fwd.tree, fwd.window, scale)
     q = q.transpose(1, 2)
     if fwd.row_keys is None:
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=fwd.mask, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=fwd.mask, enable_gqa=gqa, scale=scale)
     else:
         out = torch.cat([torch.cat([F.scaled_dot_product_attention(q[b:b + 1, :, t:t + 1], keys[b:b + 1, :, seen],
-                                                                   values[b:b + 1, :, seen], enable_gqa=gqa)
+                                                                   values[b:b + 1, :, seen], enable_gqa=gqa,
+                                                                   scale=scale)
                                     for t, seen in enumerate(row)], dim=2) for b, row in enumerate(fwd.row_keys)])
     return out.transpose(1, 2)
 
@@ -390,8 +465,8 @@ class Attention(nn.Module):
                                         "v_proj": cfg.n_kv_heads * hd})
         self.o_proj = nn.Linear(cfg.n_heads * hd, d, bias=False)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(hd, cfg.norm_eps)
-            self.k_norm = RMSNorm(hd, cfg.norm_eps)
+            self.q_norm = RMSNorm(hd, cfg.norm_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(hd, cfg.norm_eps, cfg.norm_offset)
 
     def forward(self, x: torch.Tensor, cache: KVCache, fwd: Pass) -> torch.Tensor:
         B, T, _ = x.shape
@@ -401,7 +476,7 @@ class Attention(nn.Module):
         qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=2) if cfg.qk_norm else qkv
         q, k = apply_rope(qk, cfg.n_heads + cfg.n_kv_heads, fwd.cos, fwd.sin).split(self.split[:2], dim=2)
         keys, values = cache.update(self.layer, fwd.at, k.transpose(1, 2), v.transpose(1, 2))
-        out = attend(q, keys, values, fwd, cfg.n_kv_heads != cfg.n_heads)
+        out = attend(q, keys, values, fwd, cfg.n_kv_heads != cfg.n_heads, cfg.query_scale)
         return self.o_proj(out.reshape(B, T, cfg.n_heads * cfg.head_dim))
 
 
@@ -412,24 +487,39 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.dim, 2 * n, bias=cfg.mlp_bias)
         fuse_on_load(self, "gate_up_proj", {"gate_proj": n, "up_proj": n})
         self.down_proj = nn.Linear(n, cfg.dim, bias=cfg.mlp_bias)
+        self.activation = cfg.activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if native.layer_ops_usable(gate_up):
+        if self.activation == "silu" and native.layer_ops_usable(gate_up):
             return self.down_proj(native.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
+        if self.activation == "gelu_tanh":
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
+    """One decoder layer. With sandwich norms (Gemma) post_attention_layernorm follows attention and two more
+    surround the MLP; without, post_attention_layernorm is the MLP's input norm (Llama)."""
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.kind = cfg.kind(layer)  # which of a pass's attention kinds (Transformer.forward) it reads
+        norm = functools.partial(RMSNorm, cfg.dim, cfg.norm_eps, cfg.norm_offset)
+        self.input_layernorm = norm()
         self.self_attn = Attention(cfg, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.post_attention_layernorm = norm()
         self.mlp = MLP(cfg)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
 
     def forward(self, x: torch.Tensor, cache: KVCache, fwd: Pass) -> torch.Tensor:
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cache, fwd))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), cache, fwd)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -443,7 +533,8 @@ class Block(nn.Module):
         qkv_bias = attn.qkv_proj.bias if isinstance(attn.qkv_proj, GGMLLinear) else None
         projections = [native_projection(p, bias_ok=p is attn.qkv_proj) for p in
                        (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        if attn.cfg.qk_norm or any(n.dtype != torch.bfloat16 for n in norms) or None in projections:
+        if not native_layer_form(attn.cfg, attn.layer) or any(n.dtype != torch.bfloat16 for n in norms) \
+                or None in projections:
             return None
         return [*norms, attn.cfg.norm_eps, *projections, [] if qkv_bias is None else [qkv_bias]]
 
@@ -454,6 +545,13 @@ class Block(nn.Module):
         cfg, i = self.self_attn.cfg, self.self_attn.layer
         return native.decoder_layer(x, self.native_weights, fwd.cos, fwd.sin, cache.k[i], cache.v[i], fwd.slots,
                                     fwd.n_keys, cfg.n_heads, cfg.n_kv_heads, fwd.tree)
+
+
+def native_layer_form(cfg: ModelConfig, layer: int) -> bool:
+    """Whether layer `layer` is the form csrc/decoder.cpp computes: Llama's norms, SiLU, no q/k norms, no
+    sliding window, the usual score scale."""
+    return (not (cfg.qk_norm or cfg.sandwich_norms or cfg.query_scale or cfg.window(layer))
+            and cfg.activation == "silu")
 
 
 def native_projection(linear: nn.Module, bias_ok: bool = False) -> list[torch.Tensor] | None:
@@ -482,7 +580,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_offset)
 
 
 class Transformer(nn.Module):
@@ -497,6 +595,9 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.rope = Rope(cfg.rope_scale)
+        if cfg.local_rope_theta is not None and SLIDING in cfg.attention_kinds:
+            self.register_buffer("local_inv_freq", rope_inv_freq(cfg, SLIDING), persistent=False)
+            self.local_rope = Rope()
         # Narrow passes (decoding, verification) as prepare_pass builds them, or as the static passes of
         # models/cuda_graphs.py: run eagerly ("static"; tests on CPU, --enforce-eager on CUDA) or replayed
         # from CUDA graphs ("graphs", the default on CUDA).
@@ -516,6 +617,37 @@ class Transformer(nn.Module):
     def new_cache(self, max_batch: int, max_len: int) -> KVCache:
         c = self.cfg
         return KVCache(c.n_layers, max_batch, c.n_kv_heads, max_len, c.head_dim, self.dtype, self.device)
+
+    def set_rope_frequencies(self, device: torch.device | str = "cpu") -> None:
+        """The rotary frequencies again, in fp32 whatever the weights' dtype (a model built on the meta device
+        has none)."""
+        self.inv_freq = rope_inv_freq(self.cfg).to(device)
+        if hasattr(self, "local_rope"):
+            self.local_inv_freq = rope_inv_freq(self.cfg, SLIDING).to(device)
+
+    def rope_for(self, kind: str) -> tuple[Rope, torch.Tensor]:
+        """(the tables, the frequencies) of layers of `kind`."""
+        if kind == SLIDING and hasattr(self, "local_rope"):
+            return self.local_rope, self.local_inv_freq
+        return self.rope, self.inv_freq
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[B, T] → [B, T, D]: the token embeddings, times √D in the families that scale them (in the
+        embedding's dtype, as transformers rounds the factor)."""
+        x = self.model.embed_tokens(tokens)
+        if self.cfg.scale_embeddings:
+            x = x * torch.tensor(self.cfg.dim ** 0.5, dtype=x.dtype)
+        return x
+
+    def prepare(self, cache: KVCache, slots: torch.Tensor, T: int, n_new: torch.Tensor | None,
+                parents: list[list[int]] | None) -> dict[str, Pass]:
+        """One Pass per kind of attention the layers have (their windows and rotary tables differ)."""
+        passes = {}
+        for kind in self.cfg.attention_kinds:
+            rope, inv_freq = self.rope_for(kind)
+            window = self.cfg.sliding_window if kind == SLIDING else None
+            passes[kind] = prepare_pass(cache, slots, T, n_new, rope, inv_freq, self.dtype, window, parents)
+        return passes
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, slots: torch.Tensor,
                 n_new: torch.Tensor | None = None, parents: list[list[int]] | None = None) -> torch.Tensor:
@@ -537,15 +669,15 @@ class Transformer(nn.Module):
             if hidden is not None:
                 return hidden
             # None: a row would run past the cache, which prepare_pass reports.
-        fwd = prepare_pass(cache, slots, tokens.shape[1], n_new, self.rope, self.inv_freq, self.dtype,
-                           self.cfg.sliding_window, parents)
-        x = self.model.embed_tokens(tokens)
+        passes = self.prepare(cache, slots, tokens.shape[1], n_new, parents)
+        fwd = next(iter(passes.values()))
+        x = self.embed(tokens)
         if fwd.n_keys is not None and self.native_stack is not None:
             hidden = self.native_stack.forward(x, fwd.cos, fwd.sin, cache.k, cache.v, fwd.slots, fwd.n_keys,
                                                fwd.tree)
         else:
             for block in self.model.layers:
-                x = block(x, cache, fwd)
+                x = block(x, cache, passes[block.kind])
             hidden = self.model.norm(x)
         cache.lengths[slots] = fwd.end
         return hidden
@@ -563,7 +695,7 @@ class Transformer(nn.Module):
         real = torch.arange(T, device=tokens.device) < n_new[:, None]  # [B, T]
         positions = (start[:, None] + torch.arange(T, device=tokens.device))[real]  # [N]
         cos, sin = self.rope.tables(self.inv_freq, cache.max_len + 1, self.dtype)
-        x = self.model.embed_tokens(tokens[real])[:, None]  # [N, 1, D]
+        x = self.embed(tokens[real])[:, None]  # [N, 1, D]
         row_slots = slots[:, None].expand(B, T)[real]
         hidden = self.native_stack.forward(x, cos[positions][:, None, None], sin[positions][:, None, None], cache.k,
                                            cache.v, row_slots, (positions + 1)[:, None], None)
@@ -587,7 +719,7 @@ class Transformer(nn.Module):
     def native_decode(self) -> bool:
         """Whether a chain pass of decoding or verification with the native stack runs as one native call
         from the cache's lengths (DecoderStack.decode): prepare_pass's native case."""
-        return native_attention_usable(self.dtype, self.cfg.sliding_window, self.device, 2 * len(self.inv_freq))
+        return native_attention_usable(self.dtype, self.device, 2 * len(self.inv_freq))
 
     @functools.cached_property
     def native_stack(self) -> object | None:
@@ -595,7 +727,8 @@ class Transformer(nn.Module):
         Block.forward_native computes it), or None where a layer runs as modules. Built on the first pass
         that asks: a model's weights are final by then (quantized and packed at load)."""
         weights = [block.native_weights for block in self.model.layers]
-        if None in weights or self.model.norm.weight.dtype != torch.bfloat16:
+        # The stack embeds its tokens itself (decode), unscaled.
+        if None in weights or self.model.norm.weight.dtype != torch.bfloat16 or self.cfg.scale_embeddings:
             return None
         return native.decoder_stack(weights, self.model.norm.weight, self.cfg.n_heads, self.cfg.n_kv_heads)
 

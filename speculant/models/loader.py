@@ -19,7 +19,7 @@ from speculant.errors import SpeculantError
 from speculant.models.cuda_graphs import use_static_passes
 from speculant.models.hugepages import move_to_huge_pages
 from speculant.models.kernels import fast_bfloat16, pack_linears
-from speculant.models.llama import ModelConfig, Transformer, rope_inv_freq
+from speculant.models.llama import ModelConfig, Transformer
 from speculant.models.quantize import QUANTIZATIONS, matching_quantization, quantize
 from speculant.models.tokenizer import Tokenizer
 
@@ -261,8 +261,7 @@ def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> tupl
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    # Built on the meta device, the RoPE frequencies are recomputed here, in fp32 whatever the dtype.
-    model.inv_freq = rope_inv_freq(cfg)
+    model.set_rope_frequencies()  # built on the meta device: recomputed, and in fp32 whatever the dtype
     model = model.to(device=device, dtype=dtype)
-    model.inv_freq = rope_inv_freq(cfg).to(device)
+    model.set_rope_frequencies(device)
     return model.eval().requires_grad_(False), _eos_ids(folder, cfg_dict)

@@ -91,7 +91,7 @@ def draft_lm_head(target: Transformer, vocab: torch.Tensor | None) -> nn.Module:
 
 def head_config(target_cfg: ModelConfig) -> ModelConfig:
     """The head's layer is shaped like one of the target's layers."""
-    return replace(target_cfg, n_layers=1, sliding_window=None)
+    return replace(target_cfg, n_layers=1, sliding_window=None, layer_types=None, local_rope_theta=None)
 
 
 # -- which target a head belongs to -------------------------------------------------------------
@@ -232,7 +232,7 @@ class EagleProposer(Proposer):
             qs.append(q_i)
             drafts.append(token)
             if i < k - 1:
-                embeds = self.target.model.embed_tokens(token[:, None])
+                embeds = self.target.embed(token[:, None])
                 feature = self.head(embeds, feature, self.cache, slots)
         q = None if sb.all_greedy else torch.stack(qs, dim=1)
         return Proposal(torch.stack(drafts, dim=1), n_draft, q).placed(ready, len(seqs))
@@ -281,7 +281,7 @@ class EagleProposer(Proposer):
                           device)[0]
         at = torch.tensor(rows, device=device)
         self.cache.lengths[slots[at]] = real[at]
-        out = self.head(self.target.model.embed_tokens(layout.tokens), features[at[:, None], inputs], self.cache,
+        out = self.head(self.target.embed(layout.tokens), features[at[:, None], inputs], self.cache,
                         slots[at], layout.n_new, layout.parents)  # [B', T, D]
         for i, b in enumerate(rows):
             features[b, torch.tensor(grown[b], device=device) + 1] = out[i, [where[i][n] for n in grown[b]]]
@@ -327,7 +327,7 @@ class EagleProposer(Proposer):
             self.fed[s.request_id] += len(p)
             self.pending[s.request_id], self.n_pending[s.request_id] = [], 0
         slots = torch.tensor([self.slot[s.request_id] for s in rows], device=device)
-        out = self.head(self.target.model.embed_tokens(next_tokens), features, self.cache, slots, n_new)
+        out = self.head(self.target.embed(next_tokens), features, self.cache, slots, n_new)
         return out[torch.arange(len(rows), device=device), n_new - 1][:, None]
 
     def commit(self, seqs: list[Sequence], target: TargetHidden) -> None:

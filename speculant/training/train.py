@@ -126,7 +126,7 @@ class EagleObjective(nn.Module):
     def loss(self, batch: dict[str, torch.Tensor], train: bool = True) -> tuple[torch.Tensor, dict]:
         tokens, hidden, valid = batch["tokens"], batch["hidden"], batch["valid"]
         # Entry i reads (feature i, token i+1) and predicts feature i+1.
-        embeds = self.target_model.model.embed_tokens(tokens[:, 1:]).float()
+        embeds = self.target_model.embed(tokens[:, 1:]).float()
         target_features, mask = hidden[:, 1:], valid[:, 1:]
         features = hidden[:, :-1]
         if train and self.noise:

@@ -77,13 +77,14 @@ void attend_rows(const AttentionArgs& a) {
   const int64_t group = a.Hq / a.Hkv;
   speculant::Team::parallel_for(0, a.B * a.Hq * a.T, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(a.S);
-    std::vector<int64_t> index(a.tree ? a.S : 0);
+    std::vector<int64_t> index(a.tree || a.window ? a.S : 0);
     for (int64_t i = i0; i < i1; i++) {
       const int64_t b = i / (a.Hq * a.T), h = (i / a.T) % a.Hq, t = i % a.T;
-      const int64_t n = speculant::seen_keys(a, b, t, index);
+      bool indexed;
+      const int64_t n = speculant::seen_keys(a, b, t, index, indexed);
       const int64_t base = a.slots[b] * a.sb + (h / group) * a.sh;
       attend_row(Q + b * a.qb + t * a.qt + h * a.qh, K + base, V + base, a.ss, n, a.D, a.scale, scores.data(),
-                 O + ((b * a.T + t) * a.Hq + h) * a.D, a.tree ? index.data() : nullptr);
+                 O + ((b * a.T + t) * a.Hq + h) * a.D, indexed ? index.data() : nullptr);
     }
   });
 }
@@ -195,13 +196,14 @@ void attend(const AttentionArgs& a) {
   const int64_t G = a.Hq / a.Hkv;
   speculant::Team::parallel_for(0, a.B * a.T * a.Hkv, 1, [&](int64_t i0, int64_t i1) {
     Buffers buf(G, a.D, a.S);
-    std::vector<int64_t> index(a.tree ? a.S : 0);
+    std::vector<int64_t> index(a.tree || a.window ? a.S : 0);
     for (int64_t i = i0; i < i1; i++) {
       const int64_t b = i / (a.T * a.Hkv), t = (i / a.Hkv) % a.T, kvh = i % a.Hkv;
-      const int64_t n = speculant::seen_keys(a, b, t, index);
+      bool indexed;
+      const int64_t n = speculant::seen_keys(a, b, t, index, indexed);
       const int64_t base = a.slots[b] * a.sb + kvh * a.sh, h0 = kvh * G;
       attend_heads(a.q + b * a.qb + t * a.qt + h0 * a.qh, a.qh, G, a.k + base, a.v + base, a.ss, n, a.D, a.scale,
-                   a.tree ? index.data() : nullptr, buf, a.out + ((b * a.T + t) * a.Hq + h0) * a.D);
+                   indexed ? index.data() : nullptr, buf, a.out + ((b * a.T + t) * a.Hq + h0) * a.D);
     }
   });
 }
@@ -220,7 +222,7 @@ void attend(const AttentionArgs& a) {
 // (itself and its ancestors), in position order, so a node attends exactly as its branch decoded alone would.
 void attention_into(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                     const torch::Tensor& n_keys, double scale, const c10::optional<torch::Tensor>& slots,
-                    const c10::optional<torch::Tensor>& tree, bool amx, torch::Tensor& out) {
+                    const c10::optional<torch::Tensor>& tree, bool amx, torch::Tensor& out, int64_t window) {
   const auto type = q.scalar_type();
   TORCH_CHECK((type == at::kBFloat16 || type == at::kFloat) && keys.scalar_type() == type &&
               values.scalar_type() == type, "bf16 or fp32, the same for q, keys and values");
@@ -240,10 +242,10 @@ void attention_into(const torch::Tensor& q, const torch::Tensor& keys, const tor
   const AttentionArgs args{Q, K, V, (uint16_t*)out.data_ptr(), nk.data_ptr<int64_t>(),
                            rows.data_ptr<int64_t>(), tree ? bits.data_ptr<int64_t>() : nullptr, B, T, Hq, Hkv, D, S,
                            q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
-                           (float)scale};
+                           (float)scale, window};
   if (type == at::kFloat)
     attend_rows<float>(args);
-  else if (amx && speculant::amx_usable() && D <= 128)
+  else if (amx && speculant::amx_usable() && D <= 128 && !window)  // a window: the vector kernel, always
     speculant::attention_amx(args);
 #if !defined(__AVX512F__)
   else if (Hq / Hkv <= 64)
@@ -254,8 +256,9 @@ void attention_into(const torch::Tensor& q, const torch::Tensor& keys, const tor
 }
 
 torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor n_keys,
-                        double scale, c10::optional<torch::Tensor> slots, c10::optional<torch::Tensor> tree, bool amx) {
+                        double scale, c10::optional<torch::Tensor> slots, c10::optional<torch::Tensor> tree, bool amx,
+                        int64_t window) {
   auto out = torch::empty({q.size(0), q.size(1), q.size(2), q.size(3)}, q.options());
-  attention_into(q, keys, values, n_keys, scale, slots, tree, amx, out);
+  attention_into(q, keys, values, n_keys, scale, slots, tree, amx, out, window);
   return out;
 }

@@ -18,6 +18,7 @@ struct AttentionArgs {
   int64_t qb, qt, qh;  // q's strides
   int64_t sb, sh, ss;  // the cache's strides (keys and values alike)
   float scale;
+  int64_t window;  // a sliding window: a row sees the keys of its last `window` positions only (0: all)
 };
 
 // Row t of a pass sees the keys 0 .. start − 1 and then, in a draft tree, the new tokens of its branch:
@@ -32,16 +33,21 @@ inline std::pair<int64_t, int64_t> row_keys(const AttentionArgs& a, int64_t b, i
   return {start, count};
 }
 
-// The keys row (b, t) sees: their count, and with a tree their positions in index[0 .. n) (the cache's first
-// `start`, then the row's branch).
-inline int64_t seen_keys(const AttentionArgs& a, int64_t b, int64_t t, std::vector<int64_t>& index) {
+// The keys row (b, t) sees: their count, and where they are not the cache's first n (a tree, a window that
+// cuts the row's keys) their positions in index[0 .. n), in position order, and `indexed` set.
+inline int64_t seen_keys(const AttentionArgs& a, int64_t b, int64_t t, std::vector<int64_t>& index, bool& indexed) {
   int64_t tail[64];
   const auto [start, n] = row_keys(a, b, t, tail);
-  if (a.tree) {
-    for (int64_t j = 0; j < start; j++) index[j] = j;
-    std::copy(tail, tail + (n - start), index.data() + start);
-  }
-  return n;
+  // A key is in the window when its position on the row's branch is past the row's own minus the window; a
+  // tree's new key stands at its depth, start + its rank among the row's ancestors.
+  const int64_t low = a.window ? start + (n - start) - a.window : 0;
+  indexed = a.tree || low > 0;
+  if (!indexed) return n;
+  int64_t count = 0;
+  for (int64_t j = std::max<int64_t>(low, 0); j < start; j++) index[count++] = j;
+  for (int64_t i = 0; i < n - start; i++)
+    if (start + i >= low) index[count++] = a.tree ? tail[i] : start + i;
+  return count;
 }
 
 // scores[0 .. n) → e^(score − max) in place, 16 at a time (the same lanes whoever calls); returns their sum.

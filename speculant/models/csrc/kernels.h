@@ -29,13 +29,14 @@ void bf16_dot_into(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor
 // f32_mm.cpp: x [M, K] fp32 × weights stored transposed [K, N], fp32 or fp16 → [M, N] fp32.
 torch::Tensor f32_mm(torch::Tensor x, torch::Tensor w);
 
-// attention.cpp: each query row over exactly its keys; `amx` false keeps the vector kernel on an AMX CPU.
+// attention.cpp: each query row over exactly its keys; `amx` false keeps the vector kernel on an AMX CPU;
+// `window` > 0: a row sees its last `window` positions only.
 torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor n_keys,
                         double scale, c10::optional<torch::Tensor> slots, c10::optional<torch::Tensor> tree,
-                        bool amx = true);
+                        bool amx = true, int64_t window = 0);
 void attention_into(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                     const torch::Tensor& n_keys, double scale, const c10::optional<torch::Tensor>& slots,
-                    const c10::optional<torch::Tensor>& tree, bool amx, torch::Tensor& out);
+                    const c10::optional<torch::Tensor>& tree, bool amx, torch::Tensor& out, int64_t window = 0);
 
 // layer_ops.cpp: RMSNorm (alone or after a residual sum), rotary embedding in place, silu(gate) · up.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);

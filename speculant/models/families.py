@@ -1,0 +1,56 @@
+"""What each model family changes in the decoder, in one place: the layer stack (llama.py), the checkpoint
+readers (loader.py, gguf.py, gguf_native.py) and the native kernels' eligibility read these entries, never a
+family's name.
+
+A new family is an entry here, plus layer code only for a form no entry has yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    architectures: tuple[str, ...]  # Hugging Face `architectures` entries that name it
+    gguf: str | None = None  # its GGUF files' general.architecture
+    norm_offset: float = 0.0  # RMSNorm scales by (offset + weight): Gemma's checkpoints store weight − 1
+    activation: str = "silu"  # the gated MLP's: "silu" or "gelu_tanh" (GeGLU)
+    scale_embeddings: bool = False  # the token embeddings times √hidden
+    sandwich_norms: bool = False  # a norm after attention and after the MLP as well as before each (Gemma 2, 3)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE
+    qkv_bias: bool = False
+    fused_checkpoint: bool = False  # q, k, v and gate, up stored as one tensor each (loader.split_fused)
+    window_by_default: bool = False  # config `sliding_window` applies unless `use_sliding_window` says no
+    tied_by_default: bool = False  # the head is the embedding where the config does not say
+    permuted_qk: bool = False  # llama.cpp's converter interleaved each head's q/k rows (GGUF)
+    # GGUF block tensors whose Hugging Face name differs from the Llama mapping (gguf.BLOCK_NAMES).
+    gguf_names: dict[str, str] = field(default_factory=dict)
+    # gguf.py fills these in a converted config from llama.cpp's fixed choices for the family.
+    gguf_defaults: dict = field(default_factory=dict)
+
+
+GEMMA3_GGUF_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                     "post_ffw_norm": "post_feedforward_layernorm"}
+
+FAMILIES: tuple[Family, ...] = (
+    Family("llama", ("LlamaForCausalLM",), "llama", permuted_qk=True),
+    Family("mistral", ("MistralForCausalLM",), "mistral", window_by_default=True, permuted_qk=True),
+    Family("qwen2", ("Qwen2ForCausalLM",), "qwen2", qkv_bias=True),
+    Family("qwen3", ("Qwen3ForCausalLM",), "qwen3", qk_norm=True),
+    Family("phi3", ("Phi3ForCausalLM",), fused_checkpoint=True),
+    # llama.cpp fixes Gemma 3's local layers (5 of every 6) and their RoPE base; its norms already hold 1 + w.
+    Family("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), "gemma3", norm_offset=1.0,
+           activation="gelu_tanh", scale_embeddings=True, sandwich_norms=True, qk_norm=True,
+           window_by_default=True, tied_by_default=True, gguf_names=GEMMA3_GGUF_NAMES,
+           gguf_defaults={"sliding_window_pattern": 6, "rope_local_base_freq": 10000.0}),
+)
+BY_ARCHITECTURE = {a: f for f in FAMILIES for a in f.architectures}
+BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES} | {"gemma3_text": FAMILIES[-1]}
+BY_GGUF = {f.gguf: f for f in FAMILIES if f.gguf}
+
+
+def family_of(architectures: list[str], model_type: str | None) -> Family | None:
+    known = [BY_ARCHITECTURE[a] for a in architectures if a in BY_ARCHITECTURE]
+    return known[0] if known else BY_MODEL_TYPE.get(model_type or "")
