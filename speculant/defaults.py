@@ -15,7 +15,8 @@ SHIPPED = Path(__file__).resolve().parent / "data" / "drafts" / "smollm2-135m-in
 CORPUS = SHIPPED / "corpus" / "corpus.safetensors"
 # The bundled model's speculation: prompt lookup, the corpus table where lookup matches little, and adaptive k,
 # which switches speculation off where it would lose (large batches).
-SPECULATION = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": True}
+PROMPT_LOOKUP = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": True}
+SPECULATION = dict(PROMPT_LOOKUP)
 # A draft model's drafting rules when the user names only the draft (--draft-model, a named model's default
 # draft): prompt lookup first where the text repeats, drafts stopped before the next draft pass where the draft
 # is unsure of what it drew (on chat it kept more of the gain than a bound on each position), a draft head over
@@ -52,7 +53,8 @@ def draft_model_config(draft: str, k: int = DRAFT_K, **overrides) -> dict:
 
 def default_speculative_config(model_path: str | Path | None) -> dict | None:
     """The default speculative config: the bundled default model's (None: the default), a named model's own
-    draft where it has one, else None: a draft only helps the target it was trained for."""
+    draft where it has one, or prompt lookup where it says so, else None: a draft only helps the target it was
+    trained for."""
     from speculant.models.registry import MODELS, find, model_file
 
     named = None
@@ -60,7 +62,9 @@ def default_speculative_config(model_path: str | Path | None) -> dict | None:
         named = find(str(model_path)) or next(
             (m for m in MODELS.values() if Path(model_path).expanduser().resolve() == model_file(m).resolve()), None)
     if named is not None:
-        return draft_model_config(named.draft) if named.draft else None
+        if named.draft:
+            return draft_model_config(named.draft)
+        return dict(PROMPT_LOOKUP) if named.prompt_lookup else None
     try:
         default = default_model_path()
     except SpeculantError:

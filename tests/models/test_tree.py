@@ -54,8 +54,6 @@ def row_by_row(monkeypatch) -> None:
 @pytest.mark.parametrize("window", [None, 2, 16])
 @pytest.mark.parametrize("path", ["float32", "bfloat16 native", "bfloat16 row by row"])
 def test_tree_pass_scores_each_branch_as_decoded_alone(tmp_path, monkeypatch, path, window):
-    if path == "bfloat16 native" and window is not None:
-        pytest.skip("a sliding window never runs on the native attention kernel (the row-by-row case covers it)")
     if path == "bfloat16 native" and not native.attention_usable(64):
         pytest.skip("the native attention kernel does not run here (no AVX2, or no compiler)")
     if path == "bfloat16 row by row":
