@@ -205,3 +205,23 @@ def test_a_wrong_routing_rule_is_caught(family, mutant, monkeypatch):
         pytest.skip(f"{mutant} is {ROUTING_MUTANTS[mutant]}'s mutant")
     patch_routing(mutant, monkeypatch)
     assert logits_error(load_model(folder).model, ref, LONG) > 100 * TOL
+
+
+def test_cost_probe_runs_the_experts_distinct_tokens_choose(family, monkeypatch):
+    """Adaptive k's cost curve times passes whose tokens are distinct, after a real prompt pass: a wider pass runs
+    more experts, as a verify pass does."""
+    from speculant.speedup import measure_cost_curve
+
+    target = load_model(family[2]).model
+    runs: dict[int, list[int]] = {}
+    forward = MoE.forward
+
+    def counting(self, x):
+        if self is target.model.layers[0].mlp:
+            runs.setdefault(x.shape[1], []).append(len(torch.unique(self.route(x.reshape(-1, x.shape[-1]))[1])))
+        return forward(self, x)
+
+    monkeypatch.setattr(MoE, "forward", counting)
+    measure_cost_curve(target, [1], max_width=6, context=16, reps=1)
+    assert 16 in runs  # the prompt pass
+    assert min(runs[6]) > max(runs[1]) == target.cfg.experts_per_token
