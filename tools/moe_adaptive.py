@@ -58,8 +58,7 @@ def main(rounds: int, max_tokens: int) -> None:
     target_dir = save(root / "target", transformers.Qwen3MoeConfig(**MOE), 0)
     draft_dir = save(root / "draft", transformers.LlamaConfig(**DRAFT), 1)
     target = load_model(target_dir, dtype="auto")
-    print(f"target: {sum(p.numel() for p in target.model.parameters()) / 1e6:.0f}M parameters, {target.model.dtype}, "
-          f"{torch.get_num_threads()} threads")
+    print(f"target: Qwen3-MoE {MOE}, {target.model.dtype}, {torch.get_num_threads()} threads")
     curve = measure_cost_curve(target.model, [1, 4], max_width=9, context=128, reps=5)
     for b in (1, 4):
         ratios = " ".join(f"{curve.ratio(b, t):.2f}" for t in range(1, 10))
@@ -72,10 +71,9 @@ def main(rounds: int, max_tokens: int) -> None:
     for batch in (1, 4):
         engines = {n: engine_for(target, SpeculativeConfig.parse(s), batch, 512) for n, s in specs.items()}
         seconds: dict[str, list[float]] = {n: [] for n in specs}
-        same = {n: 0 for n in specs}
+        outputs: dict[str, list] = {n: [] for n in specs}
         names = list(specs)
         for r in range(rounds + 1):
-            plain_out = None
             for name in names[r % len(names):] + names[:r % len(names)]:
                 engine = engines[name]
                 seqs = [engine.add_request(p, params) for p in prompts(batch, r)]
@@ -83,17 +81,15 @@ def main(rounds: int, max_tokens: int) -> None:
                 engine.generate(seqs)
                 if r:  # round 0 warms every engine up (and measures the adaptive engines' curves)
                     seconds[name].append(time.perf_counter() - start)
-                outputs = [s.output_ids for s in seqs]
-                if name == "plain":
-                    plain_out = outputs
-                elif r and plain_out is not None:
-                    same[name] += outputs == plain_out
+                if r:
+                    outputs[name].append([s.output_ids for s in seqs])
         for name in names[1:]:
             ratio = statistics.geometric_mean(p / s for p, s in zip(seconds["plain"], seconds[name]))
             stats = engines[name].stats
+            same = sum(a == b for a, b in zip(outputs[name], outputs["plain"]))
             plain_s, own_s = statistics.median(seconds["plain"]), statistics.median(seconds[name])
             print(f"batch {batch} {name:10s}: {ratio:.3f}x plain's speed (plain {plain_s:.2f} s, {own_s:.2f} s), "
-                  f"outputs equal plain's {same[name]}/{rounds}, drafted {stats.num_draft_tokens}, "
+                  f"outputs equal plain's {same}/{rounds}, drafted {stats.num_draft_tokens}, "
                   f"accepted {stats.num_accepted_tokens}")
 
 
