@@ -351,7 +351,11 @@ def hf_tensors(reader: gguf.GGUFReader, config: dict, arch: str, src: Path) -> d
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     out = {}
     for t in reader.tensors:
-        if m := EXPERTS.fullmatch(t.name):
+        m = EXPERTS.fullmatch(t.name)
+        if (m or ".ffn_gate_inp." in t.name) and not config.get("num_experts"):
+            raise SpeculantError(f"{src}: tensor '{t.name}' has no equivalent in a dense model (the file states "
+                                 f"no {arch}.expert_count).")
+        if m:
             stacked = dequantize(t)
             experts = enumerate(stacked.unbind(0)) if m[3] is None else [(int(m[3]), stacked)]
             for e, w in experts:
