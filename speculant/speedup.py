@@ -145,16 +145,23 @@ def measure_cost_curve(model: Transformer, batch_sizes: list[int], max_width: in
     time).
 
     Widths go from the widest down, and each timed pass follows an untimed one of its shape, as passes
-    follow like ones in decoding: a pass timed right after a much wider one is slower than in a row."""
+    follow like ones in decoding: a pass timed right after a much wider one is slower than in a row.
+
+    A pass's tokens are distinct: on a model with routed experts (models/moe.py) a pass runs the union of its
+    tokens' experts, so repeated tokens would make wide passes look as cheap as narrow ones. Such a model's
+    cache is filled by a real prompt pass first, so that its routers see the hidden states decoding gives them."""
     vocab = model.cfg.vocab_size
     gen = torch.Generator().manual_seed(0)
     caches = {b: model.new_cache(b, context + max_width + 1) for b in batch_sizes}
+    if model.cfg.n_experts:
+        for b, cache in caches.items():
+            model(distinct_tokens(vocab, b, context, gen, model.device), cache, torch.arange(b, device=model.device))
     times: dict[int, list[list[float]]] = {b: [[] for _ in range(max_width)] for b in batch_sizes}
     for rep in range(reps + 1):
         for b, cache in caches.items():
             slots = torch.arange(b, device=model.device)
             for t in range(max_width, 0, -1):
-                tokens = torch.randint(vocab, (b, t), generator=gen).to(model.device)
+                tokens = distinct_tokens(vocab, b, t, gen, model.device)
                 for _ in range(2):
                     # Cached keys are never read for their values here: a length is all the timing needs.
                     cache.lengths[:] = context
@@ -167,3 +174,11 @@ def measure_cost_curve(model: Transformer, batch_sizes: list[int], max_width: in
                 if tick:
                     tick()
     return CostCurve(context, {b: monotone([min(ts) for ts in times[b]]) for b in batch_sizes})
+
+
+def distinct_tokens(vocab: int, batch: int, width: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """[batch, width] random tokens, no two alike where the vocabulary has enough of them."""
+    n = batch * width
+    if n <= vocab:
+        return torch.randperm(vocab, generator=gen)[:n].view(batch, width).to(device)
+    return torch.randint(vocab, (batch, width), generator=gen).to(device)

@@ -221,3 +221,24 @@ def patch_rule_error(name: str, size: float, monkeypatch) -> None:
         monkeypatch.setattr(verify_module, "residual", lambda p, q: (1 - size) * exact_residual(p, q) + size * p)
     else:
         raise ValueError(name)
+
+
+def patch_routing(name: str, monkeypatch) -> None:
+    """Break the routing rule of a mixture-of-experts layer (models/moe.py, MoE.route)."""
+    from speculant.models import moe
+
+    if name == "softmax_after_topk":  # every family routed as Mixtral: Qwen3-MoE without norm_topk_prob differs
+        def route(self, x):
+            top, chosen = torch.topk(self.gate(x), self.top_k, dim=-1)
+            return torch.softmax(top.float(), dim=-1).to(x.dtype), chosen
+    elif name == "weights_not_renormalised":  # softmax over every expert, the top k's weights used as they are
+        def route(self, x):
+            weights, chosen = torch.topk(torch.softmax(self.gate(x).float(), dim=-1), self.top_k, dim=-1)
+            return weights.to(x.dtype), chosen
+    else:
+        raise ValueError(name)
+    monkeypatch.setattr(moe.MoE, "route", route)
+
+
+# mutant → the family whose exactness test must catch it
+ROUTING_MUTANTS = {"softmax_after_topk": "qwen3_moe", "weights_not_renormalised": "mixtral"}

@@ -56,8 +56,9 @@ def static_index(cache: KVCache, slots: torch.Tensor, positions: torch.Tensor) -
 def use_static_passes(model: Transformer, replay: bool) -> None:
     """Run the model's narrow passes (decoding, verification) as static passes: replayed from CUDA graphs, or
     eagerly (`--enforce-eager`, tests on CPU). Models whose layers mix attention kinds (Gemma 3's local and global
-    layers) keep prepared passes: a static pass holds one mask and one set of rotary tables."""
-    if len(model.cfg.attention_kinds) > 1:
+    layers) keep prepared passes: a static pass holds one mask and one set of rotary tables. So do models with
+    routed experts: which experts a pass runs depends on its tokens, which a captured graph cannot follow."""
+    if len(model.cfg.attention_kinds) > 1 or model.cfg.n_experts:
         return
     model.narrow_passes = "graphs" if replay else "static"
     model.pass_graphs = PassGraphs

@@ -25,6 +25,9 @@ class Family:
     window_by_default: bool = False  # config `sliding_window` applies unless `use_sliding_window` says no
     tied_by_default: bool = False  # the head is the embedding where the config does not say
     permuted_qk: bool = False  # llama.cpp's converter interleaved each head's q/k rows (GGUF)
+    # The MLP of its routed layers is a mixture of experts (models/moe.py), and how the router picks and weighs
+    # them: moe.SOFTMAX_TOPK or moe.TOPK_SOFTMAX; None: a dense model.
+    routing: str | None = None
     # GGUF block tensors whose Hugging Face name differs from the Llama mapping (gguf.BLOCK_NAMES).
     gguf_names: dict[str, str] = field(default_factory=dict)
     # gguf.py fills these in a converted config from llama.cpp's fixed choices for the family.
@@ -39,6 +42,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("mistral", ("MistralForCausalLM",), "mistral", window_by_default=True, permuted_qk=True),
     Family("qwen2", ("Qwen2ForCausalLM",), "qwen2", qkv_bias=True),
     Family("qwen3", ("Qwen3ForCausalLM",), "qwen3", qk_norm=True),
+    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), "qwen3moe", qk_norm=True, routing="softmax_topk"),
+    # llama.cpp writes Mixtral as a "llama" GGUF with experts (GGUF_EXPERTS).
+    Family("mixtral", ("MixtralForCausalLM",), window_by_default=True, permuted_qk=True, routing="topk_softmax"),
     Family("phi3", ("Phi3ForCausalLM",), fused_checkpoint=True),
     # llama.cpp fixes Gemma 3's local layers (5 of every 6) and their RoPE base; its norms already hold 1 + w.
     Family("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), "gemma3", norm_offset=1.0,
@@ -49,6 +55,8 @@ FAMILIES: tuple[Family, ...] = (
 BY_ARCHITECTURE = {a: f for f in FAMILIES for a in f.architectures}
 BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES} | {"gemma3_text": FAMILIES[-1]}
 BY_GGUF = {f.gguf: f for f in FAMILIES if f.gguf}
+# A GGUF architecture whose files with routed experts (`{arch}.expert_count`) are another family's.
+GGUF_EXPERTS = {"llama": BY_MODEL_TYPE["mixtral"]}
 
 
 def family_of(architectures: list[str], model_type: str | None) -> Family | None:

@@ -27,13 +27,13 @@ from safetensors.torch import save_file
 
 from speculant.errors import SpeculantError
 from speculant.models import notice
-from speculant.models.families import BY_GGUF
+from speculant.models.families import BY_GGUF, GGUF_EXPERTS
 
 ARCHITECTURES = {name: f.architectures[0] for name, f in BY_GGUF.items()}
 # llama.cpp's Llama converter interleaves q/k rows for its RoPE kernel; the Qwen converters do not.
 PERMUTED_QK = {name for name, f in BY_GGUF.items() if f.permuted_qk}
 # Bump when the converted output changes, so stale cache entries are not reused.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 BLOCK_NAMES = {
@@ -48,7 +48,11 @@ BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "mlp.gate",  # an MoE layer's router
 }
+# An MoE layer's experts, stacked [n_expert, rows, cols] (llama.cpp's layout), or one tensor each
+# (blk.N.ffn_gate.E.weight, older Mixtral files): each expert becomes its own mlp.experts.E.
+EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)(?:_exps|\.(\d+))\.weight")
 
 
 def block_names(arch: str) -> dict[str, str]:
@@ -56,9 +60,9 @@ def block_names(arch: str) -> dict[str, str]:
     return BLOCK_NAMES | BY_GGUF[arch].gguf_names
 
 
-# Every block must have these; q/k norms and biases are optional (qwen3 / qwen2).
-REQUIRED_BLOCK = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
-                  "attn_norm", "ffn_norm"]
+# Every block must have these, and the dense MLP's three or a router; q/k norms and biases are optional.
+REQUIRED_BLOCK = ["attn_q", "attn_k", "attn_v", "attn_output", "attn_norm", "ffn_norm"]
+DENSE_MLP = ["ffn_gate", "ffn_up", "ffn_down"]
 
 
 def convert_gguf(path: str | os.PathLike, cache_root: Path | None = None) -> tuple[Path, bool]:
@@ -234,6 +238,10 @@ def hf_config(reader: gguf.GGUFReader, meta: dict, arch: str, src: Path) -> dict
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
     }
     family = BY_GGUF[arch]
+    if meta.get(f"{arch}.expert_count"):
+        family = GGUF_EXPERTS.get(arch, family)
+        config.update(expert_config(meta, arch, config, names), architectures=[family.architectures[0]],
+                      model_type=family.model_type)
     if family.window_by_default:  # HF's Mistral defaults to a 4096 window; only use one the file states
         config["sliding_window"] = meta.get(f"{arch}.attention.sliding_window")
     config.update(family.gguf_defaults)
@@ -253,6 +261,18 @@ def hf_config(reader: gguf.GGUFReader, meta: dict, arch: str, src: Path) -> dict
             orig = meta[f"{arch}.rope.scaling.original_context_length"]
             config["rope_scaling"]["original_max_position_embeddings"] = orig
     return config
+
+
+def expert_config(meta: dict, arch: str, config: dict, names: set[str]) -> dict:
+    """A GGUF's experts as Hugging Face's config names them (Qwen3-MoE's keys; Mixtral reads the count from
+    num_local_experts). Layers without a router keep a dense MLP."""
+    dense = [i for i in range(config["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in names]
+    return {"num_experts": meta[f"{arch}.expert_count"], "num_local_experts": meta[f"{arch}.expert_count"],
+            "num_experts_per_tok": meta[f"{arch}.expert_used_count"],
+            "moe_intermediate_size": meta.get(f"{arch}.expert_feed_forward_length", config["intermediate_size"]),
+            # llama.cpp renormalises the chosen experts' weights unless the file says not to.
+            "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", True)),
+            "decoder_sparse_step": 1, "mlp_only_layers": dense}
 
 
 def llama3_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict | None:
@@ -315,14 +335,15 @@ def hf_name(name: str, src: Path, arch: str = "llama") -> str | None:
     base, _, kind = name.rpartition(".")
     if base in TOP_NAMES:
         return f"{TOP_NAMES[base]}.{kind}"
-    raise SpeculantError(f"{src}: tensor '{name}' has no equivalent in a dense Llama-family model "
-                         "(mixture-of-experts and multimodal GGUFs are not supported).")
+    raise SpeculantError(f"{src}: tensor '{name}' has no equivalent in a Llama-family model "
+                         "(multimodal GGUFs and shared experts are not supported).")
 
 
 def hf_tensors(reader: gguf.GGUFReader, config: dict, arch: str, src: Path) -> dict[str, torch.Tensor]:
     names = {t.name for t in reader.tensors}
     for i in range(config["num_hidden_layers"]):
-        for part in REQUIRED_BLOCK:
+        routed = f"blk.{i}.ffn_gate_inp.weight" in names
+        for part in REQUIRED_BLOCK + ([] if routed else DENSE_MLP):
             if f"blk.{i}.{part}.weight" not in names:
                 raise SpeculantError(f"{src}: missing tensor 'blk.{i}.{part}.weight'.")
     if "output_norm.weight" not in names:
@@ -330,6 +351,16 @@ def hf_tensors(reader: gguf.GGUFReader, config: dict, arch: str, src: Path) -> d
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     out = {}
     for t in reader.tensors:
+        m = EXPERTS.fullmatch(t.name)
+        if (m or ".ffn_gate_inp." in t.name) and not config.get("num_experts"):
+            raise SpeculantError(f"{src}: tensor '{t.name}' has no equivalent in a dense model (the file states "
+                                 f"no {arch}.expert_count).")
+        if m:
+            stacked = dequantize(t)
+            experts = enumerate(stacked.unbind(0)) if m[3] is None else [(int(m[3]), stacked)]
+            for e, w in experts:
+                out[f"model.layers.{m[1]}.mlp.experts.{e}.{m[2]}_proj.weight"] = w.contiguous()
+            continue
         name = hf_name(t.name, src, arch)
         if name is None:
             continue

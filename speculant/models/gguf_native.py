@@ -71,6 +71,8 @@ def native_loadable(src: Path) -> bool:
     if (cache_folder(src) / "packed.json").is_file():
         return True
     reader = _reader(src, cache_key(src))
+    if any(len(t.shape) > 2 for t in reader.tensors):  # stacked experts: the decoder's MoE layers take dense weights
+        return False
     tied = "output.weight" not in {t.name for t in reader.tensors}
     for t in reader.tensors:
         if t.name == "token_embd.weight" and not tied:  # rows are looked up, not multiplied

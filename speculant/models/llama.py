@@ -1,7 +1,8 @@
 """The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM) in plain PyTorch.
 
-RMSNorm, RoPE, SwiGLU, grouped-query attention; optional qkv bias (Qwen2) and per-head
-q/k RMSNorm (Qwen3). Parameter names follow Hugging Face's so checkpoints load as they are.
+RMSNorm, RoPE, SwiGLU, grouped-query attention; optional qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3)
+and routed experts in place of the MLP (Qwen3-MoE, Mixtral: moe.py). Parameter names follow Hugging Face's
+so checkpoints load as they are.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from speculant.models.ggml import GGMLLinear
 from speculant.models.kernels import PackedLinear
 from speculant.models.kv_cache import CacheIndex, KVCache
 from speculant.models.limits import MAX_VERIFY_WIDTH
+from speculant.models.moe import MoE
 from speculant.models.quantize import Int4Linear
 
 if TYPE_CHECKING:
@@ -60,6 +62,14 @@ class ModelConfig:
     layer_types: tuple[str, ...] | None = None  # SLIDING or FULL per layer; None: every layer alike
     local_rope_theta: float | None = None  # the sliding layers' own RoPE base, unscaled
     query_scale: float | None = None  # attention's score scale where it is not 1/√head_dim
+    # Routed experts (moe.py): how many, how many a token runs, each one's width, the family's rule, whether
+    # the top k weights are renormalised, and the layers that keep a dense MLP.
+    n_experts: int = 0
+    experts_per_token: int = 0
+    expert_size: int = 0
+    routing: str | None = None
+    renormalise: bool = True
+    dense_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf(cls, cfg: dict, source: str = "config.json") -> ModelConfig:
@@ -106,6 +116,10 @@ class ModelConfig:
         scalar = cfg.get("query_pre_attn_scalar")
         # GGUF folders converted by gguf.py hold Gemma's norms as llama.cpp stores them, with the 1 added.
         offset = 0.0 if cfg.get("norm_weights_include_offset") else family.norm_offset
+        n_experts = (cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if family.routing else 0
+        step = cfg.get("decoder_sparse_step") or 1
+        dense_layers = tuple(i for i in range(cfg["num_hidden_layers"])
+                             if i in (cfg.get("mlp_only_layers") or []) or (i + 1) % step)
         return cls(
             model_type=family.model_type,
             vocab_size=cfg["vocab_size"],
@@ -132,6 +146,12 @@ class ModelConfig:
             layer_types=tuple(layer_types) if layer_types and sliding and SLIDING in layer_types else None,
             local_rope_theta=cfg.get("rope_local_base_freq") or local_rope.get("rope_theta"),
             query_scale=None if scalar is None or scalar == head_dim else scalar ** -0.5,
+            n_experts=n_experts,
+            experts_per_token=cfg.get("num_experts_per_tok", 2) if n_experts else 0,
+            expert_size=(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if n_experts else 0,
+            routing=family.routing if n_experts else None,
+            renormalise=bool(cfg.get("norm_topk_prob", False)),  # transformers' default
+            dense_layers=dense_layers if n_experts else (),
         )
 
     def window(self, layer: int) -> int | None:
@@ -146,6 +166,10 @@ class ModelConfig:
         if self.layer_types is None:
             return [SLIDING if self.sliding_window else FULL]
         return sorted(set(self.layer_types))
+
+    def routed(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is routed experts (moe.py)."""
+        return self.n_experts > 0 and layer not in self.dense_layers
 
     def kind(self, layer: int) -> str:
         return self.attention_kinds[0] if self.layer_types is None else self.layer_types[layer]
@@ -481,9 +505,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, size: int | None = None):
         super().__init__()
-        n = cfg.intermediate_size
+        n = size or cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.dim, 2 * n, bias=cfg.mlp_bias)
         fuse_on_load(self, "gate_up_proj", {"gate_proj": n, "up_proj": n})
         self.down_proj = nn.Linear(n, cfg.dim, bias=cfg.mlp_bias)
@@ -510,7 +534,8 @@ class Block(nn.Module):
         self.input_layernorm = norm()
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = norm()
-        self.mlp = MLP(cfg)
+        self.mlp = (MoE(cfg.dim, cfg.n_experts, cfg.experts_per_token, cfg.routing, cfg.renormalise,
+                        lambda: MLP(cfg, cfg.expert_size)) if cfg.routed(layer) else MLP(cfg))
         self.sandwich = cfg.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = norm()
@@ -529,12 +554,13 @@ class Block(nn.Module):
         (a projection off the AMX kernels, biases, per-head q/k norms). Read on the first pass that
         asks: a model's weights are final by then (quantized and packed at load)."""
         attn, mlp = self.self_attn, self.mlp
+        if not native_layer_form(attn.cfg, attn.layer):
+            return None
         norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
         qkv_bias = attn.qkv_proj.bias if isinstance(attn.qkv_proj, GGMLLinear) else None
         projections = [native_projection(p, bias_ok=p is attn.qkv_proj) for p in
                        (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        if not native_layer_form(attn.cfg, attn.layer) or any(n.dtype != torch.bfloat16 for n in norms) \
-                or None in projections:
+        if any(n.dtype != torch.bfloat16 for n in norms) or None in projections:
             return None
         return [*norms, attn.cfg.norm_eps, *projections, [] if qkv_bias is None else [qkv_bias]]
 
@@ -549,8 +575,8 @@ class Block(nn.Module):
 
 def native_layer_form(cfg: ModelConfig, layer: int) -> bool:
     """Whether layer `layer` is the form csrc/decoder.cpp computes: Llama's norms, SiLU, no q/k norms, no
-    sliding window, the usual score scale."""
-    return (not (cfg.qk_norm or cfg.sandwich_norms or cfg.query_scale or cfg.window(layer))
+    sliding window, the usual score scale, a dense MLP."""
+    return (not (cfg.qk_norm or cfg.sandwich_norms or cfg.query_scale or cfg.window(layer) or cfg.routed(layer))
             and cfg.activation == "silu")
 
 

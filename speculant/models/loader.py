@@ -20,6 +20,7 @@ from speculant.models.cuda_graphs import use_static_passes
 from speculant.models.hugepages import move_to_huge_pages
 from speculant.models.kernels import fast_bfloat16, pack_linears
 from speculant.models.llama import ModelConfig, Transformer
+from speculant.models.moe import expert_state
 from speculant.models.quantize import QUANTIZATIONS, matching_quantization, quantize
 from speculant.models.tokenizer import Tokenizer
 
@@ -266,6 +267,8 @@ def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> tupl
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
     state = split_fused(state, cfg)
+    if cfg.n_experts:
+        state = expert_state(state)
     # The checkpoint's names (state_dict() gives them even where layers are stored fused).
     expected = set(model.state_dict()) - ({"lm_head.weight"} if cfg.tie_embeddings else set())
     missing = sorted(expected - state.keys())

@@ -133,7 +133,8 @@ def int4_supported(linear: nn.Linear) -> bool:
 
 
 def quantize(model: nn.Module, method: str | None) -> nn.Module:
-    """Replace every nn.Linear by its quantized version, in place, but a 16-bit lm_head on CPU. With
+    """Replace every nn.Linear by its quantized version, in place, but a 16-bit lm_head on CPU and a layer
+    marked keep_precision (an MoE router). With
     int4 the lm_head (often the embedding matrix, which GGUF files keep at 6-8 bits) gets int8 in groups
     where the AMX kernel runs, else stays 16-bit: at 4 bits its logits move far more than the decoder
     layers' outputs do."""
@@ -145,7 +146,7 @@ def quantize(model: nn.Module, method: str | None) -> nn.Module:
     head = getattr(model, "lm_head", None)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear):
+            if not isinstance(child, nn.Linear) or getattr(child, "keep_precision", False):
                 continue
             if child is head and method == "int4" and _grouped_int8_head(child):
                 setattr(parent, name, Int8GroupLinear(child))

@@ -325,7 +325,7 @@ def test_error_missing_metadata_key(tmp_path):
 
 
 def test_error_unknown_tensor(tmp_path):
-    # A mixture-of-experts router has no dense-model equivalent: refuse rather than silently drop it.
+    # A router in a file that states no experts has no dense-model equivalent: refuse rather than silently drop it.
     path = tmp_path / "moe.gguf"
     write_gguf(path, extra_tensors={"blk.0.ffn_gate_inp.weight": np.zeros((4, DIM), np.float32)})
     assert "tensor 'blk.0.ffn_gate_inp.weight' has no equivalent" in convert_error(path, tmp_path)

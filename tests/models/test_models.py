@@ -29,6 +29,9 @@ ARCHITECTURES = {
     "smollm2_like": (transformers.LlamaConfig, dict(tie_word_embeddings=True, rope_theta=100000.0,
                                                      num_attention_heads=8, num_key_value_heads=2)),
     "phi3_longrope": (transformers.Phi3Config, dict(PHI3_LONGROPE, pad_token_id=0)),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                                    moe_intermediate_size=32, norm_topk_prob=True)),
+    "mixtral": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2)),
 }
 
 

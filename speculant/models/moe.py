@@ -1,0 +1,96 @@
+"""A sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router scores every expert per token, each token runs
+its top-k experts, and their outputs are summed with the router's weights.
+
+A pass over N tokens runs only the union of the experts they chose, each over the tokens that chose it: a verify
+pass of k + 1 tokens reads more experts' weights than a decoding step, which is why speculation's cost curve
+is measured on the model itself (adaptive.py). Every product goes through the model's row-exact linear layers
+(kernels.py), and each token sums its experts in expert order whatever its batch-mates chose, so a row's output
+does not depend on the other rows of the pass.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+# Routing rules (families.Family.routing):
+SOFTMAX_TOPK = "softmax_topk"  # softmax over every expert, the top k kept, renormalised if configured (Qwen3-MoE)
+TOPK_SOFTMAX = "topk_softmax"  # the top k logits, softmax over those alone (Mixtral)
+ROUTINGS = (SOFTMAX_TOPK, TOPK_SOFTMAX)
+
+
+class MoE(nn.Module):
+    """Replaces the gated MLP of a routed layer. `gate` is the router (the checkpoints' name), `experts` the
+    experts, each a gated MLP made by `expert`."""
+
+    def __init__(self, dim: int, n_experts: int, top_k: int, routing: str, renormalise: bool,
+                 expert: Callable[[], nn.Module]):
+        super().__init__()
+        if routing not in ROUTINGS:
+            raise ValueError(f"unknown routing rule {routing!r}")
+        self.top_k, self.routing, self.renormalise = top_k, routing, renormalise
+        self.gate = nn.Linear(dim, n_experts, bias=False)
+        # Quantized router logits would move which experts a token gets (quantize.py skips it).
+        self.gate.keep_precision = True
+        self.experts = nn.ModuleList(expert() for _ in range(n_experts))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D] → (weights [N, k] in x's dtype, experts [N, k]), computed in fp32 as transformers does."""
+        logits = self.gate(x)
+        if self.routing == TOPK_SOFTMAX:
+            top, chosen = torch.topk(logits, self.top_k, dim=-1)
+            weights = torch.softmax(top.float(), dim=-1)
+        else:
+            weights, chosen = torch.topk(torch.softmax(logits.float(), dim=-1), self.top_k, dim=-1)
+            if self.renormalise:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), chosen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, chosen = self.route(x)
+        out = torch.zeros_like(x)
+        for e in torch.unique(chosen).tolist():  # ascending: each token sums its experts in one order
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            # A token takes an expert once, so rows are distinct: a plain gather and scatter (index_add_ was
+            # slower than the expert's products on bf16 rows).
+            out[rows] = out[rows] + self.experts[e](x[rows]) * weights[rows, slot, None]
+        return out.view(shape)
+
+
+# The names checkpoints give an expert's projections: Qwen3-MoE's, and Mixtral's w1 (gate), w3 (up), w2 (down).
+EXPERT_PROJECTIONS = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj",
+                      "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+PER_EXPERT = re.compile(r"(.*\.layers\.\d+\.)(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight")
+ROUTER = re.compile(r"(.*\.layers\.\d+\.)block_sparse_moe\.gate\.weight")
+STACKED = re.compile(r"(.*\.layers\.\d+\.)(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)")
+
+
+def expert_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's experts under the names MoE loads (layers.N.mlp.gate, layers.N.mlp.experts.E.{gate,up,down}_proj):
+    published checkpoints' per-expert tensors (Mixtral's block_sparse_moe.experts.E.w1/w2/w3 among them), and
+    transformers' stacked ones (mlp.experts.gate_up_proj [E, 2I, D], mlp.experts.down_proj [E, D, I])."""
+    out = {}
+    for name, tensor in state.items():
+        if m := PER_EXPERT.fullmatch(name):
+            if m[3] in EXPERT_PROJECTIONS:
+                out[f"{m[1]}mlp.experts.{m[2]}.{EXPERT_PROJECTIONS[m[3]]}.weight"] = tensor
+                continue
+        elif m := ROUTER.fullmatch(name):
+            out[f"{m[1]}mlp.gate.weight"] = tensor
+            continue
+        elif m := STACKED.fullmatch(name):
+            for e, w in enumerate(tensor.unbind(0)):
+                if m[2] == "down_proj":
+                    out[f"{m[1]}mlp.experts.{e}.down_proj.weight"] = w
+                else:
+                    gate, up = w.chunk(2, dim=0)
+                    out[f"{m[1]}mlp.experts.{e}.gate_proj.weight"] = gate
+                    out[f"{m[1]}mlp.experts.{e}.up_proj.weight"] = up
+            continue
+        out[name] = tensor
+    return out

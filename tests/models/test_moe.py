@@ -1,0 +1,227 @@
+"""Mixture-of-experts targets (Qwen3-MoE, Mixtral; models/moe.py) against transformers, from Hugging Face folders
+and from GGUF files written from the same weights; speculative decoding on them equals plain greedy decoding,
+alone and in a batch; a wrong routing rule is caught."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from conftest import save_tiny, transformers
+from mutants import ROUTING_MUTANTS, patch_routing
+from safetensors.torch import load_file
+from test_gguf import MERGES, SPECIALS, TOKENS, VOCAB, llama_permute
+
+from speculant.config import SamplingParams, SpeculativeConfig
+from speculant.engine import Engine
+from speculant.models.gguf_native import native_loadable
+from speculant.models.loader import load_model
+from speculant.models.moe import MoE
+from speculant.proposers import build_proposer
+
+TOL = 1e-4
+N_TOKENS = 32
+PROMPTS = [[5, 17, 33, 8, 60, 12], [40, 41, 42, 40, 41, 42, 40], [90, 3, 77, 21, 14, 9, 55, 31, 62],
+           [200, 201, 202, 203, 200, 201, 202, 203, 200]]
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, init_std=0.1,
+              tie_word_embeddings=False)
+FAMILIES = {
+    # Three layers, the middle one dense (mlp_only_layers); norm_topk_prob off, where the routing rule matters.
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(
+        COMMON, num_hidden_layers=3, head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+        intermediate_size=96, decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=False)),
+    "mixtral": (transformers.MixtralConfig, dict(
+        COMMON, num_hidden_layers=2, num_local_experts=6, num_experts_per_tok=2, intermediate_size=48)),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """(family, its transformers model, its folder, its GGUF file)."""
+    name = request.param
+    config_cls, overrides = FAMILIES[name]
+    root = tmp_path_factory.mktemp(name)
+    folder = save_tiny(root / "hf", config_cls, seed=7, **overrides)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    path = root / f"{name}.gguf"
+    write_moe_gguf(path, name, ref.config, load_file(folder / "model.safetensors"))
+    return name, ref, folder, path
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory):
+    """A dense draft with the targets' vocabulary and weights of its own: a poor guesser."""
+    return save_tiny(tmp_path_factory.mktemp("draft") / "draft", seed=1, vocab_size=VOCAB, num_hidden_layers=1,
+                     hidden_size=32, intermediate_size=64)
+
+
+def write_moe_gguf(path, name: str, cfg, state: dict[str, torch.Tensor]) -> None:
+    """The checkpoint as llama.cpp's converter writes it: qwen3moe, or llama with experts (Mixtral); experts
+    stacked [n_expert, …], every tensor F32."""
+    arch = "qwen3moe" if name == "qwen3_moe" else "llama"
+    n_experts = cfg.num_experts if name == "qwen3_moe" else cfg.num_local_experts
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_expert_count(n_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if name == "qwen3_moe":
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        writer.add_expert_weights_norm(cfg.norm_topk_prob)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2" if arch == "qwen3moe" else "default")
+    writer.add_token_list(TOKENS)
+    writer.add_token_merges(MERGES)
+    writer.add_token_types([3] * len(SPECIALS) + [1] * (VOCAB - len(SPECIALS)))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    names = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+             "block_sparse_moe.gate": "ffn_gate_inp"}
+    experts = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps",
+               "w3": "ffn_up_exps", "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
+    stacked: dict[str, list] = {}
+    for key, tensor in state.items():
+        w = tensor.numpy()
+        parts = key.removeprefix("model.").removesuffix(".weight").split(".")
+        if parts[0] != "layers":
+            writer.add_tensor(f"{names['.'.join(parts)]}.weight", w)
+            continue
+        layer, module = parts[1], ".".join(parts[2:])
+        if "experts" in parts:  # layers.N.{mlp,block_sparse_moe}.experts.E.proj
+            stacked.setdefault(f"blk.{layer}.{experts[parts[-1]]}.weight", []).append((int(parts[-2]), w))
+            continue
+        if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            w = llama_permute(w, cfg.num_attention_heads if module.endswith("q_proj") else cfg.num_key_value_heads)
+        writer.add_tensor(f"blk.{layer}.{names[module]}.weight", w)
+    for key, ws in stacked.items():
+        writer.add_tensor(key, np.stack([w for _, w in sorted(ws, key=lambda e: e[0])]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def logits_error(model, ref, prompt: list[int]) -> float:
+    """The largest |Δlogits| against transformers over a prefill, decode steps and a 3-token verify-like pass."""
+    ids = torch.tensor([prompt])
+    slot = torch.tensor([0])
+    with torch.no_grad():
+        expected = ref(ids).logits
+        cache = model.new_cache(1, 64)
+        n = len(prompt)
+        got = [model.logits(model(ids[:, :n - 6], cache, slot))]
+        got += [model.logits(model(ids[:, t:t + 1], cache, slot)) for t in range(n - 6, n - 3)]
+        got += [model.logits(model(ids[:, n - 3:], cache, slot))]
+    return (torch.cat(got, dim=1) - expected).abs().max().item()
+
+
+def greedy(target, prompts: list[list[int]], spec: dict | None = None, max_batch_size: int = 1) -> list[list[int]]:
+    cfg = SpeculativeConfig.parse(spec)
+    k = cfg.num_speculative_tokens + cfg.tree_width - 1 if cfg else 0
+    proposer = build_proposer(cfg, target, max_batch_size, 128 + k + 1) if cfg else None
+    engine = Engine(target, proposer, cfg.num_speculative_tokens if cfg else 0, max_batch_size=max_batch_size,
+                    max_model_len=128)
+    params = SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True)
+    seqs = [engine.add_request(p, params) for p in prompts]
+    engine.generate(seqs)
+    return [s.output_ids for s in seqs]
+
+
+def reference_greedy(ref, prompt: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([prompt]), max_new_tokens=N_TOKENS, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+LONG = [3, 50, 99, 140, 7, 64, 230, 18, 120, 45, 71, 9, 188, 33, 250, 101]
+
+
+def test_folder_logits_and_greedy_tokens_equal_transformers(family):
+    name, ref, folder, _ = family
+    target = load_model(folder)
+    routed = [isinstance(b.mlp, MoE) for b in target.model.model.layers]
+    assert routed == ([True, False, True] if name == "qwen3_moe" else [True, True])
+    err = logits_error(target.model, ref, LONG)
+    print(f"{name}: max |Δlogits| {err:.2e}")
+    assert err <= TOL
+    assert greedy(target, PROMPTS) == [reference_greedy(ref, p) for p in PROMPTS]
+
+
+def test_gguf_logits_and_greedy_tokens_equal_transformers(family, tmp_path, monkeypatch):
+    name, ref, _, path = family
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
+    assert not native_loadable(path)  # the blocks loader declines experts: the converted folder runs
+    target = load_model(path, quantization="auto")
+    n_experts = ref.config.num_experts if name == "qwen3_moe" else ref.config.num_local_experts
+    assert (target.config.model_type, target.config.n_experts) == (name, n_experts)
+    err = logits_error(target.model, ref, LONG)
+    print(f"{name} GGUF: max |Δlogits| {err:.2e}")
+    assert err <= TOL
+    assert greedy(target, PROMPTS) == [reference_greedy(ref, p) for p in PROMPTS]
+
+
+SPECS = [{"method": "ngram", "num_speculative_tokens": 4},
+         {"method": "ngram", "num_speculative_tokens": 7},
+         {"method": "draft_model", "num_speculative_tokens": 3},
+         {"method": "draft_model", "num_speculative_tokens": 3, "tree_width": 2}]
+
+
+def test_speculation_alone_and_in_a_batch_equals_plain_greedy(family, draft):
+    """Each row alone and the four prompts as one batch (rows of different lengths and experts): plain decoding's
+    tokens with every proposer, chains and trees."""
+    target = load_model(family[2])
+    plain = greedy(target, PROMPTS)
+    assert greedy(target, PROMPTS, max_batch_size=4) == plain
+    for spec in SPECS:
+        spec = {**spec, "model": str(draft)} if spec["method"] == "draft_model" else spec
+        assert greedy(target, PROMPTS, spec) == plain, spec
+        assert greedy(target, PROMPTS, spec, max_batch_size=4) == plain, spec
+
+
+def test_router_is_never_quantized(family):
+    target = load_model(family[2], quantization="int8")
+    layer = target.model.model.layers[0].mlp
+    assert type(layer.gate).__name__ != "Int8Linear" and type(layer.experts[0].down_proj).__name__ == "Int8Linear"
+
+
+@pytest.mark.parametrize("mutant", list(ROUTING_MUTANTS))
+def test_a_wrong_routing_rule_is_caught(family, mutant, monkeypatch):
+    name, ref, folder, _ = family
+    if ROUTING_MUTANTS[mutant] != name:
+        pytest.skip(f"{mutant} is {ROUTING_MUTANTS[mutant]}'s mutant")
+    patch_routing(mutant, monkeypatch)
+    assert logits_error(load_model(folder).model, ref, LONG) > 100 * TOL
+
+
+def test_cost_probe_runs_the_experts_distinct_tokens_choose(family, monkeypatch):
+    """Adaptive k's cost curve times passes whose tokens are distinct, after a real prompt pass: a wider pass runs
+    more experts, as a verify pass does."""
+    from speculant.speedup import measure_cost_curve
+
+    target = load_model(family[2]).model
+    runs: dict[int, list[int]] = {}
+    forward = MoE.forward
+
+    def counting(self, x):
+        if self is target.model.layers[0].mlp:
+            runs.setdefault(x.shape[1], []).append(len(torch.unique(self.route(x.reshape(-1, x.shape[-1]))[1])))
+        return forward(self, x)
+
+    monkeypatch.setattr(MoE, "forward", counting)
+    measure_cost_curve(target, [1], max_width=6, context=16, reps=1)
+    assert 16 in runs  # the prompt pass
+    assert min(runs[6]) > max(runs[1]) == target.cfg.experts_per_token
