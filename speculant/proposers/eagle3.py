@@ -34,7 +34,10 @@ from speculant.models.kernels import pack_linears
 from speculant.models.kv_cache import KVCache
 from speculant.models.llama import MLP, Attention, ModelConfig, RMSNorm, Rope, Transformer, prepare_pass, rope_inv_freq
 from speculant.models.loader import LoadedModel
+from speculant.prefix_cache import PrefixCache
+from speculant.proposers.base import TargetHidden
 from speculant.proposers.eagle import EagleProposer
+from speculant.sequence import Sequence
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 DIALECTS = ("specforge", "speculators", "modelopt")
@@ -379,6 +382,58 @@ class Eagle3Proposer(EagleProposer):
         super().__init__(head, target, max_batch_size, max_len, tree_width, max_depth)
         self.name = "eagle3+tree" if tree_width > 1 else "eagle3"
         self.capture = head.aux_layers
+
+    # -- prefix caching: the head's own entries of past sequences, as a draft model keeps its keys -----------
+
+    prefix_cache: PrefixCache | None = None
+    scratch: KVCache | None = None  # a target row to recompute features the head's cache lacks
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.cache.row_bytes_per_token
+
+    def use_prefix_cache(self, capacity_bytes: int) -> bool:
+        """Keep the head's entries of finished sequences beside the target's keys. Head entry t reads token t+1, so
+        an entry set is keyed by one token more than it holds; where the target's cached prefix is longer than the
+        head's (another eviction, a running row's shared prompt), the features between are recomputed exactly by a
+        target pass over the prefix in a row of its own (commit)."""
+        self.prefix_cache = PrefixCache(capacity_bytes)
+        self.max_len = self.cache.max_len
+        return True
+
+    def add(self, seq: Sequence) -> None:
+        super().add(seq)
+        if self.prefix_cache is not None:
+            rid, slot = seq.request_id, self.slot[seq.request_id]
+            n = self.prefix_cache.load(seq.tokens[:-1], self.cache, slot, count=False)
+            self.fed[rid] = max(n - 1, 0)
+            self.cache.rollback(slot, self.fed[rid])
+
+    def remove(self, seq: Sequence) -> None:
+        rid = seq.request_id
+        if self.prefix_cache is not None and seq.finished and seq.finish_reason != "error" and self.fed[rid]:
+            fed = min(self.fed[rid] + 1, self.cache.max_len)
+            self.prefix_cache.store(seq.tokens[:fed], self.cache, self.slot[rid])
+        super().remove(seq)
+
+    def commit(self, seqs: list[Sequence], target: TargetHidden) -> None:
+        for b, s in enumerate(seqs):
+            rid = s.request_id
+            known = self.fed.get(rid, 0) + self.n_pending.get(rid, 0)
+            if rid in self.slot and target.start[b] > known:
+                self.pending[rid].append(self._recompute(s, known, target.start[b]))
+                self.n_pending[rid] += target.start[b] - known
+        super().commit(seqs, target)
+
+    def _recompute(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        """The target's captured features of positions start..end-1 of `seq`, from a pass over its tokens 0..end-1
+        in a row of their own: a pass computes a position with the same bits however the prompt was cut."""
+        if self.scratch is None or self.scratch.max_len < end:
+            self.scratch = self.target.new_cache(1, max(end, self.max_len))
+        self.scratch.rollback(0, 0)
+        ids = torch.tensor([seq.tokens[:end]], device=self.target.device)
+        _, features = self.target(ids, self.scratch, torch.tensor([0], device=self.target.device), capture=self.capture)
+        return features[0, start:end].to(self.target.dtype)
 
     def draft_head(self, head: Eagle3Head, target: Transformer):
         return head.logits

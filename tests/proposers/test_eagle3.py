@@ -320,3 +320,31 @@ def test_default_fused_layers_are_vllms(target, heads, tmp_path):
 
     folder = edited(heads["speculators"], tmp_path, "default", without_ids)
     assert load_eagle3(folder, target).aux_layers == (2, N_LAYERS // 2, N_LAYERS - 3)
+
+
+# -- prefix caching ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("head_cache", ["kept", "lost"])
+def test_prefix_cache_stays_on_and_drafts_are_unchanged(target, heads, head_cache):
+    """Requests sharing prompts, one after another: the target loads cached keys, the head its cached entries
+    ("lost": the head keeps none, and the features it lacks are recomputed); every draft and every output token
+    are those of an engine without the cache."""
+    head = load_eagle3(heads["specforge"], target)
+    prompts = [PROMPTS[1], PROMPTS[1] + [50, 51], PROMPTS[1][:6] + [9], PROMPTS[1] + [50, 51, 52, 53]]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+    def one_by_one(cache_bytes: int):
+        proposer = Eagle3Proposer(head, target.model, 1, 64 + 4, 1, 3)
+        engine = Engine(target, proposer, 3, max_batch_size=1, max_model_len=64, prefix_cache_bytes=cache_bytes)
+        if cache_bytes and head_cache == "lost":
+            proposer.prefix_cache.store = lambda *args: None
+        drafts = recorded_drafts(engine)
+        outs = [run(engine, [p], params)[0] for p in prompts]
+        return outs, [[d for _, d in step] for step in drafts], engine
+
+    expected, expected_drafts, _ = one_by_one(0)
+    got, got_drafts, engine = one_by_one(1 << 24)
+    assert engine.prefix_cache is not None and engine.prefix_cache.stats.hits > 0
+    assert got == expected and got_drafts == expected_drafts
+    assert plain(target, prompts, params, batch=1) == expected
