@@ -22,7 +22,7 @@ from torch import nn
 from speculant.models.llama import apply_rope, rope_tables
 from speculant.models.loader import LoadedModel
 from speculant.proposers.eagle3 import default_aux_layers, head_from_target, save_eagle3
-from speculant.training.train import TrainConfig, WindowCache, top_k_kl
+from speculant.training.train import TrainConfig, top_k_kl
 
 STEP_DECAY = 0.8  # EAGLE-3's weight of later training-time-test steps
 
@@ -53,8 +53,9 @@ class Eagle3Objective(nn.Module):
 
     @torch.no_grad()
     def features(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The target's hidden states entering the fused layers [B, T, 3·D]."""
-        cache = WindowCache(len(tokens), tokens.device)
+        """The target's hidden states entering the fused layers [B, T, 3·D], from an inference pass (a KV cache of
+        its own: the native kernels read the cache's layout), as drafting will read them."""
+        cache = self.target_model.new_cache(len(tokens), tokens.shape[1])
         return self.target_model(tokens, cache, torch.arange(len(tokens), device=tokens.device),
                                  capture=tuple(self.aux))[1].float()
 
