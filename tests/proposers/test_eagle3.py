@@ -348,3 +348,23 @@ def test_prefix_cache_stays_on_and_drafts_are_unchanged(target, heads, head_cach
     assert engine.prefix_cache is not None and engine.prefix_cache.stats.hits > 0
     assert got == expected and got_drafts == expected_drafts
     assert plain(target, prompts, params, batch=1) == expected
+
+
+# -- sampled ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("rule_path")
+@pytest.mark.parametrize("setting", ["t1", "t0.7_topk"])
+def test_sampling_matches_the_target_over_a_draft_vocabulary(small_vocab_pair, setting):
+    """A head drafting 5 of the 8 tokens (q is 0 on the others, where p is not), sampled: the output's
+    distribution is the target's (G-test, as test_eagle's)."""
+    from test_distribution import ALPHA, N_SAMPLES, N_TOKENS, SETTINGS, exact_joint, g_test, sampled_joint
+
+    target = load_model(small_vocab_pair[0])
+    head = random_head(target, aux=[0, 1, 2], vocab=torch.tensor([0, 2, 3, 5, 6]), std=0.5)
+    engine = Engine(target, Eagle3Proposer(head, target.model, 400, 64, 1, 2), 2, max_batch_size=400,
+                    max_model_len=32)
+    p = g_test(sampled_joint(engine, SETTINGS[setting], N_SAMPLES), exact_joint(target.model, SETTINGS[setting],
+                                                                               N_TOKENS))
+    assert engine.stats.num_accepted_tokens > 0
+    assert p > ALPHA
