@@ -15,6 +15,7 @@ vocabulary, step j weighted 0.8^j.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,7 +23,10 @@ from torch import nn
 from speculant.models.llama import apply_rope, rope_tables
 from speculant.models.loader import LoadedModel
 from speculant.proposers.eagle3 import default_aux_layers, head_from_target, save_eagle3
-from speculant.training.train import TrainConfig, top_k_kl
+from speculant.training.losses import top_k_kl
+
+if TYPE_CHECKING:
+    from speculant.training.train import TrainConfig
 
 STEP_DECAY = 0.8  # EAGLE-3's weight of later training-time-test steps
 

@@ -29,6 +29,7 @@ from torch import nn
 from speculant.models.llama import ModelConfig, Transformer
 from speculant.models.loader import LoadedModel
 from speculant.proposers.eagle import EagleHead, draft_lm_head, head_config, save_eagle
+from speculant.training.losses import top_k_kl
 
 log = logging.getLogger("speculant")
 KINDS = ("eagle", "eagle3", "draft_model")
@@ -85,21 +86,6 @@ class WindowCache:
     @staticmethod
     def update(layer, at, k, v):
         return k, v
-
-
-def top_k_kl(logits: torch.Tensor, topk_logprobs: torch.Tensor,
-             topk_ids: torch.Tensor) -> torch.Tensor:
-    """KL(p ‖ q) restricted to the target's top-k tokens, p renormalised on them (0 when the draft
-    matches the target there). logits [N, V], topk [N, K] → mean over N. Ids of -1 (tokens outside
-    a draft vocabulary) take no part; a row with none inside counts 0."""
-    inside = topk_ids >= 0
-    # A row with no token inside would be all -inf: NaN, and NaN times the mask's 0 is NaN in the
-    # backward pass. Such rows get plain zeros (they are masked out below).
-    p_in = topk_logprobs.float().masked_fill(~inside, -torch.inf).where(inside.any(-1, keepdim=True), 0.0)
-    logp = torch.log_softmax(p_in, dim=-1)
-    logq = torch.log_softmax(logits.float(), dim=-1).gather(-1, topk_ids.clamp(min=0))
-    terms = torch.where(inside, logp.exp() * (logp - logq), 0.0)
-    return terms.sum(-1).mean()
 
 
 def frequent_next_tokens(data: dict[str, torch.Tensor], n: int, vocab_size: int) -> torch.Tensor | None:
