@@ -18,16 +18,12 @@ MAX_LOGPROBS = 20
 DEFAULT_PREFILL_CHUNK = 512  # the most prompt tokens a pass feeds (scheduler/chunks.py)
 MAX_TREE_WIDTH = 8
 MAX_HISTORY_TOKENS = 10_000_000  # an answer history holds ~220 bytes a token (its lists and index entry)
-METHODS = ("draft_model", "ngram", "eagle")
+METHODS = ("draft_model", "ngram", "eagle", "eagle3")
 # Other names for a method, as configs written for other engines spell it.
 METHOD_ALIASES = {"draft": "draft_model"}
 # Method names vLLM documents that Speculant does not run, each with why and what to pass instead. A name
 # ending in "_mtp" (deepseek_mtp, qwen3_next_mtp, …) is vLLM's per-family spelling of mtp.
 UNSUPPORTED_METHODS = {
-    "eagle3": "EAGLE-3 heads (three target layers fused, a d2t draft vocabulary) are not loaded here; pass "
-              "\"method\": \"eagle\" with a head from `speculant train-draft --kind eagle` (the bundled model "
-              "ships one: speculant/data/drafts/smollm2-135m-instruct/eagle), or \"draft_model\" with a "
-              "same-family draft",
     "mtp": "multi-token-prediction layers live inside DeepSeek-V3, Qwen3-Next and MiMo checkpoints; the "
            "Llama-family models Speculant runs have none: pass \"draft_model\" or \"ngram\"",
     "medusa": "Medusa heads are not loaded here; pass \"eagle\" (a head from `speculant train-draft --kind "
@@ -238,8 +234,8 @@ CHECKS: tuple[tuple[Callable[[SpeculativeConfig], bool], Callable[[SpeculativeCo
      lambda c: "lookup_first puts prompt lookup ahead of a model's drafts; it needs method draft_model or eagle"),
     (lambda c: _is_int(c.tree_width) and 1 <= c.tree_width <= MAX_TREE_WIDTH,
      lambda c: f"tree_width={c.tree_width!r} is out of range [1, {MAX_TREE_WIDTH}]"),
-    (lambda c: c.tree_width == 1 or c.method in ("eagle", "draft_model"),
-     lambda c: "tree_width (a draft tree) needs method eagle or draft_model"),
+    (lambda c: c.tree_width == 1 or c.method in ("eagle", "eagle3", "draft_model"),
+     lambda c: "tree_width (a draft tree) needs method eagle, eagle3 or draft_model"),
     (lambda c: c.num_speculative_tokens + c.tree_width - 1 <= MAX_SPECULATIVE_TOKENS,
      lambda c: f"num_speculative_tokens + tree_width - 1 = {c.num_speculative_tokens + c.tree_width - 1} drafts "
                f"a step; at most {MAX_SPECULATIVE_TOKENS}"),
@@ -270,7 +266,9 @@ CHECKS: tuple[tuple[Callable[[SpeculativeConfig], bool], Callable[[SpeculativeCo
      lambda c: "draft_vocab_size, draft_p_min, draft_p_chain and draft_quantization shape a draft model's drafts; "
                "they need method draft_model"),
     (lambda c: c.method == "ngram" or bool(c.model),
-     lambda c: f"method {c.method!r} needs \"model\" (the draft's path)"),
+     lambda c: "method 'eagle3' needs \"model\": the EAGLE-3 head's folder (config.json + model.safetensors, "
+               "SpecForge, vLLM speculators or ModelOpt; `speculant train-draft --kind eagle3` writes one)"
+     if c.method == "eagle3" else f"method {c.method!r} needs \"model\" (the draft's path)"),
     (lambda c: not _uses_lookup(c) or (isinstance(c.prompt_lookup_min, int) and isinstance(c.prompt_lookup_max, int)
                                        and 1 <= c.prompt_lookup_min <= c.prompt_lookup_max),
      lambda c: f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {c.prompt_lookup_min} and "

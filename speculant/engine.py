@@ -68,7 +68,7 @@ class Engine:
         log.info("context %d tokens; the KV cache of %d rows %s %.2f GiB", self.max_model_len, self.max_batch_size,
                  "takes" if self.device.type == "cuda" else "may grow to (memory taken as rows fill)",
                  2 * self.cache.k.numel() * self.cache.k.element_size() / 2**30)
-        self.runner = ModelRunner(self.model, self.cache)
+        self.runner = ModelRunner(self.model, self.cache, self.proposer.capture if self.proposer else None)
         self.drafter = Drafter(self.proposer, self.k, self.adaptive, self.first_token_alone, self.device)
         self.outputs = OutputProcessor(self.eos_ids)
         self.prefix_cache = prefix_cache_for(self.model, self.cache, self.proposer, self.prefix_cache_bytes)

@@ -18,7 +18,8 @@ from speculant.sequence import Sequence
 
 @dataclass
 class Scored:
-    hidden: torch.Tensor  # [B, T, D]: the final hidden states of every token a row fed
+    # [B, T, D]: the final hidden states of every token a row fed (the captured layers' [B, T, n·D])
+    hidden: torch.Tensor
     logits: torch.Tensor  # [B, k+1, V]: at each draft position and after the last
     chunk_hidden: torch.Tensor | None  # [chunks, T, D]: the riding prompt chunks' (their first n of T)
     width: int  # the widest decoding row (its unseen tokens and drafts), prompt tails left out
@@ -27,9 +28,19 @@ class Scored:
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, cache: KVCache):
+    def __init__(self, model: Transformer, cache: KVCache, capture: tuple[int, ...] | None = None):
         self.model, self.cache = model, cache
         self.device = model.device
+        # The layers whose input a proposer reads (EAGLE-3): their hidden states take the final ones' place in
+        # what the passes hand on (Scored.hidden, prefill's), the logits still from the final ones.
+        self.capture = capture
+
+    def forward(self, *args) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's pass → (final hidden states, what the proposer reads)."""
+        if self.capture is None:
+            hidden = self.model(*args)
+            return hidden, hidden
+        return self.model(*args, capture=self.capture)
 
     def score(self, batch: list[Sequence], slots: torch.Tensor, proposal: Proposal,
               chunks: list[tuple[int, list[int]]] = ()) -> Scored:
@@ -46,10 +57,10 @@ class ModelRunner:
             slots = torch.cat((slots, torch.tensor([slot for slot, _ in chunks], device=self.device)))
         tokens, n_new = pad_rows(rows, self.device)
         parents = None if proposal.parents is None else self.tree_parents(rows, proposal, tokens.shape[1])
-        hidden = self.model(tokens, self.cache, slots, n_new, parents)  # [B + chunks, T, D]
-        chunk_hidden = hidden[len(batch):] if chunks else None
-        hidden, rows = hidden[:len(batch)], rows[:len(batch)]
-        return Scored(hidden, self.model.lm_head(self.scored_positions(hidden, rows, n_draft, proposal)),
+        hidden, read = self.forward(tokens, self.cache, slots, n_new, parents)  # [B + chunks, T, D]
+        chunk_hidden = read[len(batch):] if chunks else None
+        hidden, read, rows = hidden[:len(batch)], read[:len(batch)], rows[:len(batch)]
+        return Scored(read, self.model.lm_head(self.scored_positions(hidden, rows, n_draft, proposal)),
                       chunk_hidden, width, positions, sum(tails) + sum(len(t) for _, t in chunks))
 
     @staticmethod
@@ -76,13 +87,15 @@ class ModelRunner:
         return hidden.gather(1, index)
 
     def prefill(self, slot: int, tokens: list[int]) -> torch.Tensor:
-        """Feed prompt tokens into cache row `slot` in a pass of their own → their hidden states [1, n, D]. A
+        """Feed prompt tokens into cache row `slot` in a pass of their own → their hidden states [1, n, D] (the
+        captured layers' where a proposer reads them). A
         chunk computes each position as any other pass would (prepare_pass), so a prompt's keys do not depend
         on how it was cut, nor on which requests arrived with it."""
         if not tokens:
-            return torch.zeros(1, 0, self.model.cfg.dim, device=self.device, dtype=self.model.dtype)
+            width = self.model.cfg.dim * (len(self.capture) if self.capture else 1)
+            return torch.zeros(1, 0, width, device=self.device, dtype=self.model.dtype)
         ids, n_new = pad_rows([tokens], self.device)
-        return self.model(ids, self.cache, torch.tensor([slot], device=self.device), n_new)
+        return self.forward(ids, self.cache, torch.tensor([slot], device=self.device), n_new)[1]
 
     def keep_branches(self, batch: list[Sequence], accepted: list[list[int]], hidden: torch.Tensor) -> torch.Tensor:
         """After a draft tree's verification: move the accepted branch's keys and values where the sequence

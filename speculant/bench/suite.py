@@ -9,6 +9,7 @@ Sweeps are slices through one default point (batch 1, greedy), not a full produc
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -49,10 +50,11 @@ from speculant.speedup import CostCurve, measure_cost_curve
 
 PROPOSERS = ("ngram", "ngram+corpus", "ngram+history", "ngram+corpus+history", "draft_model", "eagle",
              "draft_model+lookup", "draft_model+tree", "draft_model+lookup+tree", "eagle+lookup", "eagle+tree",
-             "eagle+lookup+tree", "eagle+lookup+corpus+tree")
+             "eagle+lookup+tree", "eagle+lookup+corpus+tree", "eagle3", "eagle3+lookup", "eagle3+tree",
+             "eagle3+lookup+tree")
 # The +history proposers' answer history (proposers/history.py): ~220 MB at most.
 HISTORY_TOKENS = 1_000_000
-DEFAULT_PROPOSERS = ("ngram", "ngram+corpus", "draft_model", "eagle")
+DEFAULT_PROPOSERS = ("ngram", "ngram+corpus", "draft_model", "eagle", "eagle3")
 PEERS = ("transformers", "llama.cpp", "llama-server")
 DRAFTS_DIR = Path(__file__).resolve().parents[1] / "data" / "drafts"
 # Drafts too large to ship (the bundled model's distilled draft) are made by `speculant train-draft` into here.
@@ -68,6 +70,7 @@ class BenchPlan:
     quantization: str | None = None  # int8 | int4 | auto: weight-only quantization of target and drafts
     draft_model: str | None = None
     eagle: str | None = None
+    eagle3: str | None = None  # an EAGLE-3 head folder (any dialect)
     corpus: str | None = None
     proposers: list[str] = field(default_factory=lambda: list(DEFAULT_PROPOSERS))
     tree_width: int = TREE_WIDTH  # of the +tree proposers' draft trees
@@ -177,10 +180,21 @@ def shipped_drafts() -> dict[str, Path]:
             if config.name == "eagle_config.json" and (folder / "eagle.safetensors").exists():
                 found.setdefault("eagle", folder)
             elif config.name == "config.json" and (folder / "model.safetensors").exists():
-                found.setdefault("draft_model", folder)
+                found.setdefault("eagle3" if is_eagle3_head(config) else "draft_model", folder)
         for table in sorted(root.rglob(CORPUS_FILE)):
             found.setdefault("corpus", table)
     return found
+
+
+def is_eagle3_head(config: Path) -> bool:
+    """Whether a config.json is an EAGLE-3 head's (proposers/eagle3.py's dialects), not a draft model's."""
+    from speculant.proposers.eagle3 import SPECFORGE_ARCHITECTURES, SPECULATORS_ARCHITECTURES
+
+    try:
+        archs = json.loads(config.read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        return False
+    return any(a in SPECFORGE_ARCHITECTURES + SPECULATORS_ARCHITECTURES for a in archs)
 
 
 def draft_paths(plan: BenchPlan) -> dict[str, Path | None]:
@@ -188,12 +202,13 @@ def draft_paths(plan: BenchPlan) -> dict[str, Path | None]:
     drafts = shipped_drafts() if plan.model is None else {}
     return {"draft_model": resolve_model_path(plan.draft_model) if plan.draft_model else drafts.get("draft_model"),
             "eagle": Path(plan.eagle) if plan.eagle else drafts.get("eagle"),
+            "eagle3": Path(plan.eagle3) if plan.eagle3 else drafts.get("eagle3"),
             "corpus": Path(plan.corpus) if plan.corpus else drafts.get("corpus")}
 
 
 def missing_draft(kind: str) -> str:
     """Why a proposer that needs a draft of this kind cannot run, and how to get one."""
-    flag = {"draft_model": "--draft-model", "eagle": "--eagle", "corpus": "--corpus"}[kind]
+    flag = {"draft_model": "--draft-model", "eagle": "--eagle", "eagle3": "--eagle3", "corpus": "--corpus"}[kind]
     why = f"no {kind.replace('_', ' ')} given ({flag} PATH) or shipped under speculant/data/drafts/"
     if kind == "draft_model":
         # The bundled model's distilled draft (30 MB) is not shipped: its recipe is, and the bench finds what it makes.
@@ -208,7 +223,8 @@ def proposer_configs(plan: BenchPlan, k: int) -> tuple[list[SpeculativeConfig], 
     configs, notes = [], []
     for name in plan.proposers:
         method, *options = name.split("+")
-        needed = [d for d in (method, *options) if d in ("draft_model", "eagle", "corpus") and not paths.get(d)]
+        needed = [d for d in (method, *options) if d in ("draft_model", "eagle", "eagle3", "corpus")
+                  and not paths.get(d)]
         if needed:
             notes.append(f"{name} skipped: {missing_draft(needed[0])}")
             continue

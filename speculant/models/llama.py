@@ -676,12 +676,18 @@ class Transformer(nn.Module):
         return passes
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, slots: torch.Tensor,
-                n_new: torch.Tensor | None = None, parents: list[list[int]] | None = None) -> torch.Tensor:
+                n_new: torch.Tensor | None = None, parents: list[list[int]] | None = None,
+                capture: tuple[int, ...] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Append `tokens` [B, T] to the cache rows `slots` [B] and return final hidden states [B, T, D].
 
         Only row b's first n_new[b] tokens (default T) are real; `parents`: they are a draft tree (see
-        prepare_pass); the cache lengths advance by n_new.
+        prepare_pass); the cache lengths advance by n_new. `capture` (layer ids): also return the hidden
+        states entering those layers, concatenated [B, T, n·D] in that order (Hugging Face's
+        output_hidden_states[i]: id 0 the embeddings, id n_layers the last layer's output before the final
+        norm), what an EAGLE-3 head reads; copies of the pass's own values, its arithmetic unchanged.
         """
+        if capture:
+            return self.forward_capturing(tokens, cache, slots, n_new, parents, tuple(capture))
         if self.narrow_passes != "prepared" and tokens.shape[1] <= MAX_VERIFY_WIDTH:
             return self.graphs_for(cache)(tokens, slots, n_new, parents)
         if parents is None and self.packs_ragged and n_new is not None and int(n_new.min()) < tokens.shape[1]:
@@ -708,8 +714,46 @@ class Transformer(nn.Module):
         cache.lengths[slots] = fwd.end
         return hidden
 
+    def forward_capturing(self, tokens: torch.Tensor, cache: KVCache, slots: torch.Tensor,
+                          n_new: torch.Tensor | None, parents: list[list[int]] | None,
+                          capture: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward's paths (but CUDA graphs) with `capture`: the same calls, each kept layer input copied out
+        as it passes (the native stack copies it in C++), so the hidden states have plain forward's bits."""
+        B, T = tokens.shape
+        D, n = self.cfg.dim, len(capture)
+        if any(not 0 <= i <= self.cfg.n_layers for i in capture):
+            raise ValueError(f"capture ids {capture} out of [0, {self.cfg.n_layers}]")
+        if parents is None and self.packs_ragged and n_new is not None and int(n_new.min()) < T:
+            return self.forward_packed(tokens, cache, slots, n_new, capture)
+        if parents is None and T <= MAX_VERIFY_WIDTH and self.native_decode and self.native_stack is not None:
+            cos, sin = self.rope.tables(self.inv_freq, cache.max_len + 1, self.dtype)
+            table, ids = embedding_table(self.model.embed_tokens, tokens)
+            kept = torch.empty(n, B * T, D, dtype=self.dtype, device=self.device)
+            hidden = self.native_stack.decode(ids, table, cos, sin, cache.k, cache.v, cache.lengths, slots,
+                                              cache.max_len, n_new, kept, list(capture))
+            if hidden is not None:
+                return hidden, kept.view(n, B, T, D).permute(1, 2, 0, 3).reshape(B, T, n * D)
+        passes = self.prepare(cache, slots, T, n_new, parents)
+        fwd = next(iter(passes.values()))
+        x = self.embed(tokens)
+        if fwd.n_keys is not None and self.native_stack is not None:
+            kept = torch.empty(n, B * T, D, dtype=x.dtype, device=x.device)
+            hidden = self.native_stack.forward(x.contiguous(), fwd.cos, fwd.sin, cache.k, cache.v, fwd.slots,
+                                               fwd.n_keys, fwd.tree, kept, list(capture))
+            features = kept.view(n, B, T, D).permute(1, 2, 0, 3).reshape(B, T, n * D)
+        else:
+            states = {}
+            for i, block in enumerate(self.model.layers):
+                states[i] = x
+                x = block(x, cache, passes[block.kind])
+            states[self.cfg.n_layers] = x
+            hidden = self.model.norm(x)
+            features = torch.cat([states[i] for i in capture], dim=-1)
+        cache.lengths[slots] = fwd.end
+        return hidden, features
+
     def forward_packed(self, tokens: torch.Tensor, cache: KVCache, slots: torch.Tensor,
-                       n_new: torch.Tensor) -> torch.Tensor:
+                       n_new: torch.Tensor, capture: tuple[int, ...] = ()) -> torch.Tensor | tuple:
         """forward for ragged rows on the native stack, every real token a row of its own: padding is never
         computed (on a CPU each position costs compute, and a batch's rows differ in width: accepted
         drafts, a prompt's chunk beside decoding). The native kernels give a row the same bits in any
@@ -723,12 +767,18 @@ class Transformer(nn.Module):
         cos, sin = self.rope.tables(self.inv_freq, cache.max_len + 1, self.dtype)
         x = self.embed(tokens[real])[:, None]  # [N, 1, D]
         row_slots = slots[:, None].expand(B, T)[real]
+        n, D = len(capture), x.shape[-1]
+        kept = torch.empty(n, len(x), D, dtype=x.dtype, device=x.device) if n else None
         hidden = self.native_stack.forward(x, cos[positions][:, None, None], sin[positions][:, None, None], cache.k,
-                                           cache.v, row_slots, (positions + 1)[:, None], None)
+                                           cache.v, row_slots, (positions + 1)[:, None], None, kept, list(capture))
         cache.lengths[slots] = end
         out = hidden.new_zeros(B, T, hidden.shape[-1])
         out[real] = hidden[:, 0]
-        return out
+        if not n:
+            return out
+        features = hidden.new_zeros(B, T, n * D)
+        features[real] = kept.permute(1, 0, 2).reshape(len(x), n * D)
+        return out, features
 
     @property
     def packs_ragged(self) -> bool:

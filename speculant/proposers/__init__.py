@@ -45,6 +45,11 @@ def build_proposer(cfg: SpeculativeConfig, target: LoadedModel, max_batch_size: 
 
         return EagleProposer(load_eagle(cfg.model, target), target.model, max_batch_size, max_len, cfg.tree_width,
                              cfg.num_speculative_tokens)
+    if cfg.method == "eagle3":
+        from speculant.proposers.eagle3 import Eagle3Proposer, load_eagle3
+
+        return Eagle3Proposer(load_eagle3(cfg.model, target), target.model, max_batch_size, max_len, cfg.tree_width,
+                              cfg.num_speculative_tokens)
     raise NotImplementedError(f"method {cfg.method!r} is not available yet")
 
 

@@ -138,8 +138,9 @@ def merged(a: Proposal, b: Proposal) -> Proposal:
 
 @dataclass
 class TargetHidden:
-    """The target's final hidden states from a verify pass, for proposers that draft from them
-    (EAGLE). Row b fed the sequence's unseen tokens, then its drafts, from position start[b]."""
+    """The target's final hidden states from a verify pass (or the layers the proposer's `capture` names), for
+    proposers that draft from them (EAGLE). Row b fed the sequence's unseen tokens, then its drafts, from
+    position start[b]."""
 
     hidden: torch.Tensor  # [B, T, D]
     start: list[int]
@@ -153,6 +154,9 @@ class Proposer:
     `commit` with what the target verified; `add`, `prefill` and `remove` follow a sequence's life."""
 
     name = "none"
+    # Target layers whose input hidden states the proposer reads (an EAGLE-3 head's, Transformer.forward's
+    # `capture`): the runner hands those to prefill and commit instead of the final hidden states. None: those.
+    capture: tuple[int, ...] | None = None
     # Drafts a row may get beyond the k asked for: a tree's other candidates (they add width, not depth).
     extra_nodes = 0
 

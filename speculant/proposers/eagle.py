@@ -179,7 +179,7 @@ class EagleProposer(Proposer):
         self.tree_width = tree_width
         self.extra_nodes = tree_width - 1
         self.name = "eagle+tree" if tree_width > 1 else "eagle"
-        self.lm_head = draft_lm_head(target, head.vocab)
+        self.lm_head = self.draft_head(head, target)
         self.vocab_size = target.cfg.vocab_size
         # A tree's head pass holds the branches of tree_width nodes of the depth before the deepest.
         self.cache = head.new_cache(max_batch_size, max_len + tree_width * max_depth)
@@ -232,7 +232,7 @@ class EagleProposer(Proposer):
             qs.append(q_i)
             drafts.append(token)
             if i < k - 1:
-                embeds = self.target.embed(token[:, None])
+                embeds = self.embed(token[:, None])
                 feature = self.head(embeds, feature, self.cache, slots)
         q = None if sb.all_greedy else torch.stack(qs, dim=1)
         return Proposal(torch.stack(drafts, dim=1), n_draft, q).placed(ready, len(seqs))
@@ -281,7 +281,7 @@ class EagleProposer(Proposer):
                           device)[0]
         at = torch.tensor(rows, device=device)
         self.cache.lengths[slots[at]] = real[at]
-        out = self.head(self.target.embed(layout.tokens), features[at[:, None], inputs], self.cache,
+        out = self.head(self.embed(layout.tokens), features[at[:, None], inputs], self.cache,
                         slots[at], layout.n_new, layout.parents)  # [B', T, D]
         for i, b in enumerate(rows):
             features[b, torch.tensor(grown[b], device=device) + 1] = out[i, [where[i][n] for n in grown[b]]]
@@ -310,6 +310,14 @@ class EagleProposer(Proposer):
         vocab = self.head.vocab
         return self.draw(logits, sb) if vocab is None else self.draw(logits, sb, vocab)
 
+    def draft_head(self, head: EagleHead, target: Transformer) -> nn.Module:
+        """What turns a predicted feature into logits over the draft vocabulary: the target's lm_head, restricted."""
+        return draft_lm_head(target, head.vocab)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The head's input embeddings of `tokens` [B, T]: the target's (an EAGLE-3 head may carry its own)."""
+        return self.target.embed(tokens)
+
     def _unread(self, seq: Sequence) -> int:
         """Head entries still to build: one per token of the sequence but the newest."""
         return len(seq.tokens) - 1 - self.fed[seq.request_id]
@@ -327,7 +335,7 @@ class EagleProposer(Proposer):
             self.fed[s.request_id] += len(p)
             self.pending[s.request_id], self.n_pending[s.request_id] = [], 0
         slots = torch.tensor([self.slot[s.request_id] for s in rows], device=device)
-        out = self.head(self.target.embed(next_tokens), features, self.cache, slots, n_new)
+        out = self.head(self.embed(next_tokens), features, self.cache, slots, n_new)
         return out[torch.arange(len(rows), device=device), n_new - 1][:, None]
 
     def commit(self, seqs: list[Sequence], target: TargetHidden) -> None:

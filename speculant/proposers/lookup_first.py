@@ -29,6 +29,7 @@ class LookupFirstProposer(Proposer):
         behind = lookup.name.split("+")[1:]  # corpus, history
         self.name = "+".join((method, "lookup", *behind, *options))  # as SpeculativeConfig.proposer names it
         self.extra_nodes = model.extra_nodes
+        self.capture = model.capture
 
     def extra_nodes_at(self, batch_size: int) -> int:
         return self.model.extra_nodes_at(batch_size)

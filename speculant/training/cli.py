@@ -27,8 +27,10 @@ def non_negative(text: str) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None,
                    help="the target: HF folder or .gguf (default: the bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--kind", choices=(*KINDS, "corpus"), required=True,
-                   help="eagle: a one-layer head on the target's features; "
+    p.add_argument("--kind", "--method", dest="kind", choices=(*KINDS, "corpus"), required=True,
+                   help="eagle: a one-layer head on the target's features; eagle3: an EAGLE-3 head on three of "
+                        "its layers, trained with the training-time test, written in SpecForge's form (vLLM and "
+                        "SGLang load it); "
                         "draft_model: a small standalone model; corpus: a table of what the target wrote "
                         "after each 2-3 tokens of its recorded answers (for ngram or lookup_first)")
     p.add_argument("--out", type=Path, required=True, help="folder the trained draft is written to")
@@ -64,6 +66,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "head than the whole vocabulary (0: the whole vocabulary)")
     t.add_argument("--draft-dim", type=int, default=defaults.draft_dim, help="draft_model hidden size")
     t.add_argument("--draft-layers", type=int, default=defaults.draft_layers, help="draft_model layers")
+    t.add_argument("--ttt-steps", type=int, default=defaults.ttt_steps,
+                   help="eagle3: training-time-test steps (the head fed its own output for the later ones)")
+    t.add_argument("--checkpoint-every", type=non_negative, default=0, metavar="STEPS",
+                   help="save a resumable checkpoint to OUT/checkpoint every STEPS steps; run the same command "
+                        "again to resume from the last one (0: none)")
+    t.add_argument("--device", default="auto",
+                   help="where training runs: auto (CUDA when there is a GPU, else the CPU), cpu, cuda")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; 1 is fastest on a busy machine)")
@@ -104,12 +113,13 @@ def run(args: argparse.Namespace) -> int:
              ", ".join(map(str, folders)))
     # Training runs in fp32 against the frozen target's plain layers (its last layer seeds the EAGLE
     # head; gradients flow through its lm_head), not the inference layout.
-    target = load_model(args.target, pack=False)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    target = load_model(args.target, pack=False, device=device)
     cfg = TrainConfig(kind=args.kind, epochs=args.epochs, max_minutes=args.max_minutes,
                       batch_size=args.batch_size, window=args.window,
-                      lr=args.lr or (1e-3 if args.kind == "eagle" else 2e-3),
+                      lr=args.lr or (1e-3 if args.kind in ("eagle", "eagle3") else 2e-3),
                       kl_weight=args.kl_weight, kl_fraction=args.kl_fraction, draft_vocab=args.draft_vocab,
-                      draft_dim=args.draft_dim,
+                      draft_dim=args.draft_dim, ttt_steps=args.ttt_steps, checkpoint_every=args.checkpoint_every,
                       draft_layers=args.draft_layers, seed=args.seed)
     summary = train(target, data, cfg, args.out)
     summary["data"] = {"folders": list(map(str, folders)), "tokens": len(data["tokens"]),

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 import shutil
@@ -28,8 +29,10 @@ from torch import nn
 from speculant.models.llama import ModelConfig, Transformer
 from speculant.models.loader import LoadedModel
 from speculant.proposers.eagle import EagleHead, draft_lm_head, head_config, save_eagle
+from speculant.training.losses import top_k_kl
 
-KINDS = ("eagle", "draft_model")
+log = logging.getLogger("speculant")
+KINDS = ("eagle", "eagle3", "draft_model")
 
 
 @dataclass
@@ -51,6 +54,10 @@ class TrainConfig:
     kl_weight: float = 0.1
     feature_noise: float = 0.1  # std of the noise on input features, relative to their RMS
     unroll: int = 2
+    # eagle3: training-time-test steps (the head fed its own output for ttt_steps − 1 further drafts)
+    ttt_steps: int = 3
+    # Save a resumable checkpoint every N steps (0: never); a run on the same OUT resumes from the last one.
+    checkpoint_every: int = 0
     # The head drafts from the target's N most frequent next tokens (0: all): a few thousand cover most of
     # the target's first choices, and a draft token's cost falls with N.
     draft_vocab: int = 2048
@@ -79,21 +86,6 @@ class WindowCache:
     @staticmethod
     def update(layer, at, k, v):
         return k, v
-
-
-def top_k_kl(logits: torch.Tensor, topk_logprobs: torch.Tensor,
-             topk_ids: torch.Tensor) -> torch.Tensor:
-    """KL(p ‖ q) restricted to the target's top-k tokens, p renormalised on them (0 when the draft
-    matches the target there). logits [N, V], topk [N, K] → mean over N. Ids of -1 (tokens outside
-    a draft vocabulary) take no part; a row with none inside counts 0."""
-    inside = topk_ids >= 0
-    # A row with no token inside would be all -inf: NaN, and NaN times the mask's 0 is NaN in the
-    # backward pass. Such rows get plain zeros (they are masked out below).
-    p_in = topk_logprobs.float().masked_fill(~inside, -torch.inf).where(inside.any(-1, keepdim=True), 0.0)
-    logp = torch.log_softmax(p_in, dim=-1)
-    logq = torch.log_softmax(logits.float(), dim=-1).gather(-1, topk_ids.clamp(min=0))
-    terms = torch.where(inside, logp.exp() * (logp - logq), 0.0)
-    return terms.sum(-1).mean()
 
 
 def frequent_next_tokens(data: dict[str, torch.Tensor], n: int, vocab_size: int) -> torch.Tensor | None:
@@ -222,6 +214,10 @@ def make_objective(target: LoadedModel, cfg: TrainConfig, data: dict[str, torch.
     if cfg.kind == "eagle":
         rms = float(data["hidden"][:4096].float().pow(2).mean().sqrt())
         return EagleObjective(target, cfg, rms, frequent_next_tokens(data, cfg.draft_vocab, target.config.vocab_size))
+    if cfg.kind == "eagle3":
+        from speculant.training.eagle3 import Eagle3Objective
+
+        return Eagle3Objective(target, cfg, frequent_next_tokens(data, cfg.draft_vocab, target.config.vocab_size))
     if cfg.kind == "draft_model":
         return DraftModelObjective(target, cfg)
     raise ValueError(f"unknown draft kind {cfg.kind!r}; choose one of {', '.join(KINDS)}")
@@ -245,7 +241,8 @@ def split_windows(offsets: torch.Tensor, window: int, val_fraction: float,
     return train, val
 
 
-def make_batch(data: dict[str, torch.Tensor], windows: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
+def make_batch(data: dict[str, torch.Tensor], windows: list[tuple[int, int]],
+               device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     B, T = len(windows), max(n for _, n in windows)
     batch = {
         "tokens": torch.zeros(B, T, dtype=torch.long),
@@ -260,7 +257,7 @@ def make_batch(data: dict[str, torch.Tensor], windows: list[tuple[int, int]]) ->
         batch["topk_logprobs"][b, :n] = data["topk_logprobs"][start:start + n].float()
         batch["topk_ids"][b, :n] = data["topk_ids"][start:start + n]
         batch["valid"][b, :n] = True
-    return batch
+    return {k: v.to(device) for k, v in batch.items()}
 
 
 # -- the loop -----------------------------------------------------------------------------------
@@ -274,12 +271,13 @@ def learning_rate(cfg: TrainConfig, step: int, progress: float) -> float:
 
 
 @torch.no_grad()
-def evaluate(objective: nn.Module, data: dict, windows: list[tuple[int, int]], batch_size: int) -> dict:
+def evaluate(objective: nn.Module, data: dict, windows: list[tuple[int, int]], batch_size: int,
+             device: torch.device | str = "cpu") -> dict:
     objective.eval()
     sums: dict[str, float] = {}
     n = 0
     for i in range(0, len(windows), batch_size):
-        loss, metrics = objective.loss(make_batch(data, windows[i:i + batch_size]), train=False)
+        loss, metrics = objective.loss(make_batch(data, windows[i:i + batch_size], device), train=False)
         for k, v in {"loss": loss.item(), **metrics}.items():
             sums[k] = sums.get(k, 0.0) + v
         n += 1
@@ -292,9 +290,11 @@ def train(target: LoadedModel, data: dict[str, torch.Tensor], cfg: TrainConfig, 
     """Train a draft of kind cfg.kind on recorded data; save it to `out` with its loss curve."""
     from tqdm import tqdm
 
+    from speculant.training.checkpoint import load_checkpoint, save_checkpoint
+
     torch.manual_seed(cfg.seed)
     out.mkdir(parents=True, exist_ok=True)
-    objective = make_objective(target, cfg, data)
+    objective = make_objective(target, cfg, data).to(target.model.device)  # on CUDA where the target is
     train_windows, val_windows = split_windows(data["offsets"], cfg.window, cfg.val_fraction, cfg.seed)
     steps_per_epoch = max(1, len(train_windows) // cfg.batch_size)
     total_steps = max(1, int(cfg.epochs * steps_per_epoch))
@@ -302,12 +302,21 @@ def train(target: LoadedModel, data: dict[str, torch.Tensor], cfg: TrainConfig, 
                             weight_decay=cfg.weight_decay)
     rng = random.Random(cfg.seed)
     history: list[dict] = []
-    t0 = time.perf_counter()
     order: list[tuple[int, int]] = []
     running: dict[str, float] = {}
-    bar = tqdm(total=total_steps, desc=f"train {cfg.kind}", unit="step", disable=not progress_bar)
-    step = 0
-    for step in range(total_steps):
+    start, before = 0, 0.0  # a resumed run: the steps and seconds of the runs before it
+    loop = load_checkpoint(out, objective.model, opt, rng) if cfg.checkpoint_every else None
+    if loop is not None:
+        start, before = loop["step"], loop["elapsed_s"]
+        order, running, history = [tuple(w) for w in loop["order"]], loop["running"], loop["history"]
+        log.info("resuming %s training from %s at step %d of %d", cfg.kind, out / "checkpoint", start, total_steps)
+        # The log again as it stood at the checkpoint: rows written after it are written again.
+        (out / "train_log.jsonl").write_text("".join(json.dumps(row) + "\n" for row in history))
+    t0 = time.perf_counter() - before
+    bar = tqdm(total=total_steps, initial=start, desc=f"train {cfg.kind}", unit="step", disable=not progress_bar)
+    step = start - 1
+    last: dict[str, float] = {}
+    for step in range(start, total_steps):
         elapsed = time.perf_counter() - t0
         progress = max(step / total_steps, elapsed / (60 * cfg.max_minutes))
         if progress >= 1.0:
@@ -318,7 +327,7 @@ def train(target: LoadedModel, data: dict[str, torch.Tensor], cfg: TrainConfig, 
         windows, order = order[:cfg.batch_size], order[cfg.batch_size:]
         for group in opt.param_groups:
             group["lr"] = learning_rate(cfg, step, progress)
-        last = train_step(objective, opt, make_batch(data, windows))
+        last = train_step(objective, opt, make_batch(data, windows, target.model.device))
         for k, v in last.items():
             running[k] = running.get(k, 0.0) + v
         bar.update(1)
@@ -328,19 +337,26 @@ def train(target: LoadedModel, data: dict[str, torch.Tensor], cfg: TrainConfig, 
                    **{k: v / cfg.log_every for k, v in running.items()}}
             running = {}
             if val_windows and (step + 1) % cfg.eval_every == 0:
-                val = evaluate(objective, data, val_windows, cfg.batch_size)
+                val = evaluate(objective, data, val_windows, cfg.batch_size, target.model.device)
                 row.update({f"val_{k}": v for k, v in val.items()})
             bar.set_postfix(loss=f"{row['loss']:.3f}", top1=f"{row.get('top1_1', 0):.2f}")
             history.append(row)
             with open(out / "train_log.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+            save_checkpoint(out, objective.model, opt, rng, {
+                "step": step + 1, "elapsed_s": time.perf_counter() - t0, "order": order, "running": running,
+                "history": history})
     bar.close()
-    final = {f"val_{k}": v for k, v in evaluate(objective, data, val_windows, cfg.batch_size).items()} \
+    final = {f"val_{k}": v for k, v in evaluate(objective, data, val_windows, cfg.batch_size,
+                                                               target.model.device).items()} \
         if val_windows else {}
     summary = {"kind": cfg.kind, "steps": step + 1, "epochs": round((step + 1) / steps_per_epoch, 3),
                "wall_time_s": round(time.perf_counter() - t0, 1),
                "train_tokens": sum(n for _, n in train_windows), "val_tokens": sum(n for _, n in val_windows),
-               "final_train_loss": history[-1]["loss"] if history else last["loss"], **final,
+               "final_train_loss": history[-1]["loss"] if history else last.get("loss"), **final,
+               "train_tokens_per_s": round(sum(n for _, n in train_windows) * (step + 1) / steps_per_epoch
+                                           / max(time.perf_counter() - t0, 1e-9), 1),
                "config": asdict(cfg)}
     objective.save(out, target, summary)
     plot_loss(history, out / "loss.png", cfg.kind)

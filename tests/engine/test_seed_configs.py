@@ -12,6 +12,7 @@ import sys
 
 import httpx
 import pytest
+import torch
 from conftest import save_tiny, wait_until_healthy
 from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
@@ -91,13 +92,40 @@ def test_seed_draft_config_generates(pair, capsys):
     assert "speculation: draft_model, k=5" in err and "generated 6 tokens" in err, err
 
 
-def test_seed_eagle3_config_is_one_line_naming_what_to_pass(pair, tmp_path, capsys):
+def test_seed_eagle3_config_without_a_head_is_one_line_naming_what_to_pass(pair, tmp_path, capsys):
     rc = main(["generate", "w5", "--no-chat", "--model", str(pair[0]), "--speculative-config",
                str(seed_eagle3_file(tmp_path))])
     lines = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and len(lines) == 1, lines
-    assert lines[0].startswith("error: speculative config: method 'eagle3' is not supported: ")
-    assert '"method": "eagle"' in lines[0] and "speculant train-draft --kind eagle" in lines[0]
+    assert lines[0].startswith("error: speculative config: method 'eagle3' needs \"model\": the EAGLE-3 head's "
+                               "folder"), lines[0]
+    assert "speculant train-draft --kind eagle3" in lines[0]
+
+
+def seed_eagle3_head(target_dir, folder):
+    """A random EAGLE-3 head for the tiny target, in SpecForge's form, its fused layers the default ones."""
+    from speculant.models.loader import load_model
+    from speculant.proposers.eagle3 import default_aux_layers, head_from_target, save_eagle3
+
+    target = load_model(target_dir)
+    torch.manual_seed(0)
+    head = head_from_target(target.config, default_aux_layers(target.config.n_layers), None)
+    save_eagle3(head, folder, dtype=torch.float32)
+    return folder
+
+
+def test_seed_eagle3_config_with_a_head_generates(pair, tmp_path, capsys):
+    """The seed's YAML block as written, with a `model` line naming the head, runs: greedy output is plain."""
+    path = seed_eagle3_file(tmp_path)
+    path.write_text(SEED_EAGLE3 + f"model: {seed_eagle3_head(pair[0], tmp_path / 'head')}\n")
+    args = ["--quiet", "generate", "w5 w9 w5 w9", "--no-chat", "--model", str(pair[0]), "-n", "6", "--ignore-eos"]
+    assert main(args + ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 2})]) == 0
+    plain_out = capsys.readouterr().out
+    rc = main(args + ["--speculative-config", str(path)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "speculation: eagle3, k=2" in captured.err and "generated 6 tokens" in captured.err, captured.err
+    assert captured.out == plain_out
 
 
 def free_port() -> int:
@@ -129,10 +157,10 @@ def test_seed_draft_config_serves(pair):
     assert "draft_model, k=5" in err, err
 
 
-def test_seed_eagle3_config_stops_serve_with_one_line(pair, tmp_path):
+def test_seed_eagle3_config_without_a_head_stops_serve_with_one_line(pair, tmp_path):
     port = free_port()
     proc = serve(str(pair[0]), "--speculative-config", str(seed_eagle3_file(tmp_path)), port=port)
     out, err = proc.communicate(timeout=120)
     lines = [line for line in err.splitlines() if line.strip()]
     assert proc.returncode == 1 and len(lines) == 1, err
-    assert lines[0].startswith("error: speculative config: method 'eagle3' is not supported: ")
+    assert lines[0].startswith("error: speculative config: method 'eagle3' needs \"model\"")

@@ -149,12 +149,29 @@ class DecoderStack {
   }
 
   // x [B, T, D]; k_cache, v_cache the whole KV cache [layers, rows, Hkv, L, Dh]; the rest as decoder_layer
-  // → the last layer's output under the final norm [B, T, D].
+  // → the last layer's output under the final norm [B, T, D]. capture [n, B·T, D] (x's dtype, contiguous):
+  // capture[j] receives the residual stream entering layer capture_at[j] (the layer count: the last layer's
+  // output before the final norm), an EAGLE-3 head's features; a copy, the pass's arithmetic unchanged.
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                         torch::Tensor v_cache, torch::Tensor slots, torch::Tensor n_keys,
-                        c10::optional<torch::Tensor> tree) const {
+                        c10::optional<torch::Tensor> tree, c10::optional<torch::Tensor> capture = c10::nullopt,
+                        std::vector<int64_t> capture_at = {}) const {
     TORCH_CHECK(k_cache.size(0) == (int64_t)layers_.size(), "one cache layer per decoder layer");
-    auto rows = x.reshape({-1, x.size(2)});
+    auto rows = x.reshape({-1, x.size(2)}).contiguous();
+    std::vector<char*> keep(capture_at.size(), nullptr);
+    if (!capture_at.empty()) {
+      TORCH_CHECK(capture && capture->is_contiguous() && capture->size(0) == (int64_t)capture_at.size() &&
+                      capture->numel() == (int64_t)capture_at.size() * rows.numel() &&
+                      capture->scalar_type() == rows.scalar_type(),
+                  "capture: [n, rows, D] in the pass's dtype");
+      for (size_t j = 0; j < capture_at.size(); j++)
+        keep[j] = (char*)capture->data_ptr() + j * rows.numel() * rows.element_size();
+    }
+    const size_t row_bytes = rows.numel() * rows.element_size();
+    auto take = [&](int64_t layer, const torch::Tensor& stream) {
+      for (size_t j = 0; j < capture_at.size(); j++)
+        if (capture_at[j] == layer) std::memcpy(keep[j], stream.data_ptr(), row_bytes);
+    };
     auto normed = rms_norm(rows, layers_[0][0][0], eps_);
     Workspace w = workspace_for(rows, n_keys, k_cache.size(4), layers_[0][5], n_heads_, n_kv_heads_);
     // Each layer's output and its norm, alternating between two pairs: the next layer reads one pair
@@ -163,6 +180,7 @@ class DecoderStack {
     torch::Tensor norms[2] = {torch::empty_like(rows), torch::empty_like(rows)};
     speculant::Team::run([&] {
       for (size_t i = 0; i < layers_.size(); i++) {
+        take((int64_t)i, rows);
         const auto& l = layers_[i];
         const auto& next_norm = i + 1 < layers_.size() ? layers_[i + 1][0][0] : final_norm_;
         const auto bias = l.size() == 7 && !l[6].empty() ? c10::optional<torch::Tensor>(l[6][0]) : c10::nullopt;
@@ -171,6 +189,7 @@ class DecoderStack {
                    norms[i % 2]);
         rows = sums[i % 2], normed = norms[i % 2];
       }
+      take((int64_t)layers_.size(), rows);
     });
     return normed.view(x.sizes());
   }
@@ -184,7 +203,8 @@ class DecoderStack {
   // from the caches.
   torch::Tensor decode(torch::Tensor tokens, torch::Tensor embed, torch::Tensor cos_table, torch::Tensor sin_table,
                        torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor lengths, torch::Tensor slots,
-                       int64_t max_len, c10::optional<torch::Tensor> n_new) const {
+                       int64_t max_len, c10::optional<torch::Tensor> n_new,
+                       c10::optional<torch::Tensor> capture = c10::nullopt, std::vector<int64_t> capture_at = {}) const {
     const int64_t B = tokens.size(0), T = tokens.size(1), V = embed.size(0), D = embed.size(1);
     const int64_t Dh = cos_table.size(1);
     TORCH_CHECK(tokens.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong && lengths.is_contiguous(),
@@ -216,7 +236,7 @@ class DecoderStack {
         std::memcpy((char*)x.data_ptr() + at * embed_bytes, (const char*)embed.data_ptr() + token * embed_bytes,
                     embed_bytes);
       }
-    auto hidden = forward(x, cos, sin, k_cache, v_cache, rows, n_keys, c10::nullopt);
+    auto hidden = forward(x, cos, sin, k_cache, v_cache, rows, n_keys, c10::nullopt, capture, capture_at);
     for (int64_t b = 0; b < B; b++) len[R[b]] += N[b];
     return hidden;
   }
@@ -258,8 +278,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
                           int64_t>())
       .def("forward", &DecoderStack::forward, kFree, pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin"),
            pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("slots"), pybind11::arg("n_keys"),
-           pybind11::arg("tree") = pybind11::none())
+           pybind11::arg("tree") = pybind11::none(), pybind11::arg("capture") = pybind11::none(),
+           pybind11::arg("capture_at") = std::vector<int64_t>())
       .def("decode", &DecoderStack::decode, kFree, pybind11::arg("tokens"), pybind11::arg("embed"), pybind11::arg("cos_table"),
            pybind11::arg("sin_table"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("lengths"),
-           pybind11::arg("slots"), pybind11::arg("max_len"), pybind11::arg("n_new") = pybind11::none());
+           pybind11::arg("slots"), pybind11::arg("max_len"), pybind11::arg("n_new") = pybind11::none(),
+           pybind11::arg("capture") = pybind11::none(), pybind11::arg("capture_at") = std::vector<int64_t>());
 }
