@@ -45,7 +45,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen3_moe", ("Qwen3MoeForCausalLM",), "qwen3moe", qk_norm=True, routing="softmax_topk"),
     # llama.cpp writes Mixtral as a "llama" GGUF with experts (GGUF_EXPERTS).
     Family("mixtral", ("MixtralForCausalLM",), window_by_default=True, permuted_qk=True, routing="topk_softmax"),
-    Family("phi3", ("Phi3ForCausalLM",), fused_checkpoint=True),
+    # llama.cpp keeps Phi-3's fused tensors: attn_qkv, and ffn_up holding gate and up.
+    Family("phi3", ("Phi3ForCausalLM",), "phi3", fused_checkpoint=True,
+           gguf_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}),
     # llama.cpp fixes Gemma 3's local layers (5 of every 6) and their RoPE base; its norms already hold 1 + w.
     Family("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), "gemma3", norm_offset=1.0,
            activation="gelu_tanh", scale_embeddings=True, sandwich_norms=True, qk_norm=True,

@@ -63,6 +63,11 @@ def block_names(arch: str) -> dict[str, str]:
 # Every block must have these, and the dense MLP's three or a router; q/k norms and biases are optional.
 REQUIRED_BLOCK = ["attn_q", "attn_k", "attn_v", "attn_output", "attn_norm", "ffn_norm"]
 DENSE_MLP = ["ffn_gate", "ffn_up", "ffn_down"]
+# A family whose checkpoints fuse q, k, v and gate, up (Phi-3): llama.cpp keeps them fused.
+FUSED_BLOCK = ["attn_qkv", "attn_output", "attn_norm", "ffn_norm"]
+FUSED_MLP = ["ffn_up", "ffn_down"]
+# LongRoPE's per-frequency factors (Phi-3.5, Phi-4-mini): read into config["rope_scaling"].
+ROPE_FACTORS = {"rope_factors_short.weight": "short_factor", "rope_factors_long.weight": "long_factor"}
 
 
 def convert_gguf(path: str | os.PathLike, cache_root: Path | None = None) -> tuple[Path, bool]:
@@ -250,7 +255,12 @@ def hf_config(reader: gguf.GGUFReader, meta: dict, arch: str, src: Path) -> dict
     if arch == "gemma3":  # llama.cpp scales Gemma 3 27B's scores (62 layers) by its width per head, not head_dim
         config["query_pre_attn_scalar"] = hidden // n_heads if config["num_hidden_layers"] == 62 else head_dim
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    if freqs is not None:
+    factors = {ROPE_FACTORS[t.name]: dequantize(t).flatten().tolist() for t in reader.tensors
+               if t.name in ROPE_FACTORS}
+    if factors:
+        config["rope_scaling"] = longrope_scaling(factors, meta, arch, src)
+        config["original_max_position_embeddings"] = config["rope_scaling"]["original_max_position_embeddings"]
+    elif freqs is not None:
         scaling = llama3_scaling(dequantize(freqs).numpy(), rope_theta, head_dim)
         if scaling is not None:
             config["rope_scaling"] = scaling
@@ -273,6 +283,15 @@ def expert_config(meta: dict, arch: str, config: dict, names: set[str]) -> dict:
             # llama.cpp renormalises the chosen experts' weights unless the file says not to.
             "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", True)),
             "decoder_sparse_step": 1, "mlp_only_layers": dense}
+
+
+def longrope_scaling(factors: dict[str, list[float]], meta: dict, arch: str, src: Path) -> dict:
+    """Hugging Face's `longrope` rope_scaling from llama.cpp's factor tensors and the pretrained context."""
+    if set(factors) != set(ROPE_FACTORS.values()):
+        raise SpeculantError(f"{src}: LongRoPE needs both rope_factors_short and rope_factors_long tensors")
+    original = require(meta, f"{arch}.rope.scaling.original_context_length", src)
+    return {"type": "longrope", "short_factor": factors["short_factor"], "long_factor": factors["long_factor"],
+            "original_max_position_embeddings": original}
 
 
 def llama3_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict | None:
@@ -326,7 +345,7 @@ def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def hf_name(name: str, src: Path, arch: str = "llama") -> str | None:
-    if name == "rope_freqs.weight":
+    if name == "rope_freqs.weight" or name in ROPE_FACTORS:
         return None  # folded into config["rope_scaling"]
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
     names = block_names(arch)
@@ -341,9 +360,11 @@ def hf_name(name: str, src: Path, arch: str = "llama") -> str | None:
 
 def hf_tensors(reader: gguf.GGUFReader, config: dict, arch: str, src: Path) -> dict[str, torch.Tensor]:
     names = {t.name for t in reader.tensors}
+    fused = BY_GGUF[arch].fused_checkpoint
+    required, dense = (FUSED_BLOCK, FUSED_MLP) if fused else (REQUIRED_BLOCK, DENSE_MLP)
     for i in range(config["num_hidden_layers"]):
         routed = f"blk.{i}.ffn_gate_inp.weight" in names
-        for part in REQUIRED_BLOCK + ([] if routed else DENSE_MLP):
+        for part in required + ([] if routed else dense):
             if f"blk.{i}.{part}.weight" not in names:
                 raise SpeculantError(f"{src}: missing tensor 'blk.{i}.{part}.weight'.")
     if "output_norm.weight" not in names:

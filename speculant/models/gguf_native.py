@@ -20,6 +20,7 @@ from torch import nn
 
 from speculant.errors import SpeculantError
 from speculant.models import ggml, native, notice
+from speculant.models.families import BY_GGUF
 from speculant.models.gguf import (
     ARCHITECTURES,
     PERMUTED_QK,
@@ -81,7 +82,8 @@ def native_loadable(src: Path) -> bool:
         elif len(t.shape) == 2 and not ggml.usable(t.tensor_type, int(t.shape[1]), int(t.shape[0])):
             return False
     arch = read_metadata(reader).get("general.architecture")
-    return arch in ARCHITECTURES
+    # The native stack assembles q, k, v and gate, up from their own tensors; fused files go converted.
+    return arch in ARCHITECTURES and not BY_GGUF[arch].fused_checkpoint
 
 
 def load_gguf_native(src: Path, dtype: torch.dtype = torch.bfloat16,

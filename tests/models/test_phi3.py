@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from conftest import save_tiny, transformers
@@ -57,3 +58,71 @@ def test_partial_rotary_is_refused_with_a_reason(phi3, tmp_path):
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(SpeculantError, match="partial rotary embeddings"):
         load_model(folder)
+
+
+def write_phi3_gguf(path, folder) -> None:
+    """llama.cpp's layout of a Phi-3 folder: fused attn_qkv and ffn_up kept, LongRoPE's factors as tensors."""
+    import gguf
+    from test_gguf import MERGES, SPECIALS, TOKENS, VOCAB
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    cfg = model.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.PHI3, cfg.num_hidden_layers)
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(TOKENS)
+    writer.add_token_merges(MERGES)
+    writer.add_token_types([3] * len(SPECIALS) + [1] * (VOCAB - len(SPECIALS)))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for name, tensor in model.state_dict().items():
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), tensor.numpy())
+    rope = cfg.rope_parameters
+    for kind in ("short", "long"):
+        writer.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_from_the_same_weights_matches_transformers(tmp_path):
+    from test_gguf import VOCAB
+
+    folder = save_tiny(tmp_path / "phi3", transformers.Phi3Config, seed=5, init_std=0.1, pad_token_id=0,
+                       vocab_size=VOCAB, **PHI3_LONGROPE)
+    path = tmp_path / "tiny-phi3.gguf"
+    write_phi3_gguf(path, folder)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        expected = ref(ids).logits
+        target = load_model(path)  # float32: through the converted folder, fused tensors split there
+        got = target.model.logits(target.model(ids, target.model.new_cache(1, 64), torch.tensor([0])))
+    assert target.config.max_position_embeddings == 256
+    assert (got - expected).abs().max().item() <= 1e-4
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            out = ref.generate(torch.tensor([prompt]), max_new_tokens=N_TOKENS, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)
+        assert speculant_greedy(target, prompt, {"method": "ngram", "num_speculative_tokens": 4}) == \
+            out[0, len(prompt):].tolist()
+
+
+def test_gguf_without_its_long_factors_is_refused(tmp_path):
+    from speculant.models import gguf as conv
+
+    with pytest.raises(SpeculantError, match="needs both rope_factors_short and rope_factors_long"):
+        conv.longrope_scaling({"short_factor": [1.0]}, {"phi3.rope.scaling.original_context_length": 256}, "phi3",
+                              tmp_path / "x.gguf")
