@@ -49,6 +49,9 @@ MIN_GAIN_BATCHED = 1.4
 MAX_PROBE_INTERVAL = 64
 MAX_SKIPPED = 8  # steps a batch goes without looking for drafts after a step that drafted none
 PROBE_WIDTH = 2
+# Probes may cost at most this share of the steps they watch over: on a target whose wide passes are dear (routed
+# experts: a pass of 3 tokens runs about their union), probing at every new request cost more than it found.
+MAX_PROBE_SHARE = 0.01
 # The widening cost measured in this run may scale the curve's by this much, no more: a few noisy
 # steps must not make wide passes look free, nor switch speculation off for good.
 CALIBRATION_RANGE = (0.5, 1.5)
@@ -96,6 +99,7 @@ class AdaptiveK:
     buckets: dict[int, Bucket] = field(default_factory=dict)
     # pass width → [passes seen, decayed mean seconds]: the engine's own pass times at batch 1
     pass_times: dict[int, list[float]] = field(default_factory=dict)
+    probe_debt: float = 0.0  # plain passes' worth of probing not yet paid for by MAX_PROBE_SHARE a step
     skipped: int = 0  # steps the last look-up-free stretch lasted (worth_proposing)
     skip_left: int = 0
     model_drafted: bool = False  # the last step verified a model's drafts
@@ -208,18 +212,22 @@ class AdaptiveK:
         """While a bucket is off, its acceptance is not seen: verify its drafts now and then, if this
         step would pay were all of them accepted (in a large batch, a few rows' drafts never pay: a
         probe there only costs). A probe that does not turn it back on doubles its wait."""
+        self.probe_debt = max(self.probe_debt - MAX_PROBE_SHARE, 0.0)
         due = []
         for key in drafting:
             b = self.bucket(key)
             b.idle_steps += 1
             if b.idle_steps >= b.probe_interval and self.best(buckets, available, draft_ratio, {key}, remaining)[0]:
                 due.append(key)
-        if not due:
+        width = min(PROBE_WIDTH, self.k_max)
+        if not due or self.probe_debt > 0:
             return 0
         for key in due:
             b = self.bucket(key)
             b.idle_steps, b.probe_interval = 0, min(2 * b.probe_interval, MAX_PROBE_INTERVAL)
-        return min(PROBE_WIDTH, self.k_max)
+        # What the probe costs beyond a plain step: the wider pass and the drafts.
+        self.probe_debt += self.costs.ratio(len(buckets), width + 1) - 1 + width * draft_ratio
+        return width
 
     def best(self, buckets: list[int], available: list[int], draft_ratio: float = 0.0,
              optimistic: set[int] = frozenset(), remaining: list[int] | None = None) -> tuple[int, float]:

@@ -93,6 +93,27 @@ def test_a_new_request_gets_its_own_look_at_the_drafts():
     assert stale.choose(1) == 0
 
 
+def test_probes_cost_at_most_their_share_where_wide_passes_are_dear():
+    """A routed-experts target: a pass of 3 tokens costs 2 of 1. Probes, at every new request included, stay
+    within MAX_PROBE_SHARE of the steps; on a flat curve the next request is still probed at once."""
+    from speculant.adaptive import MAX_PROBE_SHARE
+
+    dear = CostCurve(context=128, seconds={1: [1.0 + 0.5 * (t - 1) for t in range(1, 10)]})
+    policy = AdaptiveK(dear, k_max=4, alpha=0.0, probe_every=4)
+    probes = 0
+    for step in range(600):
+        if step % 64 == 0:
+            policy.new_request()
+        probes += policy.choose(1) > 0
+    cost = dear.ratio(1, 3) - 1
+    assert 1 <= probes <= 600 * MAX_PROBE_SHARE / cost + 1
+    cheap = AdaptiveK(curve(32), k_max=4, alpha=0.0, probe_every=4)
+    for _ in range(64):
+        cheap.choose(1)
+    cheap.new_request()
+    assert cheap.choose(1) > 0
+
+
 def test_a_model_that_is_off_is_probed_at_batch_1_only():
     policy = AdaptiveK(curve(32), k_max=8, alpha=0.0, probe_every=4)
     assert not any(policy.choose(4) for _ in range(40))  # a batch: no probe, the wait does not grow
