@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import transformers
-from test_gguf import MERGES, SPECIALS, TOKENS, VOCAB
+from test_gguf import VOCAB, close, writer_for
 from test_prefix_cache import BUDGET, check_turns, engine_on
 
 from speculant.config import SamplingParams, SpeculativeConfig
@@ -214,25 +214,10 @@ def write_gemma3_gguf(path, folder, qtype: gguf.GGMLQuantizationType) -> None:
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     cfg = model.config
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, cfg.num_hidden_layers)
-    writer = gguf.GGUFWriter(str(path), "gemma3")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer = writer_for(path, "gemma3", cfg, cfg.rope_parameters["full_attention"]["rope_theta"])
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
     writer.add_sliding_window(cfg.sliding_window)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(TOKENS)
-    writer.add_token_merges(MERGES)
-    writer.add_token_types([3] * len(SPECIALS) + [1] * (VOCAB - len(SPECIALS)))
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight":
             continue  # tied
@@ -245,10 +230,7 @@ def write_gemma3_gguf(path, folder, qtype: gguf.GGMLQuantizationType) -> None:
             writer.add_tensor(gguf_name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    close(writer)
 
 
 @pytest.fixture(scope="module")

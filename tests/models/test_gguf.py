@@ -52,6 +52,34 @@ TOKENS = SPECIALS + _byte_alphabet() + ["Ġt", "he", "Ġthe"]
 VOCAB = len(TOKENS)
 
 
+def writer_for(path: Path, arch: str, cfg, rope_theta: float, tokenizer_pre: str = "default") -> gguf.GGUFWriter:
+    """A GGUF writer holding a transformers config's shared hyperparameters and the tiny byte-level tokenizer."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(rope_theta)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(tokenizer_pre)
+    writer.add_token_list(TOKENS)
+    writer.add_token_merges(MERGES)
+    writer.add_token_types([3] * len(SPECIALS) + [1] * (VOCAB - len(SPECIALS)))  # 3 = control
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    return writer
+
+
+def close(writer: gguf.GGUFWriter) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def llama_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf.py LlamaModel.permute (HF rotate-half -> interleaved rows)."""
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -157,10 +185,7 @@ def write_gguf(path: Path, arch: str = "llama", *, skip: tuple[str, ...] = (), e
         expected[name] = src, qtype
     for name, value in (extra_tensors or {}).items():
         writer.add_tensor(name, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    close(writer)
     return expected
 
 

@@ -4,14 +4,13 @@ alone and in a batch; a wrong routing rule is caught."""
 
 from __future__ import annotations
 
-import gguf
 import numpy as np
 import pytest
 import torch
 from conftest import save_tiny, transformers
 from mutants import ROUTING_MUTANTS, patch_routing
 from safetensors.torch import load_file
-from test_gguf import MERGES, SPECIALS, TOKENS, VOCAB, llama_permute
+from test_gguf import VOCAB, close, llama_permute, writer_for
 
 from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.engine import Engine
@@ -61,15 +60,8 @@ def write_moe_gguf(path, name: str, cfg, state: dict[str, torch.Tensor]) -> None
     stacked [n_expert, …], every tensor F32."""
     arch = "qwen3moe" if name == "qwen3_moe" else "llama"
     n_experts = cfg.num_experts if name == "qwen3_moe" else cfg.num_local_experts
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer = writer_for(path, arch, cfg, cfg.rope_parameters["rope_theta"],
+                        "qwen2" if arch == "qwen3moe" else "default")
     writer.add_expert_count(n_experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
     if name == "qwen3_moe":
@@ -77,13 +69,6 @@ def write_moe_gguf(path, name: str, cfg, state: dict[str, torch.Tensor]) -> None
         writer.add_value_length(cfg.head_dim)
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         writer.add_expert_weights_norm(cfg.norm_topk_prob)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2" if arch == "qwen3moe" else "default")
-    writer.add_token_list(TOKENS)
-    writer.add_token_merges(MERGES)
-    writer.add_token_types([3] * len(SPECIALS) + [1] * (VOCAB - len(SPECIALS)))
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
     names = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -108,10 +93,7 @@ def write_moe_gguf(path, name: str, cfg, state: dict[str, torch.Tensor]) -> None
         writer.add_tensor(f"blk.{layer}.{names[module]}.weight", w)
     for key, ws in stacked.items():
         writer.add_tensor(key, np.stack([w for _, w in sorted(ws, key=lambda e: e[0])]))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    close(writer)
 
 
 def logits_error(model, ref, prompt: list[int]) -> float:

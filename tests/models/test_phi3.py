@@ -63,38 +63,20 @@ def test_partial_rotary_is_refused_with_a_reason(phi3, tmp_path):
 def write_phi3_gguf(path, folder) -> None:
     """llama.cpp's layout of a Phi-3 folder: fused attn_qkv and ffn_up kept, LongRoPE's factors as tensors."""
     import gguf
-    from test_gguf import MERGES, SPECIALS, TOKENS, VOCAB
+    from test_gguf import close, writer_for
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     cfg = model.config
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.PHI3, cfg.num_hidden_layers)
-    writer = gguf.GGUFWriter(str(path), "phi3")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer = writer_for(path, "phi3", cfg, cfg.rope_parameters["rope_theta"])
     writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(TOKENS)
-    writer.add_token_merges(MERGES)
-    writer.add_token_types([3] * len(SPECIALS) + [1] * (VOCAB - len(SPECIALS)))
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
     for name, tensor in model.state_dict().items():
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), tensor.numpy())
     rope = cfg.rope_parameters
     for kind in ("short", "long"):
         writer.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    close(writer)
 
 
 def test_gguf_from_the_same_weights_matches_transformers(tmp_path):
