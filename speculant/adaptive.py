@@ -100,6 +100,7 @@ class AdaptiveK:
     # pass width → [passes seen, decayed mean seconds]: the engine's own pass times at batch 1
     pass_times: dict[int, list[float]] = field(default_factory=dict)
     probe_debt: float = 0.0  # plain passes' worth of probing not yet paid for by MAX_PROBE_SHARE a step
+    probe_estimate: float | None = None  # the debt charged for the probe under way, until its step is measured
     skipped: int = 0  # steps the last look-up-free stretch lasted (worth_proposing)
     skip_left: int = 0
     model_drafted: bool = False  # the last step verified a model's drafts
@@ -225,8 +226,10 @@ class AdaptiveK:
         for key in due:
             b = self.bucket(key)
             b.idle_steps, b.probe_interval = 0, min(2 * b.probe_interval, MAX_PROBE_INTERVAL)
-        # What the probe costs beyond a plain step: the wider pass and the drafts.
-        self.probe_debt += self.costs.ratio(len(buckets), width + 1) - 1 + width * draft_ratio
+        # What the probe costs beyond a plain step: the wider pass and the drafts (observe() puts the measured
+        # cost in its place, which includes a draft model catching up on the tokens it sat out).
+        self.probe_estimate = self.costs.ratio(len(buckets), width + 1) - 1 + width * draft_ratio
+        self.probe_debt += self.probe_estimate
         return width
 
     def best(self, buckets: list[int], available: list[int], draft_ratio: float = 0.0,
@@ -285,10 +288,20 @@ class AdaptiveK:
         # The mean of the first passes, then a decayed one (~20 passes): the machine's load drifts.
         n_mean[1] += (seconds - n_mean[1]) * max(1 - self.memory, 1 / n_mean[0])
 
+    def charge_probe(self, step: StepRecord) -> None:
+        """The probe's step measured against this run's plain pass: its excess is the debt, not the estimate."""
+        estimate, self.probe_estimate = self.probe_estimate, None
+        plain = self.pass_times.get(1)
+        if estimate is None or step.pass_s is None or plain is None or not plain[1]:
+            return
+        measured = (step.draft_s + step.pass_s) / plain[1] - 1
+        self.probe_debt = max(self.probe_debt + measured - estimate, 0.0)
+
     def observe(self, step: StepRecord) -> None:
         """What one step drafted, kept and cost."""
         if step.pass_s is not None:
             self.observe_pass(step.batch_size, step.width or max(step.drafted, default=0) + 1, step.pass_s)
+        self.charge_probe(step)
         for key in {key for key, n in zip(step.buckets, step.drafted) if n}:
             b = self.bucket(key)
             b.reached = [r * self.memory for r in b.reached]
