@@ -46,7 +46,8 @@ FAMILIES: tuple[Family, ...] = (
     # llama.cpp writes Mixtral as a "llama" GGUF with experts (GGUF_EXPERTS).
     Family("mixtral", ("MixtralForCausalLM",), window_by_default=True, permuted_qk=True, routing="topk_softmax"),
     # llama.cpp keeps Phi-3's fused tensors: attn_qkv, and ffn_up holding gate and up.
-    Family("phi3", ("Phi3ForCausalLM",), "phi3", fused_checkpoint=True,
+    # Phi-3's attention honours `sliding_window` whenever the config states one (Phi-3-mini: 2047).
+    Family("phi3", ("Phi3ForCausalLM",), "phi3", fused_checkpoint=True, window_by_default=True,
            gguf_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}),
     # llama.cpp fixes Gemma 3's local layers (5 of every 6) and their RoPE base; its norms already hold 1 + w.
     Family("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), "gemma3", norm_offset=1.0,

@@ -49,6 +49,20 @@ def test_greedy_tokens_equal_transformers_generate(phi3):
         assert speculant_greedy(target, prompt, {"method": "ngram", "num_speculative_tokens": 4}) == expected
 
 
+def test_sliding_window_is_honoured(tmp_path):
+    """Phi-3-mini states a window of 2047 and transformers applies it: a window of 8 over 24 tokens shows it."""
+    folder = save_tiny(tmp_path / "phi3w", transformers.Phi3Config, seed=4, init_std=0.1, pad_token_id=0,
+                       sliding_window=8)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.randint(0, 96, (1, 24), generator=torch.Generator().manual_seed(1))
+    model = load_model(folder).model
+    with torch.no_grad():
+        expected = ref(ids).logits
+        got = model.logits(model(ids, model.new_cache(1, 64), torch.tensor([0])))
+    assert model.cfg.sliding_window == 8
+    assert (got - expected).abs().max().item() <= 1e-4
+
+
 def test_partial_rotary_is_refused_with_a_reason(phi3, tmp_path):
     """Phi-4-mini rotates 3/4 of each head: refused with the reason, not loaded wrong."""
     folder = tmp_path / "phi4"
