@@ -220,9 +220,9 @@ class AdaptiveK:
             b.idle_steps += 1
             if b.idle_steps >= b.probe_interval and self.best(buckets, available, draft_ratio, {key}, remaining)[0]:
                 due.append(key)
-        width = min(PROBE_WIDTH, self.k_max)
         if not due or self.probe_debt > 0:
             return 0
+        width = min(PROBE_WIDTH, self.k_max)
         for key in due:
             b = self.bucket(key)
             b.idle_steps, b.probe_interval = 0, min(2 * b.probe_interval, MAX_PROBE_INTERVAL)
@@ -289,10 +289,11 @@ class AdaptiveK:
         n_mean[1] += (seconds - n_mean[1]) * max(1 - self.memory, 1 / n_mean[0])
 
     def charge_probe(self, step: StepRecord) -> None:
-        """The probe's step measured against this run's plain pass: its excess is the debt, not the estimate."""
+        """The probe's step measured against this run's plain pass: its excess is the debt, not the estimate.
+        Plain passes are timed at batch 1 only (observe_pass): a probe in a batch keeps the curve's estimate."""
         estimate, self.probe_estimate = self.probe_estimate, None
         plain = self.pass_times.get(1)
-        if estimate is None or step.pass_s is None or plain is None or not plain[1]:
+        if estimate is None or step.pass_s is None or step.batch_size > 1 or plain is None or not plain[1]:
             return
         measured = (step.draft_s + step.pass_s) / plain[1] - 1
         self.probe_debt = max(self.probe_debt + measured - estimate, 0.0)
