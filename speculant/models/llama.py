@@ -609,6 +609,20 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_offset)
 
 
+def keep_input(kept: torch.Tensor | None, capture: tuple[int, ...], layer: int, x: torch.Tensor) -> None:
+    """Copy x [B, T, D], the input of `layer`, into kept [n, B·T, D] wherever `capture` names that layer."""
+    for j, i in enumerate(capture):
+        if i == layer:
+            kept[j] = x.reshape(-1, x.shape[-1])
+
+
+def with_features(hidden: torch.Tensor, kept: torch.Tensor | None, B: int, T: int):
+    """A pass's result: the hidden states alone, or with the captured layer inputs as [B, T, n·D]."""
+    if kept is None:
+        return hidden
+    return hidden, kept.view(len(kept), B, T, -1).permute(1, 2, 0, 3).reshape(B, T, -1)
+
+
 class Transformer(nn.Module):
     """A causal decoder that reads and writes a preallocated, ragged KV cache."""
 
@@ -686,71 +700,40 @@ class Transformer(nn.Module):
         output_hidden_states[i]: id 0 the embeddings, id n_layers the last layer's output before the final
         norm), what an EAGLE-3 head reads; copies of the pass's own values, its arithmetic unchanged.
         """
-        if capture:
-            return self.forward_capturing(tokens, cache, slots, n_new, parents, tuple(capture))
-        if self.narrow_passes != "prepared" and tokens.shape[1] <= MAX_VERIFY_WIDTH:
+        capture = tuple(capture or ())
+        if any(not 0 <= i <= self.cfg.n_layers for i in capture):
+            raise ValueError(f"capture ids {capture} out of [0, {self.cfg.n_layers}]")
+        B, T = tokens.shape
+        if not capture and self.narrow_passes != "prepared" and T <= MAX_VERIFY_WIDTH:  # graphs keep no copies
             return self.graphs_for(cache)(tokens, slots, n_new, parents)
-        if parents is None and self.packs_ragged and n_new is not None and int(n_new.min()) < tokens.shape[1]:
-            return self.forward_packed(tokens, cache, slots, n_new)
-        chain = parents is None and tokens.shape[1] <= MAX_VERIFY_WIDTH
+        if parents is None and self.packs_ragged and n_new is not None and int(n_new.min()) < T:
+            return self.forward_packed(tokens, cache, slots, n_new, capture)
+        # The captured layer inputs, copied out as they pass (the native stack copies them in C++).
+        kept = torch.empty(len(capture), B * T, self.cfg.dim, dtype=self.dtype, device=self.device) \
+            if capture else None
+        chain = parents is None and T <= MAX_VERIFY_WIDTH
         if chain and self.native_decode and self.native_stack is not None:
             cos, sin = self.rope.tables(self.inv_freq, cache.max_len + 1, self.dtype)
             table, ids = embedding_table(self.model.embed_tokens, tokens)
             hidden = self.native_stack.decode(ids, table, cos, sin, cache.k, cache.v, cache.lengths, slots,
-                                              cache.max_len, n_new)
-            if hidden is not None:
-                return hidden
-            # None: a row would run past the cache, which prepare_pass reports.
-        passes = self.prepare(cache, slots, tokens.shape[1], n_new, parents)
-        fwd = next(iter(passes.values()))
-        x = self.embed(tokens)
-        if fwd.n_keys is not None and self.native_stack is not None:
-            hidden = self.native_stack.forward(x, fwd.cos, fwd.sin, cache.k, cache.v, fwd.slots, fwd.n_keys,
-                                               fwd.tree)
-        else:
-            for block in self.model.layers:
-                x = block(x, cache, passes[block.kind])
-            hidden = self.model.norm(x)
-        cache.lengths[slots] = fwd.end
-        return hidden
-
-    def forward_capturing(self, tokens: torch.Tensor, cache: KVCache, slots: torch.Tensor,
-                          n_new: torch.Tensor | None, parents: list[list[int]] | None,
-                          capture: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward's paths (but CUDA graphs) with `capture`: the same calls, each kept layer input copied out
-        as it passes (the native stack copies it in C++), so the hidden states have plain forward's bits."""
-        B, T = tokens.shape
-        D, n = self.cfg.dim, len(capture)
-        if any(not 0 <= i <= self.cfg.n_layers for i in capture):
-            raise ValueError(f"capture ids {capture} out of [0, {self.cfg.n_layers}]")
-        if parents is None and self.packs_ragged and n_new is not None and int(n_new.min()) < T:
-            return self.forward_packed(tokens, cache, slots, n_new, capture)
-        if parents is None and T <= MAX_VERIFY_WIDTH and self.native_decode and self.native_stack is not None:
-            cos, sin = self.rope.tables(self.inv_freq, cache.max_len + 1, self.dtype)
-            table, ids = embedding_table(self.model.embed_tokens, tokens)
-            kept = torch.empty(n, B * T, D, dtype=self.dtype, device=self.device)
-            hidden = self.native_stack.decode(ids, table, cos, sin, cache.k, cache.v, cache.lengths, slots,
                                               cache.max_len, n_new, kept, list(capture))
             if hidden is not None:
-                return hidden, kept.view(n, B, T, D).permute(1, 2, 0, 3).reshape(B, T, n * D)
+                return with_features(hidden, kept, B, T)
+            # None: a row would run past the cache, which prepare_pass reports.
         passes = self.prepare(cache, slots, T, n_new, parents)
         fwd = next(iter(passes.values()))
         x = self.embed(tokens)
         if fwd.n_keys is not None and self.native_stack is not None:
-            kept = torch.empty(n, B * T, D, dtype=x.dtype, device=x.device)
-            hidden = self.native_stack.forward(x.contiguous(), fwd.cos, fwd.sin, cache.k, cache.v, fwd.slots,
-                                               fwd.n_keys, fwd.tree, kept, list(capture))
-            features = kept.view(n, B, T, D).permute(1, 2, 0, 3).reshape(B, T, n * D)
+            hidden = self.native_stack.forward(x.contiguous() if capture else x, fwd.cos, fwd.sin, cache.k, cache.v,
+                                               fwd.slots, fwd.n_keys, fwd.tree, kept, list(capture))
         else:
-            states = {}
             for i, block in enumerate(self.model.layers):
-                states[i] = x
+                keep_input(kept, capture, i, x)
                 x = block(x, cache, passes[block.kind])
-            states[self.cfg.n_layers] = x
+            keep_input(kept, capture, self.cfg.n_layers, x)
             hidden = self.model.norm(x)
-            features = torch.cat([states[i] for i in capture], dim=-1)
         cache.lengths[slots] = fwd.end
-        return hidden, features
+        return with_features(hidden, kept, B, T)
 
     def forward_packed(self, tokens: torch.Tensor, cache: KVCache, slots: torch.Tensor,
                        n_new: torch.Tensor, capture: tuple[int, ...] = ()) -> torch.Tensor | tuple:
