@@ -242,6 +242,9 @@ def hf_config(reader: gguf.GGUFReader, meta: dict, arch: str, src: Path) -> dict
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
     }
+    rotary = meta.get(f"{arch}.rope.dimension_count")
+    if rotary and rotary != head_dim:  # Phi-4-mini rotates 3/4 of each head
+        config["partial_rotary_factor"] = rotary / head_dim
     family = BY_GGUF[arch]
     if meta.get(f"{arch}.expert_count"):
         family = GGUF_EXPERTS.get(arch, family)

@@ -81,7 +81,12 @@ def native_loadable(src: Path) -> bool:
                 return False
         elif len(t.shape) == 2 and not ggml.usable(t.tensor_type, int(t.shape[1]), int(t.shape[0])):
             return False
-    arch = read_metadata(reader).get("general.architecture")
+    meta = read_metadata(reader)
+    arch = meta.get("general.architecture")
+    heads = meta.get(f"{arch}.attention.head_count") or 1
+    head_dim = meta.get(f"{arch}.attention.key_length") or (meta.get(f"{arch}.embedding_length") or 0) // heads
+    if meta.get(f"{arch}.rope.dimension_count", head_dim) != head_dim:  # partial rotary: the converted folder's
+        return False
     # The native stack assembles q, k, v and gate, up from their own tensors; fused files go converted.
     return arch in ARCHITECTURES and not BY_GGUF[arch].fused_checkpoint
 

@@ -54,6 +54,7 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     rope_scale: float = 1.0  # cos and sin multiplied by it: LongRoPE's attention factor
+    rotary_dim: int | None = None  # the dims of each head that rotate (Phi-4-mini: 3/4 of them); None: all
     # What the family changes (families.Family, copied here so that a config alone builds the model).
     norm_offset: float = 0.0
     activation: str = "silu"
@@ -113,6 +114,7 @@ class ModelConfig:
             pattern = cfg["sliding_window_pattern"]
             layer_types = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(cfg["num_hidden_layers"])]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
+        rotary_dim = partial_rotary_dim(cfg, rope, scaling or {}, head_dim, source)
         scalar = cfg.get("query_pre_attn_scalar")
         # GGUF folders converted by gguf.py hold Gemma's norms as llama.cpp stores them, with the 1 added.
         offset = 0.0 if cfg.get("norm_weights_include_offset") else family.norm_offset
@@ -134,6 +136,7 @@ class ModelConfig:
             max_position_embeddings=max_positions,
             rope_scaling=scaling,
             rope_scale=rope_scale,
+            rotary_dim=rotary_dim,
             tie_embeddings=bool(cfg.get("tie_word_embeddings", family.tied_by_default)),
             qkv_bias=bool(cfg.get("attention_bias") or family.qkv_bias),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
@@ -184,14 +187,61 @@ def rope_parameters(cfg: dict) -> tuple[dict, dict]:
     return rope, {}
 
 
+def partial_rotary_dim(cfg: dict, rope: dict, scaling: dict, head_dim: int, source: str) -> int | None:
+    """The dims of each head that rotate, where `partial_rotary_factor` leaves some unrotated (None: all)."""
+    factor = next((c["partial_rotary_factor"] for c in (scaling, rope, cfg) if c.get("partial_rotary_factor")), 1.0)
+    dim = int(head_dim * factor)
+    if dim == head_dim:
+        return None
+    if dim <= 0 or dim % 2:
+        raise SpeculantError(f"{source}: partial_rotary_factor {factor} rotates {dim} of {head_dim} dims per head; "
+                             "an even number from 2 to head_dim is needed")
+    return dim
+
+
+def rotary_layout(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The checkpoint's dims of a head in the order they are stored here when only the first `rotary_dim` rotate:
+    the rotated halves moved to the starts of the head's halves, so that dims d and d + head_dim/2 pair up as
+    they do with full rotation and every rotary kernel works unchanged (the rest see an angle of 0). Queries and
+    keys are permuted alike, so their dot products are the checkpoint's."""
+    half, rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    dims = torch.arange(head_dim)
+    rotated, passed = dims[:rotary_dim], dims[rotary_dim:]
+    return torch.cat((rotated[:half], passed[:rest], rotated[half:], passed[rest:]))
+
+
+def permute_rotary_on_load(attn: nn.Module, cfg: ModelConfig) -> None:
+    """Store q and k (fused in qkv_proj) in rotary_layout; state_dict() gives the checkpoint's order back."""
+    heads = {"q_proj": cfg.n_heads, "k_proj": cfg.n_kv_heads}
+
+    def permute(w: torch.Tensor, n_heads: int, inverse: bool = False) -> torch.Tensor:
+        # Made here, not at construction: a model is built on the meta device.
+        order = rotary_layout(cfg.head_dim, cfg.rotary_dim).to(w.device)
+        index = order.argsort() if inverse else order
+        return w.reshape(n_heads, cfg.head_dim, *w.shape[1:])[:, index].reshape(w.shape)
+
+    def on_load(_module, state, prefix, *_):
+        for suffix in ("weight", "bias"):
+            key = f"{prefix}qkv_proj.{suffix}"
+            if key in state:  # q and k lead the fused rows (fuse_on_load ran first)
+                q, k, v = state[key].split([n * cfg.head_dim for n in (cfg.n_heads, cfg.n_kv_heads,
+                                                                       cfg.n_kv_heads)])
+                state[key] = torch.cat((permute(q, cfg.n_heads), permute(k, cfg.n_kv_heads), v))
+
+    def on_save(_module, state, prefix, _meta):
+        for name, n in heads.items():
+            for suffix in ("weight", "bias"):
+                if f"{prefix}{name}.{suffix}" in state:
+                    state[f"{prefix}{name}.{suffix}"] = permute(state[f"{prefix}{name}.{suffix}"], n, True)
+
+    attn.register_load_state_dict_pre_hook(on_load)
+    attn.register_state_dict_post_hook(on_save)
+
+
 def longrope(cfg: dict, scaling: dict, source: str) -> tuple[dict, int, float]:
     """Phi-3's LongRoPE → (the scaling rope_inv_freq reads, the context served, the attention factor). Served up
     to the pretrained context, with the short factors: transformers switches to the long ones only past it
     (and then for every position at once), which a KV cache written earlier cannot follow."""
-    partial = scaling.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise SpeculantError(f"{source}: partial rotary embeddings (partial_rotary_factor {partial}, as Phi-4-mini) "
-                             "are not supported yet")
     original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
     if not original:
         raise SpeculantError(f"{source}: longrope needs original_max_position_embeddings")
@@ -239,8 +289,14 @@ def rope_inv_freq(cfg: ModelConfig, kind: str = FULL) -> torch.Tensor:
     scaling; every other layer has the model's."""
     local = kind == SLIDING and cfg.local_rope_theta is not None
     theta = cfg.local_rope_theta if local else cfg.rope_theta
-    inv_freq = 1.0 / (theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
-    s = None if local else cfg.rope_scaling
+    dim = cfg.rotary_dim or cfg.head_dim
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    # Dims that do not rotate (rotary_layout) turn by an angle of 0.
+    return F.pad(scaled_frequencies(inv_freq, None if local else cfg.rope_scaling), (0, (cfg.head_dim - dim) // 2))
+
+
+def scaled_frequencies(inv_freq: torch.Tensor, s: dict | None) -> torch.Tensor:
+    """The frequencies as `rope_scaling` s changes them (None: as they are)."""
     if s is None:
         return inv_freq.float()
     if s.get("rope_type") == "linear":
@@ -262,10 +318,11 @@ def rope_tables(inv_freq: torch.Tensor, n_positions: int, dtype: torch.dtype,
                 scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin [n_positions, Dh] for the rotate-half layout of HF checkpoints; the sign of
     the first half is folded into sin so that apply_rope is a roll, two products and a sum. `scale`:
-    LongRoPE's attention factor, on both."""
+    LongRoPE's attention factor, on both (not on dims that do not rotate: a frequency of 0)."""
     angles = torch.arange(n_positions, device=inv_freq.device, dtype=torch.float32)[:, None] * inv_freq
     cos, sin = angles.cos(), angles.sin()
     if scale != 1.0:
+        scale = torch.where(inv_freq > 0, scale, 1.0)
         cos, sin = cos * scale, sin * scale
     return torch.cat((cos,) * 2, -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)
 
@@ -487,6 +544,8 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(d, sum(self.split) * hd, bias=cfg.qkv_bias)
         fuse_on_load(self, "qkv_proj", {"q_proj": cfg.n_heads * hd, "k_proj": cfg.n_kv_heads * hd,
                                         "v_proj": cfg.n_kv_heads * hd})
+        if cfg.rotary_dim:
+            permute_rotary_on_load(self, cfg)
         self.o_proj = nn.Linear(cfg.n_heads * hd, d, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.norm_eps, cfg.norm_offset)

@@ -63,14 +63,79 @@ def test_sliding_window_is_honoured(tmp_path):
     assert (got - expected).abs().max().item() <= 1e-4
 
 
-def test_partial_rotary_is_refused_with_a_reason(phi3, tmp_path):
-    """Phi-4-mini rotates 3/4 of each head: refused with the reason, not loaded wrong."""
-    folder = tmp_path / "phi4"
+# Phi-4-mini's layout: 3/4 of each head rotates, LongRoPE factors for those dims only.
+PHI4_MINI = dict(PHI3_LONGROPE, partial_rotary_factor=0.75,
+                 rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                               "long_factor": [2.0 + 0.2 * i for i in range(6)]})
+
+
+@pytest.fixture(scope="module")
+def phi4(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("phi4") / "phi4", transformers.Phi3Config, seed=6, init_std=0.1,
+                     pad_token_id=0, **PHI4_MINI)
+
+
+def logits_of(target, ids: torch.Tensor) -> torch.Tensor:
+    model = target.model
+    with torch.no_grad():
+        return model.logits(model(ids, model.new_cache(1, 64), torch.tensor([0]))).float()
+
+
+def test_partial_rotary_matches_transformers(phi4):
+    ref = transformers.AutoModelForCausalLM.from_pretrained(phi4, dtype=torch.float32).eval()
+    target = load_model(phi4)
+    assert target.config.rotary_dim == 12
+    ids = torch.randint(0, 96, (1, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = ref(ids).logits
+    assert (logits_of(target, ids) - expected).abs().max().item() <= 1e-4
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            out = ref.generate(torch.tensor([prompt]), max_new_tokens=N_TOKENS, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)
+        expected_tokens = out[0, len(prompt):].tolist()
+        assert speculant_greedy(target, prompt) == expected_tokens
+        assert speculant_greedy(target, prompt, {"method": "ngram", "num_speculative_tokens": 4}) == expected_tokens
+
+
+def test_rotary_layout_has_power(phi4, monkeypatch):
+    """Rotating the checkpoint's dims in place (no layout) pairs the wrong dims: the logits move far."""
+    from speculant.models import llama
+
+    right = logits_of(load_model(phi4), torch.arange(3, 27)[None])
+    monkeypatch.setattr(llama, "rotary_layout", lambda head_dim, _rotary_dim: torch.arange(head_dim))
+    wrong = logits_of(load_model(phi4), torch.arange(3, 27)[None])
+    assert (right - wrong).abs().max().item() > 1e-2
+
+
+def test_partial_rotary_state_dict_is_the_checkpoints(phi4):
+    from safetensors.torch import load_file
+
+    saved = load_file(str(phi4 / "model.safetensors"))
+    state = load_model(phi4, pack=False).model.state_dict()  # packed layouts are no checkpoint
+    fused = saved["model.layers.0.self_attn.qkv_proj.weight"]
+    assert torch.equal(state["model.layers.0.self_attn.q_proj.weight"], fused[:64])
+    assert torch.equal(state["model.layers.0.self_attn.k_proj.weight"], fused[64:96])
+
+
+def test_partial_rotary_bf16_speculation_is_plain_decoding(phi4):
+    """bf16 on the native kernels where this CPU has them: drafts and batches change no token."""
+    target = load_model(phi4, dtype="bfloat16")
+    params = SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True)
+    plain = [speculant_greedy(target, p) for p in PROMPTS]
+    assert [speculant_greedy(target, p, {"method": "ngram", "num_speculative_tokens": 4}) for p in PROMPTS] == plain
+    engine = Engine(target, None, 0, max_batch_size=len(PROMPTS), max_model_len=128)
+    seqs = [engine.add_request(p, params) for p in PROMPTS]
+    assert [s.output_ids for s in engine.generate(seqs)] == plain
+
+
+def test_odd_rotary_dims_are_refused(phi3, tmp_path):
+    folder = tmp_path / "odd"
     shutil.copytree(phi3, folder)
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["partial_rotary_factor"] = cfg["rope_parameters"]["partial_rotary_factor"] = 0.75
+    cfg["partial_rotary_factor"] = cfg["rope_parameters"]["partial_rotary_factor"] = 0.7  # 11.2 of 16 dims
     (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(SpeculantError, match="partial rotary embeddings"):
+    with pytest.raises(SpeculantError, match="partial_rotary_factor 0.7 rotates 11 of 16"):
         load_model(folder)
 
 
@@ -83,7 +148,8 @@ def write_phi3_gguf(path, folder) -> None:
     cfg = model.config
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.PHI3, cfg.num_hidden_layers)
     writer = writer_for(path, "phi3", cfg, cfg.rope_parameters["rope_theta"])
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    partial = cfg.rope_parameters.get("partial_rotary_factor", 1.0)
+    writer.add_rope_dimension_count(int(cfg.hidden_size // cfg.num_attention_heads * partial))
     writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
     for name, tensor in model.state_dict().items():
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), tensor.numpy())
@@ -93,11 +159,12 @@ def write_phi3_gguf(path, folder) -> None:
     close(writer)
 
 
-def test_gguf_from_the_same_weights_matches_transformers(tmp_path):
+@pytest.mark.parametrize("layout", [PHI3_LONGROPE, PHI4_MINI], ids=["phi3", "phi4-mini"])
+def test_gguf_from_the_same_weights_matches_transformers(tmp_path, layout):
     from test_gguf import VOCAB
 
     folder = save_tiny(tmp_path / "phi3", transformers.Phi3Config, seed=5, init_std=0.1, pad_token_id=0,
-                       vocab_size=VOCAB, **PHI3_LONGROPE)
+                       vocab_size=VOCAB, **layout)
     path = tmp_path / "tiny-phi3.gguf"
     write_phi3_gguf(path, folder)
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
