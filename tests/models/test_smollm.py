@@ -111,9 +111,10 @@ def test_seeded_sampling_writes_the_same_tokens_with_speculation(smollm_path):
     plain, _ = answers(None, 1)
     default = default_speculative_config(smollm_path)
     assert default is not None
-    # In a batch of 3 adaptive k drafts little at this temperature: a fixed k there.
-    fixed = {**default, "adaptive": False, "num_speculative_tokens": 4}
-    for spec, batch in ((default, 1), (fixed, len(PROMPTS))):
+    # Fixed k: adaptive k drafts little at this temperature in a batch, and on a busy machine (its costs are
+    # measured) alone too; what it verifies is verified by the same rule.
+    fixed = {**default, "adaptive": False}
+    for spec, batch in ((fixed, 1), ({**fixed, "num_speculative_tokens": 4}, len(PROMPTS))):
         outputs, stats = answers(spec, batch)
         assert outputs == plain
         assert stats.num_accepted_tokens > 20
