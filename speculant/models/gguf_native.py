@@ -20,7 +20,6 @@ from torch import nn
 
 from speculant.errors import SpeculantError
 from speculant.models import ggml, native, notice
-from speculant.models.families import BY_GGUF
 from speculant.models.gguf import (
     ARCHITECTURES,
     PERMUTED_QK,
@@ -36,7 +35,7 @@ from speculant.models.gguf import (
     write_tokenizer,
 )
 from speculant.models.hugepages import read_into_huge_pages
-from speculant.models.llama import ModelConfig, Transformer
+from speculant.models.llama import ModelConfig, Transformer, rotary_layout
 
 FORMAT_VERSION = 4
 # An embedding table up to this size is dequantized whole at load (SmolLM2-135M's: 57 MB), a larger one a
@@ -81,14 +80,7 @@ def native_loadable(src: Path) -> bool:
                 return False
         elif len(t.shape) == 2 and not ggml.usable(t.tensor_type, int(t.shape[1]), int(t.shape[0])):
             return False
-    meta = read_metadata(reader)
-    arch = meta.get("general.architecture")
-    heads = meta.get(f"{arch}.attention.head_count") or 1
-    head_dim = meta.get(f"{arch}.attention.key_length") or (meta.get(f"{arch}.embedding_length") or 0) // heads
-    if meta.get(f"{arch}.rope.dimension_count", head_dim) != head_dim:  # partial rotary: the converted folder's
-        return False
-    # The native stack assembles q, k, v and gate, up from their own tensors; fused files go converted.
-    return arch in ARCHITECTURES and not BY_GGUF[arch].fused_checkpoint
+    return read_metadata(reader).get("general.architecture") in ARCHITECTURES
 
 
 def load_gguf_native(src: Path, dtype: torch.dtype = torch.bfloat16,
@@ -150,6 +142,7 @@ def write_packed(reader: gguf.GGUFReader, config: dict, arch: str, src: Path, ou
     """Every quantized matrix (the token embedding only where it is the head too), repacked CHUNK_ROWS outputs
     at a time into one file, with the norms and biases; the embedding's place in the GGUF file."""
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    qkv_rows = rotary_rows(ModelConfig.from_hf(config, source=str(src)))
     plan, offset = [], 0
     tied = "output.weight" not in {t.name for t in reader.tensors}
     for t in reader.tensors:
@@ -184,6 +177,8 @@ def write_packed(reader: gguf.GGUFReader, config: dict, arch: str, src: Path, ou
         for t, n_out, n_in, parts in plan:
             kind = t.name.split(".")[-2]
             perm = unpermute_rows(n_out, heads[kind]) if arch in PERMUTED_QK and kind in heads else None
+            if kind == "attn_qkv":
+                perm = qkv_rows
             for r0 in range(0, n_out, CHUNK_ROWS):
                 rows = np.arange(r0, min(n_out, r0 + CHUNK_ROWS))
                 qtype, raw = stored_rows(t, rows if perm is None else perm[rows], requantize)
@@ -205,6 +200,17 @@ def release(reader: gguf.GGUFReader) -> None:
     mm = getattr(reader.data, "_mmap", None)
     if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
         mm.madvise(mmap.MADV_DONTNEED)
+
+
+def rotary_rows(cfg: ModelConfig) -> np.ndarray | None:
+    """A fused qkv tensor's rows in the order llama.Attention stores them when a head rotates in part
+    (llama.rotary_layout); None when it rotates whole."""
+    if not cfg.rotary_dim:
+        return None
+    dims = rotary_layout(cfg.head_dim, cfg.rotary_dim).numpy()
+    heads = [h * cfg.head_dim + dims for h in range(cfg.n_heads + cfg.n_kv_heads)]  # q's, then k's
+    v = np.arange(cfg.n_kv_heads * cfg.head_dim) + (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim
+    return np.concatenate([*heads, v])
 
 
 def unpermute_rows(n_out: int, n_heads: int) -> np.ndarray:
@@ -276,9 +282,14 @@ def assemble(src: Path, cfg: ModelConfig, packed: dict, dtype: torch.dtype) -> T
     for i, block in enumerate(model.model.layers):
         p = f"blk.{i}."
         attn, mlp = block.self_attn, block.mlp
-        attn.qkv_proj = linear([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], cfg.dim, cfg.qkv_bias)
+        if p + "attn_qkv.weight" in matrices:  # Phi-3: q, k, v in one tensor, gate and up in ffn_up
+            attn.qkv_proj = linear([p + "attn_qkv.weight"], cfg.dim)
+            mlp.gate_up_proj = linear([p + "ffn_up.weight"], cfg.dim)
+        else:
+            attn.qkv_proj = linear([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], cfg.dim,
+                                   cfg.qkv_bias)
+            mlp.gate_up_proj = linear([p + "ffn_gate.weight", p + "ffn_up.weight"], cfg.dim)
         attn.o_proj = linear([p + "attn_output.weight"], cfg.n_heads * cfg.head_dim)
-        mlp.gate_up_proj = linear([p + "ffn_gate.weight", p + "ffn_up.weight"], cfg.dim)
         mlp.down_proj = linear([p + "ffn_down.weight"], cfg.intermediate_size)
         for name, module in block_names(arch).items():  # the norms, as the file holds them
             if name.endswith("norm") and f"{p}{name}.weight" in vectors:

@@ -139,7 +139,7 @@ def test_odd_rotary_dims_are_refused(phi3, tmp_path):
         load_model(folder)
 
 
-def write_phi3_gguf(path, folder) -> None:
+def write_phi3_gguf(path, folder, qtype=None) -> None:
     """llama.cpp's layout of a Phi-3 folder: fused attn_qkv and ffn_up kept, LongRoPE's factors as tensors."""
     import gguf
     from test_gguf import close, writer_for
@@ -152,7 +152,11 @@ def write_phi3_gguf(path, folder) -> None:
     writer.add_rope_dimension_count(int(cfg.hidden_size // cfg.num_attention_heads * partial))
     writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
     for name, tensor in model.state_dict().items():
-        writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), tensor.numpy())
+        value, gguf_name = tensor.numpy(), names.get_name(name, try_suffixes=(".weight",))
+        if qtype is not None and value.ndim == 2:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, value)
     rope = cfg.rope_parameters
     for kind in ("short", "long"):
         writer.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
@@ -189,3 +193,31 @@ def test_gguf_without_its_long_factors_is_refused(tmp_path):
     with pytest.raises(SpeculantError, match="needs both rope_factors_short and rope_factors_long"):
         conv.longrope_scaling({"short_factor": [1.0]}, {"phi3.rope.scaling.original_context_length": 256}, "phi3",
                               tmp_path / "x.gguf")
+
+
+@pytest.mark.parametrize("layout", [PHI3_LONGROPE, PHI4_MINI], ids=["phi3", "phi4-mini"])
+def test_gguf_on_its_own_blocks_speculates_exactly(tmp_path, layout):
+    """Q8_0 blocks on the native kernels, the fused tensors as they are (Phi-4-mini's rows in the rotary layout):
+    near the same file dequantized, and its speculative and batched output is its plain output alone."""
+    import gguf
+    from test_gguf import VOCAB
+
+    from speculant.models import native
+    from speculant.models.gguf_native import native_loadable
+
+    folder = save_tiny(tmp_path / "phi3", transformers.Phi3Config, seed=5, init_std=0.1, pad_token_id=0,
+                       vocab_size=VOCAB, **layout)
+    path = tmp_path / "tiny-phi3-q8_0.gguf"
+    write_phi3_gguf(path, folder, gguf.GGMLQuantizationType.Q8_0)
+    if not native_loadable(path):
+        pytest.skip(f"the native GGUF kernels do not run here ({native.off_reason() or 'no kernel for Q8_0'})")
+    target = load_model(path, dtype="auto", quantization="auto")
+    assert target.quantization == "gguf"
+    ids = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(6))
+    expected = logits_of(load_model(path), ids)  # the same blocks dequantized, in fp32
+    assert (logits_of(target, ids) - expected).abs().max().item() < 0.05 * expected.abs().max().item()
+    plain = [speculant_greedy(target, p) for p in PROMPTS]
+    assert [speculant_greedy(target, p, {"method": "ngram", "num_speculative_tokens": 4}) for p in PROMPTS] == plain
+    engine = Engine(target, None, 0, max_batch_size=len(PROMPTS), max_model_len=128)
+    params = SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True)
+    assert [s.output_ids for s in engine.generate([engine.add_request(p, params) for p in PROMPTS])] == plain
