@@ -60,7 +60,7 @@ class ModelRunner:
         hidden, read = self.forward(tokens, self.cache, slots, n_new, parents)  # [B + chunks, T, D]
         chunk_hidden = read[len(batch):] if chunks else None
         hidden, read, rows = hidden[:len(batch)], read[:len(batch)], rows[:len(batch)]
-        return Scored(read, self.model.lm_head(self.scored_positions(hidden, rows, n_draft, proposal)),
+        return Scored(read, self.model.head(self.scored_positions(hidden, rows, n_draft, proposal)),
                       chunk_hidden, width, positions, sum(tails) + sum(len(t) for _, t in chunks))
 
     @staticmethod

@@ -23,6 +23,9 @@ class Family:
     qkv_bias: bool = False
     fused_checkpoint: bool = False  # q, k, v and gate, up stored as one tensor each (loader.split_fused)
     window_by_default: bool = False  # config `sliding_window` applies unless `use_sliding_window` says no
+    # Every n-th layer global, the others sliding, where a config lists no `layer_types` (transformers' default
+    # for the family; Gemma 2's own config.json files state neither the types nor a pattern).
+    sliding_pattern: int | None = None
     tied_by_default: bool = False  # the head is the embedding where the config does not say
     permuted_qk: bool = False  # llama.cpp's converter interleaved each head's q/k rows (GGUF)
     # The MLP of its routed layers is a mixture of experts (models/moe.py), and how the router picks and weighs
@@ -32,9 +35,11 @@ class Family:
     gguf_names: dict[str, str] = field(default_factory=dict)
     # gguf.py fills these in a converted config from llama.cpp's fixed choices for the family.
     gguf_defaults: dict = field(default_factory=dict)
+    # The layer count of the size whose GGUF scores llama.cpp scales by hidden / heads, not head_dim (27B).
+    gguf_width_scaled_layers: int | None = None
 
 
-GEMMA3_GGUF_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+GEMMA_GGUF_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                      "post_ffw_norm": "post_feedforward_layernorm"}
 
 FAMILIES: tuple[Family, ...] = (
@@ -49,14 +54,22 @@ FAMILIES: tuple[Family, ...] = (
     # Phi-3's attention honours `sliding_window` whenever the config states one (Phi-3-mini: 2047).
     Family("phi3", ("Phi3ForCausalLM",), "phi3", fused_checkpoint=True, window_by_default=True,
            gguf_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}),
+    # Gemma 2's attention scores and logits are soft-capped (config attn_logit_softcapping,
+    # final_logit_softcapping; llama.cpp's 50 and 30 where a GGUF states none, and its window 4096). Even layers
+    # slide, as in llama.cpp; its norms already hold 1 + w.
+    Family("gemma2", ("Gemma2ForCausalLM",), "gemma2", norm_offset=1.0, activation="gelu_tanh",
+           scale_embeddings=True, sandwich_norms=True, window_by_default=True, sliding_pattern=2,
+           tied_by_default=True, gguf_names=GEMMA_GGUF_NAMES, gguf_width_scaled_layers=46,
+           gguf_defaults={"sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
     # llama.cpp fixes Gemma 3's local layers (5 of every 6) and their RoPE base; its norms already hold 1 + w.
     Family("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), "gemma3", norm_offset=1.0,
            activation="gelu_tanh", scale_embeddings=True, sandwich_norms=True, qk_norm=True,
-           window_by_default=True, tied_by_default=True, gguf_names=GEMMA3_GGUF_NAMES,
-           gguf_defaults={"sliding_window_pattern": 6, "rope_local_base_freq": 10000.0}),
+           window_by_default=True, sliding_pattern=6, tied_by_default=True, gguf_names=GEMMA_GGUF_NAMES,
+           gguf_width_scaled_layers=62, gguf_defaults={"rope_local_base_freq": 10000.0}),
 )
 BY_ARCHITECTURE = {a: f for f in FAMILIES for a in f.architectures}
-BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES} | {"gemma3_text": FAMILIES[-1]}
+BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES}
+BY_MODEL_TYPE["gemma3_text"] = BY_MODEL_TYPE["gemma3"]
 BY_GGUF = {f.gguf: f for f in FAMILIES if f.gguf}
 # A GGUF architecture whose files with routed experts (`{arch}.expert_count`) are another family's.
 GGUF_EXPERTS = {"llama": BY_MODEL_TYPE["mixtral"]}

@@ -66,6 +66,8 @@ DENSE_MLP = ["ffn_gate", "ffn_up", "ffn_down"]
 # A family whose checkpoints fuse q, k, v and gate, up (Phi-3): llama.cpp keeps them fused.
 FUSED_BLOCK = ["attn_qkv", "attn_output", "attn_norm", "ffn_norm"]
 FUSED_MLP = ["ffn_up", "ffn_down"]
+# Soft caps (Gemma 2): Hugging Face's config keys, and the GGUF's `{arch}.` keys alike.
+SOFT_CAPS = ("attn_logit_softcapping", "final_logit_softcapping")
 # LongRoPE's per-frequency factors (Phi-3.5, Phi-4-mini): read into config["rope_scaling"].
 ROPE_FACTORS = {"rope_factors_short.weight": "short_factor", "rope_factors_long.weight": "long_factor"}
 
@@ -250,13 +252,17 @@ def hf_config(reader: gguf.GGUFReader, meta: dict, arch: str, src: Path) -> dict
         family = GGUF_EXPERTS.get(arch, family)
         config.update(expert_config(meta, arch, config, names), architectures=[family.architectures[0]],
                       model_type=family.model_type)
-    if family.window_by_default:  # HF's Mistral defaults to a 4096 window; only use one the file states
-        config["sliding_window"] = meta.get(f"{arch}.attention.sliding_window")
     config.update(family.gguf_defaults)
+    if family.window_by_default:  # HF's Mistral defaults to a 4096 window; only use one the file states
+        config["sliding_window"] = meta.get(f"{arch}.attention.sliding_window", config.get("sliding_window"))
+    for cap in SOFT_CAPS:  # where llama.cpp caps the family: the file's value, else its default (gguf_defaults)
+        if cap in config:
+            config[cap] = float(meta.get(f"{arch}.{cap}", config[cap]))
     if family.norm_offset:  # llama.cpp's converter added it to the norms already (llama.ModelConfig reads this)
         config["norm_weights_include_offset"] = True
-    if arch == "gemma3":  # llama.cpp scales Gemma 3 27B's scores (62 layers) by its width per head, not head_dim
-        config["query_pre_attn_scalar"] = hidden // n_heads if config["num_hidden_layers"] == 62 else head_dim
+    if family.gguf_width_scaled_layers:  # llama.cpp scales the 27B's scores by its width per head, not head_dim
+        wide = config["num_hidden_layers"] == family.gguf_width_scaled_layers
+        config["query_pre_attn_scalar"] = hidden // n_heads if wide else head_dim
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     factors = {ROPE_FACTORS[t.name]: dequantize(t).flatten().tolist() for t in reader.tensors
                if t.name in ROPE_FACTORS}

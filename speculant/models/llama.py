@@ -63,6 +63,9 @@ class ModelConfig:
     layer_types: tuple[str, ...] | None = None  # SLIDING or FULL per layer; None: every layer alike
     local_rope_theta: float | None = None  # the sliding layers' own RoPE base, unscaled
     query_scale: float | None = None  # attention's score scale where it is not 1/√head_dim
+    # Soft caps (Gemma 2): scores and final logits become cap·tanh(x / cap); None: uncapped.
+    attn_softcap: float | None = None
+    logit_softcap: float | None = None
     # Routed experts (moe.py): how many, how many a token runs, each one's width, the family's rule, whether
     # the top k weights are renormalised, and the layers that keep a dense MLP.
     n_experts: int = 0
@@ -89,9 +92,6 @@ class ModelConfig:
         missing = [k for k in required if cfg.get(k) is None]
         if missing:
             raise SpeculantError(f"{source}: missing required key(s): {', '.join(missing)}.")
-        for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
-            if cfg.get(cap) is not None:
-                raise SpeculantError(f"{source}: {cap} (Gemma 2) is not supported")
         n_heads = cfg["num_attention_heads"]
         rope, local_rope = rope_parameters(cfg)
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
@@ -110,8 +110,8 @@ class ModelConfig:
         windowed = cfg.get("use_sliding_window", family.window_by_default)
         sliding = cfg.get("sliding_window") if windowed else None
         layer_types = cfg.get("layer_types")
-        if layer_types is None and cfg.get("sliding_window_pattern") and sliding:
-            pattern = cfg["sliding_window_pattern"]
+        pattern = cfg.get("sliding_window_pattern") or family.sliding_pattern
+        if layer_types is None and pattern and sliding:
             layer_types = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(cfg["num_hidden_layers"])]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
         rotary_dim = partial_rotary_dim(cfg, rope, scaling or {}, head_dim, source)
@@ -149,6 +149,8 @@ class ModelConfig:
             layer_types=tuple(layer_types) if layer_types and sliding and SLIDING in layer_types else None,
             local_rope_theta=cfg.get("rope_local_base_freq") or local_rope.get("rope_theta"),
             query_scale=None if scalar is None or scalar == head_dim else scalar ** -0.5,
+            attn_softcap=cfg.get("attn_logit_softcapping"),
+            logit_softcap=cfg.get("final_logit_softcapping"),
             n_experts=n_experts,
             experts_per_token=cfg.get("num_experts_per_tok", 2) if n_experts else 0,
             expert_size=(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if n_experts else 0,
@@ -519,18 +521,38 @@ def fuse_on_load(module: nn.Module, fused: str, parts: dict[str, int]) -> None:
     module.register_state_dict_post_hook(split)
 
 
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap·tanh(x / cap) in x's dtype, in transformers' order (Gemma 2's scores and logits); x itself without a cap."""
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+def capped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     attn_mask: torch.Tensor | None = None, enable_gqa: bool = False, scale: float | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
+    """F.scaled_dot_product_attention with the scores soft-capped before the mask, which SDPA cannot do: the scores
+    written out as transformers' eager attention computes them, the softmax in fp32."""
+    if enable_gqa:
+        group = q.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    scores = soft_cap(q @ keys.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale), softcap)
+    if attn_mask is not None:
+        scores = scores + attn_mask
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ values
+
+
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, fwd: Pass, gqa: bool,
-           scale: float | None = None) -> torch.Tensor:
-    """q [B, T, Hq, Dh], keys/values [B, Hkv, span, Dh] → [B, T, Hq, Dh]; scores scaled by `scale` (1/√Dh)."""
+           scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+    """q [B, T, Hq, Dh], keys/values [B, Hkv, span, Dh] → [B, T, Hq, Dh]; scores scaled by `scale` (1/√Dh) and
+    soft-capped by `softcap`."""
     if fwd.n_keys is not None:
-        return native.attention(q, keys, values, fwd.n_keys, fwd.tree, fwd.window, scale)
+        return native.attention(q, keys, values, fwd.n_keys, fwd.tree, fwd.window, scale, softcap)
     q = q.transpose(1, 2)
+    sdpa = F.scaled_dot_product_attention if softcap is None else functools.partial(capped_attention, softcap=softcap)
     if fwd.row_keys is None:
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=fwd.mask, enable_gqa=gqa, scale=scale)
+        out = sdpa(q, keys, values, attn_mask=fwd.mask, enable_gqa=gqa, scale=scale)
     else:
-        out = torch.cat([torch.cat([F.scaled_dot_product_attention(q[b:b + 1, :, t:t + 1], keys[b:b + 1, :, seen],
-                                                                   values[b:b + 1, :, seen], enable_gqa=gqa,
-                                                                   scale=scale)
+        out = torch.cat([torch.cat([sdpa(q[b:b + 1, :, t:t + 1], keys[b:b + 1, :, seen], values[b:b + 1, :, seen],
+                                         enable_gqa=gqa, scale=scale)
                                     for t, seen in enumerate(row)], dim=2) for b, row in enumerate(fwd.row_keys)])
     return out.transpose(1, 2)
 
@@ -559,7 +581,7 @@ class Attention(nn.Module):
         qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=2) if cfg.qk_norm else qkv
         q, k = apply_rope(qk, cfg.n_heads + cfg.n_kv_heads, fwd.cos, fwd.sin).split(self.split[:2], dim=2)
         keys, values = cache.update(self.layer, fwd.at, k.transpose(1, 2), v.transpose(1, 2))
-        out = attend(q, keys, values, fwd, cfg.n_kv_heads != cfg.n_heads, cfg.query_scale)
+        out = attend(q, keys, values, fwd, cfg.n_kv_heads != cfg.n_heads, cfg.query_scale, cfg.attn_softcap)
         return self.o_proj(out.reshape(B, T, cfg.n_heads * cfg.head_dim))
 
 
@@ -634,9 +656,9 @@ class Block(nn.Module):
 
 def native_layer_form(cfg: ModelConfig, layer: int) -> bool:
     """Whether layer `layer` is the form csrc/decoder.cpp computes: Llama's norms, SiLU, no q/k norms, no
-    sliding window, the usual score scale, a dense MLP."""
-    return (not (cfg.qk_norm or cfg.sandwich_norms or cfg.query_scale or cfg.window(layer) or cfg.routed(layer))
-            and cfg.activation == "silu")
+    sliding window, the usual score scale, uncapped scores, a dense MLP."""
+    return (not (cfg.qk_norm or cfg.sandwich_norms or cfg.query_scale or cfg.window(layer) or cfg.routed(layer)
+                 or cfg.attn_softcap) and cfg.activation == "silu")
 
 
 def native_projection(linear: nn.Module, bias_ok: bool = False) -> list[torch.Tensor] | None:
@@ -850,5 +872,10 @@ class Transformer(nn.Module):
             return None
         return native.decoder_stack(weights, self.model.norm.weight, self.cfg.n_heads, self.cfg.n_kv_heads)
 
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The lm_head's logits in its dtype, soft-capped where the family caps them (Gemma 2): every caller
+        that scores the target's tokens reads them here."""
+        return soft_cap(self.lm_head(hidden), self.cfg.logit_softcap)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.head(hidden).float()

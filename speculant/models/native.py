@@ -296,13 +296,15 @@ def attention_usable(head_dim: int) -> bool:
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n_keys: torch.Tensor,
-              tree: torch.Tensor | None = None, window: int | None = None, scale: float | None = None) -> torch.Tensor:
+              tree: torch.Tensor | None = None, window: int | None = None, scale: float | None = None,
+              softcap: float | None = None) -> torch.Tensor:
     """q [B, T, Hq, D] (a strided view will do), keys/values [B, Hkv, S, D] bf16 or fp32, n_keys [B, T]: row (b, t)
     attends to the first n_keys[b, t] keys (a draft tree's, `tree`: see llama.Pass; with a sliding `window`, the
-    last `window` positions of them) → [B, T, Hq, D], scaled by `scale` (default 1/√D, as scaled_dot_product_attention);
-    on the AMX kernel where the CPU has AMX and no window applies."""
+    last `window` positions of them) → [B, T, Hq, D], scaled by `scale` (default 1/√D, as scaled_dot_product_attention),
+    each score s then softcap·tanh(s / softcap) where one is given (Gemma 2); on the AMX kernel where the CPU
+    has AMX and no window applies."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return kernels().attention(q, keys, values, n_keys, scale, tree=tree, window=window or 0)
+    return kernels().attention(q, keys, values, n_keys, scale, tree=tree, window=window or 0, softcap=softcap or 0.0)
 
 
 def argmax_usable(x: torch.Tensor) -> bool:

@@ -16,6 +16,7 @@ import warnings
 import torch
 
 from speculant.errors import SpeculantError
+from speculant.models.llama import soft_cap
 from speculant.models.loader import LoadedModel, stored_params
 from speculant.prefix_cache import PrefixCache
 from speculant.proposers.base import Proposal, Proposer, TargetHidden, pad_rows
@@ -209,7 +210,7 @@ class DraftModelProposer(Proposer):
         """The draft's logits [B, 1, N] over its vocabulary: the reduced one's ids (self.draft_ids), else
         the target's whole vocabulary."""
         if self.head is not None:
-            scores = self.head(hidden).float()
+            scores = soft_cap(self.head(hidden), self.model.cfg.logit_softcap).float()
             return scores if self.kept is None else scores[..., self.kept]
         # Draft and target may pad their vocabularies differently: compare on the target's ids.
         logits = self.model.logits(hidden)

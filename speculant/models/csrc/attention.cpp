@@ -37,8 +37,8 @@ inline void put(float* out, float x) { *out = x; }
 // One query row q [D] over n keys/values of k, v (row stride `stride` elements) → out [D]: rows 0 .. n-1, or
 // with `index` the rows index[0 .. n-1] (a draft tree's node sees the cache and its ancestors only).
 template <typename T>
-void attend_row(const T* q, const T* k, const T* v, int64_t stride, int64_t n, int64_t D, float scale, float* scores,
-                T* out, const int64_t* index) {
+void attend_row(const T* q, const T* k, const T* v, int64_t stride, int64_t n, int64_t D, float scale, float softcap,
+                float* scores, T* out, const int64_t* index) {
   auto dot = [&](int64_t j) {
     const int64_t row = index ? index[j] : j;
     vec::F acc = vec::zero();
@@ -54,7 +54,7 @@ void attend_row(const T* q, const T* k, const T* v, int64_t stride, int64_t n, i
     vec::store(scores + j, vec::sums16(acc) * vec::set(scale));
   }
   for (; j < n; j++) scores[j] = vec::sum(dot(j)) * scale;
-  const float inv = 1.f / speculant::exponentiate(scores, n);
+  const float inv = 1.f / speculant::exponentiate(scores, n, softcap);
   vec::F acc[16];
   for (int64_t c = 0; c < D / 16; c++) acc[c] = vec::zero();
   for (int64_t j = 0; j < n; j++) {
@@ -83,7 +83,7 @@ void attend_rows(const AttentionArgs& a) {
       bool indexed;
       const int64_t n = speculant::seen_keys(a, b, t, index, indexed);
       const int64_t base = a.slots[b] * a.sb + (h / group) * a.sh;
-      attend_row(Q + b * a.qb + t * a.qt + h * a.qh, K + base, V + base, a.ss, n, a.D, a.scale, scores.data(),
+      attend_row(Q + b * a.qb + t * a.qt + h * a.qh, K + base, V + base, a.ss, n, a.D, a.scale, a.softcap, scores.data(),
                  O + ((b * a.T + t) * a.Hq + h) * a.D, indexed ? index.data() : nullptr);
     }
   });
@@ -157,7 +157,7 @@ struct Buffers {
 // Query heads q[0 .. G) (stride qh) of one row, sharing key head k, v (row stride `stride`), over its n keys
 // (rows index[0 .. n) with a tree) → out (stride G·D apart: head h at out + h·D).
 void attend_heads(const uint16_t* q, int64_t qh, int64_t G, const uint16_t* k, const uint16_t* v, int64_t stride,
-                  int64_t n, int64_t D, float scale, const int64_t* index, Buffers& buf, uint16_t* out) {
+                  int64_t n, int64_t D, float scale, float softcap, const int64_t* index, Buffers& buf, uint16_t* out) {
   float *qs = buf.q, *block = buf.block, *scores = buf.scores, *acc = buf.out;
   const int64_t S = buf.S;
   for (int64_t h = 0; h < G; h++) split_row(q + h * qh, qs + h * D, D);
@@ -173,7 +173,7 @@ void attend_heads(const uint16_t* q, int64_t qh, int64_t G, const uint16_t* k, c
   }
   std::fill(acc, acc + G * D, 0.f);
   float inv[64];
-  for (int64_t h = 0; h < G; h++) inv[h] = 1.f / speculant::exponentiate(scores + h * S, n);
+  for (int64_t h = 0; h < G; h++) inv[h] = 1.f / speculant::exponentiate(scores + h * S, n, softcap);
   for (int64_t j0 = 0; j0 < n; j0 += kKeys) {
     const int64_t nb = std::min(kKeys, n - j0);
     for (int64_t i = 0; i < nb; i++) widen_row(v + row(j0 + i) * stride, block + i * D, D);
@@ -203,7 +203,7 @@ void attend(const AttentionArgs& a) {
       const int64_t n = speculant::seen_keys(a, b, t, index, indexed);
       const int64_t base = a.slots[b] * a.sb + kvh * a.sh, h0 = kvh * G;
       attend_heads(a.q + b * a.qb + t * a.qt + h0 * a.qh, a.qh, G, a.k + base, a.v + base, a.ss, n, a.D, a.scale,
-                   indexed ? index.data() : nullptr, buf, a.out + ((b * a.T + t) * a.Hq + h0) * a.D);
+                   a.softcap, indexed ? index.data() : nullptr, buf, a.out + ((b * a.T + t) * a.Hq + h0) * a.D);
     }
   });
 }
@@ -222,7 +222,8 @@ void attend(const AttentionArgs& a) {
 // (itself and its ancestors), in position order, so a node attends exactly as its branch decoded alone would.
 void attention_into(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                     const torch::Tensor& n_keys, double scale, const c10::optional<torch::Tensor>& slots,
-                    const c10::optional<torch::Tensor>& tree, bool amx, torch::Tensor& out, int64_t window) {
+                    const c10::optional<torch::Tensor>& tree, bool amx, torch::Tensor& out, int64_t window,
+                    double softcap) {
   const auto type = q.scalar_type();
   TORCH_CHECK((type == at::kBFloat16 || type == at::kFloat) && keys.scalar_type() == type &&
               values.scalar_type() == type, "bf16 or fp32, the same for q, keys and values");
@@ -242,7 +243,7 @@ void attention_into(const torch::Tensor& q, const torch::Tensor& keys, const tor
   const AttentionArgs args{Q, K, V, (uint16_t*)out.data_ptr(), nk.data_ptr<int64_t>(),
                            rows.data_ptr<int64_t>(), tree ? bits.data_ptr<int64_t>() : nullptr, B, T, Hq, Hkv, D, S,
                            q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
-                           (float)scale, window};
+                           (float)scale, window, (float)softcap};
   if (type == at::kFloat)
     attend_rows<float>(args);
   else if (amx && speculant::amx_usable() && D <= 128 && !window)  // a window: the vector kernel, always
@@ -257,8 +258,8 @@ void attention_into(const torch::Tensor& q, const torch::Tensor& keys, const tor
 
 torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor n_keys,
                         double scale, c10::optional<torch::Tensor> slots, c10::optional<torch::Tensor> tree, bool amx,
-                        int64_t window) {
+                        int64_t window, double softcap) {
   auto out = torch::empty({q.size(0), q.size(1), q.size(2), q.size(3)}, q.options());
-  attention_into(q, keys, values, n_keys, scale, slots, tree, amx, out, window);
+  attention_into(q, keys, values, n_keys, scale, slots, tree, amx, out, window, softcap);
   return out;
 }

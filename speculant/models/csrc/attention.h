@@ -19,6 +19,7 @@ struct AttentionArgs {
   int64_t sb, sh, ss;  // the cache's strides (keys and values alike)
   float scale;
   int64_t window;  // a sliding window: a row sees the keys of its last `window` positions only (0: all)
+  float softcap;  // > 0: each scaled score s becomes softcap·tanh(s / softcap) before the softmax (Gemma 2)
 };
 
 // Row t of a pass sees the keys 0 .. start − 1 and then, in a draft tree, the new tokens of its branch:
@@ -50,8 +51,11 @@ inline int64_t seen_keys(const AttentionArgs& a, int64_t b, int64_t t, std::vect
   return count;
 }
 
-// scores[0 .. n) → e^(score − max) in place, 16 at a time (the same lanes whoever calls); returns their sum.
-inline float exponentiate(float* scores, int64_t n) {
+// scores[0 .. n) → e^(score − max) in place, 16 at a time (the same lanes whoever calls); returns their sum. With
+// a soft cap each score is capped first, here where every kernel's scores pass.
+inline float exponentiate(float* scores, int64_t n, float softcap) {
+  if (softcap > 0)
+    for (int64_t j = 0; j < n; j++) scores[j] = std::tanh(scores[j] / softcap) * softcap;
   vec::F top = vec::set(-INFINITY);
   for (int64_t j = 0; j < n; j += 16) top = vec::max(top, vec::load(scores + j, n - j, -INFINITY));
   const vec::F peak = vec::set(vec::top(top));

@@ -179,7 +179,7 @@ void attend_block(const AttentionArgs& a, int64_t b, int64_t head, int64_t r0, S
     uint16_t* pr = probs + r * s.width;
     const int64_t n = count[r];
     for (int64_t j = start[r]; j < n; j++) sc[j] = sc[tail[r][j - start[r]]];  // a tree row's ancestors
-    const __m512 inv = _mm512_set1_ps(1.f / exponentiate(sc, n));
+    const __m512 inv = _mm512_set1_ps(1.f / exponentiate(sc, n, a.softcap));
     for (int64_t j = 0; j < n; j += 16) {
       const __mmask16 live = lanes(n - j);
       const __m256bh p = _mm512_cvtneps_pbh(_mm512_maskz_mul_ps(live, _mm512_loadu_ps(sc + j), inv));

@@ -260,7 +260,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("f32_mm", &f32_mm, kFree);
   mod.def("attention", &attention, kFree, pybind11::arg("q"), pybind11::arg("keys"), pybind11::arg("values"),
           pybind11::arg("n_keys"), pybind11::arg("scale"), pybind11::arg("slots") = pybind11::none(),
-          pybind11::arg("tree") = pybind11::none(), pybind11::arg("amx") = true, pybind11::arg("window") = 0);
+          pybind11::arg("tree") = pybind11::none(), pybind11::arg("amx") = true, pybind11::arg("window") = 0,
+          pybind11::arg("softcap") = 0.0);
   mod.def("rms_norm", &rms_norm, kFree);
   mod.def("add_rms_norm", &add_rms_norm, kFree);
   mod.def("rope_", &rope_, kFree);

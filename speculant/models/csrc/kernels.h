@@ -30,13 +30,14 @@ void bf16_dot_into(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor
 torch::Tensor f32_mm(torch::Tensor x, torch::Tensor w);
 
 // attention.cpp: each query row over exactly its keys; `amx` false keeps the vector kernel on an AMX CPU;
-// `window` > 0: a row sees its last `window` positions only.
+// `window` > 0: a row sees its last `window` positions only; `softcap` > 0: scores soft-capped (Gemma 2).
 torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor n_keys,
                         double scale, c10::optional<torch::Tensor> slots, c10::optional<torch::Tensor> tree,
-                        bool amx = true, int64_t window = 0);
+                        bool amx = true, int64_t window = 0, double softcap = 0);
 void attention_into(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                     const torch::Tensor& n_keys, double scale, const c10::optional<torch::Tensor>& slots,
-                    const c10::optional<torch::Tensor>& tree, bool amx, torch::Tensor& out, int64_t window = 0);
+                    const c10::optional<torch::Tensor>& tree, bool amx, torch::Tensor& out, int64_t window = 0,
+                    double softcap = 0);
 
 // layer_ops.cpp: RMSNorm (alone or after a residual sum), rotary embedding in place, silu(gate) · up.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
