@@ -10,6 +10,7 @@ import gguf
 import pytest
 import torch
 from conftest import save_tiny, transformers
+from gguf import GGMLQuantizationType as Q
 from test_gemma3 import our_logits, randomize_norms, run
 from test_gguf import VOCAB, close, writer_for
 
@@ -180,9 +181,9 @@ def test_bfloat16_speculation_and_batches_equal_plain(folder, attention_path):
 
 # --- GGUF ---------------------------------------------------------------------------------------------------
 
-def write_gemma2_gguf(path, folder, caps: bool = True) -> None:
-    """llama.cpp's layout of the folder's weights in F32: its tensor names, norms holding 1 + w, the caps and
-    window in its keys (`caps` False: left out, so the reader falls back on llama.cpp's defaults)."""
+def write_gemma2_gguf(path, folder, caps: bool = True, qtype: gguf.GGMLQuantizationType = Q.F32) -> None:
+    """llama.cpp's layout of the folder's weights: its tensor names, norms holding 1 + w, matrices in `qtype`, the
+    caps and window in its keys (`caps` False: left out, so the reader falls back on llama.cpp's defaults)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     cfg = model.config
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA2, cfg.num_hidden_layers)
@@ -199,7 +200,10 @@ def write_gemma2_gguf(path, folder, caps: bool = True) -> None:
         value = tensor.numpy() + (1.0 if "norm" in name else 0.0)
         gguf_name = names.get_name(name, try_suffixes=(".weight",))
         assert gguf_name is not None, name
-        writer.add_tensor(gguf_name, value)
+        if value.ndim == 2 and qtype != Q.F32:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, value)
     close(writer)
 
 
@@ -229,3 +233,24 @@ def test_gguf_without_caps_takes_llama_cpps_defaults(gguf_folder, tmp_path):
     config = conv.hf_config(conv.open_gguf(path), conv.read_metadata(conv.open_gguf(path)), "gemma2", path)
     assert (config["attn_logit_softcapping"], config["final_logit_softcapping"]) == (50.0, 30.0)
     assert config["sliding_window"] == WINDOW and config["query_pre_attn_scalar"] == 32
+
+
+def test_gguf_on_its_own_blocks_speculates_exactly(gguf_folder, tmp_path):
+    """Q8_0 blocks on the native kernels (bf16 activations, the capped attention kernel, the head's blocks capped
+    after): a model of its own, close to the reference, whose speculative and batched output is its plain output
+    alone."""
+    from speculant.models.gguf_native import native_loadable
+
+    path = tmp_path / "tiny-gemma2-q8_0.gguf"
+    write_gemma2_gguf(path, gguf_folder, qtype=Q.Q8_0)
+    if not native_loadable(path):
+        pytest.skip(f"the native GGUF kernels do not run here ({native.off_reason() or 'no kernel for Q8_0'})")
+    target = load_model(path, dtype="auto", quantization="auto")
+    assert target.quantization == "gguf"
+    got, _ = our_logits(target.model, IDS)
+    expected = reference_logits(gguf_folder, IDS)
+    assert (got - expected).abs().max().item() < 0.25 * expected.abs().max().item()
+    assert got.abs().max().item() <= FINAL_CAP
+    plain = [run(target, None, [p], rows=1)[0] for p in PROMPTS]
+    assert run(target, None, PROMPTS) == plain
+    assert run(target, SPEC, PROMPTS) == plain
