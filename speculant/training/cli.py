@@ -68,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--draft-layers", type=int, default=defaults.draft_layers, help="draft_model layers")
     t.add_argument("--ttt-steps", type=int, default=defaults.ttt_steps,
                    help="eagle3: training-time-test steps (the head fed its own output for the later ones)")
+    t.add_argument("--feature-cache-gb", type=float, default=defaults.feature_cache_gb,
+                   help="eagle3: keep the target's features of the recorded sequences in memory up to this size "
+                        "(fp32), read once instead of once per epoch (0: read every window's sequence each time)")
     t.add_argument("--checkpoint-every", type=non_negative, default=0, metavar="STEPS",
                    help="save a resumable checkpoint to OUT/checkpoint every STEPS steps; run the same command "
                         "again to resume from the last one (0: none)")
@@ -120,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
                       lr=args.lr or (1e-3 if args.kind in ("eagle", "eagle3") else 2e-3),
                       kl_weight=args.kl_weight, kl_fraction=args.kl_fraction, draft_vocab=args.draft_vocab,
                       draft_dim=args.draft_dim, ttt_steps=args.ttt_steps, checkpoint_every=args.checkpoint_every,
+                      feature_cache_gb=args.feature_cache_gb,
                       draft_layers=args.draft_layers, seed=args.seed)
     summary = train(target, data, cfg, args.out)
     summary["data"] = {"folders": list(map(str, folders)), "tokens": len(data["tokens"]),

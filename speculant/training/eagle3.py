@@ -14,6 +14,7 @@ vocabulary, step j weighted 0.8^j.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,7 +33,8 @@ STEP_DECAY = 0.8  # EAGLE-3's weight of later training-time-test steps
 
 
 class Eagle3Objective(nn.Module):
-    def __init__(self, target: LoadedModel, cfg: TrainConfig, vocab: torch.Tensor | None):
+    def __init__(self, target: LoadedModel, cfg: TrainConfig, vocab: torch.Tensor | None,
+                 data: dict[str, torch.Tensor] | None = None):
         super().__init__()
         self.cfg, self.target_model = cfg, target.model
         t = target.config
@@ -51,6 +53,7 @@ class Eagle3Objective(nn.Module):
             self.model.lm_head.weight.data.copy_(target.model.lm_head.weight.detach().float()[vocab])
         self.register_buffer("index", None if vocab is None else torch.full(
             (t.vocab_size,), -1, dtype=torch.long).index_copy_(0, vocab, torch.arange(len(vocab))))
+        self.sequences = None if data is None else SequenceFeatures(self, data, cfg.feature_cache_gb)
 
     def trainable(self) -> list[nn.Parameter]:
         return list(self.model.parameters())
@@ -63,10 +66,18 @@ class Eagle3Objective(nn.Module):
         return self.target_model(tokens, cache, torch.arange(len(tokens), device=tokens.device),
                                  capture=tuple(self.aux))[1].float()
 
+    def window_features(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The features of a batch's windows [B, T, 3·D], each read in its whole sequence from the first token
+        (where the batch says where its windows start; else each window read alone)."""
+        if self.sequences is None or "starts" not in batch:
+            return self.features(batch["tokens"])
+        return self.sequences.windows(batch["starts"].tolist(), batch["valid"].sum(1).tolist(),
+                                      batch["tokens"].shape[1])
+
     def loss(self, batch: dict[str, torch.Tensor], train: bool = True) -> tuple[torch.Tensor, dict]:
         tokens, valid = batch["tokens"], batch["valid"]
         head, T = self.model, tokens.shape[1] - 1
-        features = self.features(tokens)[:, :-1]  # entry t reads feature t and token t+1
+        features = self.window_features(batch)[:, :-1]  # entry t reads feature t and token t+1
         embeds = self.target_model.embed(tokens).float().detach()
         hidden = head.fuse(features)
         keys: list[torch.Tensor] = []
@@ -127,3 +138,48 @@ class Eagle3Objective(nn.Module):
         """SpecForge's form (config.json + model.safetensors), which vLLM and SGLang load."""
         save_eagle3(self.model, out, "specforge", extra={"speculant_training": {
             k: v for k, v in training.items() if k in ("steps", "epochs", "wall_time_s", "train_tokens")}})
+
+
+class SequenceFeatures:
+    """The target's features of the recorded sequences' windows, each window read with everything before it in
+    its sequence: the labels (the target's top-k) were recorded from whole sequences and drafting reads the whole
+    context, so a window that starts mid-sequence read alone would teach features the head never sees.
+
+    Sequences are read in fixed groups of GROUP (the same bits whatever order training asks for them, and after a
+    resume) and kept while they fit `budget_gb`; past it each batch reads its windows' sequences up to their ends."""
+
+    GROUP = 8
+
+    def __init__(self, objective: Eagle3Objective, data: dict[str, torch.Tensor], budget_gb: float):
+        self.objective = objective
+        self.tokens, self.offsets = data["tokens"], data["offsets"].tolist()
+        width = len(objective.aux) * objective.target_model.cfg.dim
+        self.cacheable = len(self.tokens) * width * 4 <= budget_gb * 2 ** 30
+        self.kept: dict[int, torch.Tensor] = {}
+
+    def windows(self, starts: list[int], lengths: list[int], T: int) -> torch.Tensor:
+        """Features [B, T, 3·D] of the windows (data offset, length); zeros past each window's length."""
+        seqs = [bisect_right(self.offsets, s) - 1 for s in starts]
+        if self.cacheable:
+            for group in sorted({s // self.GROUP for s in seqs} - {s // self.GROUP for s in self.kept}):
+                first = group * self.GROUP
+                ids = range(first, min(first + self.GROUP, len(self.offsets) - 1))
+                self.kept.update(zip(ids, self.read([(self.offsets[i], self.offsets[i + 1]) for i in ids])))
+            read = [self.kept[s] for s in seqs]
+        else:
+            read = self.read([(self.offsets[q], s + n) for q, s, n in zip(seqs, starts, lengths)])
+        out = None
+        for b, (q, s, n, f) in enumerate(zip(seqs, starts, lengths, read)):
+            out = f.new_zeros(len(starts), T, f.shape[-1]) if out is None else out
+            at = s - self.offsets[q]
+            out[b, :n] = f[at:at + n]
+        return out
+
+    def read(self, spans: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """The target's features of data[a:b] for each span, read together in one padded pass."""
+        device = self.objective.target_model.device
+        tokens = torch.zeros(len(spans), max(b - a for a, b in spans), dtype=torch.long)
+        for i, (a, b) in enumerate(spans):
+            tokens[i, :b - a] = self.tokens[a:b]
+        features = self.objective.features(tokens.to(device))
+        return [features[i, :b - a].clone() for i, (a, b) in enumerate(spans)]

@@ -61,6 +61,9 @@ class TrainConfig:
     # The head drafts from the target's N most frequent next tokens (0: all): a few thousand cover most of
     # the target's first choices, and a draft token's cost falls with N.
     draft_vocab: int = 2048
+    # eagle3: the target's features of the recorded sequences are kept in memory (fp32) up to this size, so each
+    # is read once, not once per epoch
+    feature_cache_gb: float = 4.0
     # draft_model
     draft_dim: int = 256
     draft_layers: int = 3
@@ -217,7 +220,7 @@ def make_objective(target: LoadedModel, cfg: TrainConfig, data: dict[str, torch.
     if cfg.kind == "eagle3":
         from speculant.training.eagle3 import Eagle3Objective
 
-        return Eagle3Objective(target, cfg, frequent_next_tokens(data, cfg.draft_vocab, target.config.vocab_size))
+        return Eagle3Objective(target, cfg, frequent_next_tokens(data, cfg.draft_vocab, target.config.vocab_size), data)
     if cfg.kind == "draft_model":
         return DraftModelObjective(target, cfg)
     raise ValueError(f"unknown draft kind {cfg.kind!r}; choose one of {', '.join(KINDS)}")
@@ -250,6 +253,7 @@ def make_batch(data: dict[str, torch.Tensor], windows: list[tuple[int, int]],
         "topk_logprobs": torch.zeros(B, T, data["topk_logprobs"].shape[1]),
         "topk_ids": torch.zeros(B, T, data["topk_ids"].shape[1], dtype=torch.long),
         "valid": torch.zeros(B, T, dtype=torch.bool),
+        "starts": torch.tensor([start for start, _ in windows]),  # where each window is in the data
     }
     for b, (start, n) in enumerate(windows):
         batch["tokens"][b, :n] = data["tokens"][start:start + n]

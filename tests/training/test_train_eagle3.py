@@ -18,7 +18,7 @@ from speculant.proposers import build_proposer
 from speculant.training import train as train_module
 from speculant.training.data import load_dataset, record
 from speculant.training.eagle3 import Eagle3Objective
-from speculant.training.train import train
+from speculant.training.train import make_batch, train
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +71,25 @@ def test_training_time_test_computes_what_drafting_computes(target_dir):
                     break
                 out = head(embeds[:, t + 1 + j:t + 2 + j], out, cache, slots)
                 torch.testing.assert_close(out[0, 0], trained[j][0, t], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("cache_gb", [4.0, 0.0])
+def test_a_window_inside_a_sequence_reads_its_whole_sequence(target_dir, monkeypatch, cache_gb):
+    """The head is fed the features drafting reads: the target's over everything before each position, as the
+    recorded labels are; a window that starts mid-sequence read alone would lack its context."""
+    target = load_model(target_dir, pack=False)
+    seqs = [[(7 * i + 3) % 90 + 3 for i in range(n)] for n in (40, 30)]
+    data = record(seqs, target, top_k=4)
+    objective = Eagle3Objective(target, config(window=16, feature_cache_gb=cache_gb), None, data)
+    fed = []
+    layer = objective.layer
+    monkeypatch.setattr(objective, "layer", lambda e, hidden, k, v, j: fed.append(hidden) or layer(e, hidden, k, v, j))
+    objective.loss(make_batch(data, [(16, 16), (40 + 16, 14)]))
+    with torch.no_grad():
+        whole = [objective.features(torch.tensor([s]))[0] for s in seqs]
+        expected = [objective.model.fuse(whole[0][16:31]), objective.model.fuse(whole[1][16:29])]
+    torch.testing.assert_close(fed[0][0], expected[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fed[0][1, :13], expected[1], rtol=1e-4, atol=1e-4)
 
 
 def test_checkpoint_and_resume_give_the_uninterrupted_weights(target_dir, data_dir, tmp_path, monkeypatch):
