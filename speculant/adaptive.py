@@ -112,6 +112,10 @@ class AdaptiveK:
     # k. With from_batch 2 a run that never batches never measures the curve (seconds on a 1.5B).
     from_batch: int = 1
     load_curve: Callable[[], CostCurve] | None = None
+    # best()'s answers since the acceptance last changed: while drafting is off they are asked the same question
+    # every step, and at a small target's few milliseconds a pass recomputing them cost 1-2 % of it.
+    seen: int = 0  # raised whenever the acceptance changes (observe, new_request)
+    answers: dict = field(default_factory=dict)
 
     @property
     def costs(self) -> CostCurve:
@@ -164,6 +168,7 @@ class AdaptiveK:
             b.reached = [r * REQUEST_MEMORY for r in b.reached]
             b.kept = [c * REQUEST_MEMORY for c in b.kept]
             b.probe_interval = b.idle_steps = self.probe_every
+        self.seen += 1
         self.joined()
 
     def joined(self) -> None:
@@ -218,9 +223,10 @@ class AdaptiveK:
         for key in drafting:
             b = self.bucket(key)
             b.idle_steps += 1
-            if b.idle_steps >= b.probe_interval and self.best(buckets, available, draft_ratio, {key}, remaining)[0]:
+            if (b.idle_steps >= b.probe_interval and self.probe_debt <= 0
+                    and self.best(buckets, available, draft_ratio, {key}, remaining)[0]):
                 due.append(key)
-        if not due or self.probe_debt > 0:
+        if not due:
             return 0
         width = min(PROBE_WIDTH, self.k_max)
         for key in due:
@@ -238,13 +244,25 @@ class AdaptiveK:
         has available[b] drafts from bucket buckets[b]; 0 when none gains MIN_GAIN. A row without a
         draft yields one token but pays for the widened pass all the same. Drafts of the `optimistic`
         buckets count as all accepted; `remaining` as in plan()."""
-        expected = {key: expected_tokens_upto([1.0] * self.k_max if key in optimistic else self.acceptance(key))
-                    for key in set(buckets)}
         batch = len(buckets)
         extra = 0
         if any(n and key == MODEL_BUCKET for key, n in zip(buckets, available)):
             extra = self.extra_nodes if self.extra_at is None else self.extra_at(batch)
         scale = self.calibration(batch)
+        # The calibration drifts a little every step (the plain pass's time): to 2 decimals it is the same answer.
+        question = (tuple(buckets), tuple(available), draft_ratio, frozenset(optimistic), extra, round(scale, 2),
+                    None if remaining is None or batch == 1 else tuple(remaining), self.alpha, self.seen)
+        if question not in self.answers:
+            if len(self.answers) > 64 or any(q[-1] != self.seen for q in self.answers):
+                self.answers.clear()
+            self.answers[question] = self._best(buckets, available, draft_ratio, optimistic, remaining, extra, scale)
+        return self.answers[question]
+
+    def _best(self, buckets: list[int], available: list[int], draft_ratio: float, optimistic: set[int],
+              remaining: list[int] | None, extra: int, scale: float) -> tuple[int, float]:
+        expected = {key: expected_tokens_upto([1.0] * self.k_max if key in optimistic else self.acceptance(key))
+                    for key in set(buckets)}
+        batch = len(buckets)
         fixed_share = min(self.costs.cost(1, 1) / self.costs.cost(batch, 1), 1.0)
         catch_up = None if remaining is None or batch == 1 else [max(remaining) / max(r, 1) for r in remaining]
         scored = [(0.0, 0)]
@@ -303,6 +321,8 @@ class AdaptiveK:
         if step.pass_s is not None:
             self.observe_pass(step.batch_size, step.width or max(step.drafted, default=0) + 1, step.pass_s)
         self.charge_probe(step)
+        if any(step.drafted):
+            self.seen += 1
         for key in {key for key, n in zip(step.buckets, step.drafted) if n}:
             b = self.bucket(key)
             b.reached = [r * self.memory for r in b.reached]

@@ -5,14 +5,16 @@ values, but which experts a pass runs depends on its tokens) in the engine's def
 C(k+1)/C(1) for k = 0..8 at batch 1 and 4, as adaptive k measures it (speedup.measure_cost_curve), then decoding
 time of plain decoding, adaptive k with a deliberately poor draft model (random weights: its drafts are rarely
 right) and adaptive prompt lookup, at batch 1 and 4, interleaved (each round runs every configuration, the order
-rotated): geometric means of plain's time over each configuration's (above 1: faster than plain), and whether the
-outputs equal plain decoding's.
+rotated): geometric means of plain's time over each configuration's (above 1: faster than plain) with a 95% t
+interval over the rounds, beside a second plain engine's (the run's noise), and whether the outputs equal plain
+decoding's.
 
     flock /tmp/speculant-timing.lock python tools/moe_adaptive.py [rounds 5] [max_tokens 48]
 """
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import sys
@@ -20,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import scipy.stats
 import torch
 import transformers
 
@@ -63,7 +66,9 @@ def main(rounds: int, max_tokens: int) -> None:
     for b in (1, 4):
         ratios = " ".join(f"{curve.ratio(b, t):.2f}" for t in range(1, 10))
         print(f"batch {b}: C(1) {1e3 * curve.cost(b, 1):.1f} ms, C(k+1)/C(1) for k = 0..8: {ratios}")
-    specs = {"plain": None,
+    # "plain again" is plain decoding once more: its ratio to plain is the run's noise, the floor the others are read
+    # against.
+    specs = {"plain": None, "plain again": None,
              "poor-draft": {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 4,
                             "adaptive": True},
              "ngram": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": True}}
@@ -84,11 +89,14 @@ def main(rounds: int, max_tokens: int) -> None:
                 if r:
                     outputs[name].append([s.output_ids for s in seqs])
         for name in names[1:]:
-            ratio = statistics.geometric_mean(p / s for p, s in zip(seconds["plain"], seconds[name]))
+            logs = [math.log(p / s) for p, s in zip(seconds["plain"], seconds[name])]
+            ratio = math.exp(statistics.mean(logs))
+            half = scipy.stats.t.ppf(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
             stats = engines[name].stats
             same = sum(a == b for a, b in zip(outputs[name], outputs["plain"]))
             plain_s, own_s = statistics.median(seconds["plain"]), statistics.median(seconds[name])
-            print(f"batch {batch} {name:10s}: {ratio:.3f}x plain's speed (plain {plain_s:.2f} s, {own_s:.2f} s), "
+            print(f"batch {batch} {name:11s}: {ratio:.3f}x plain's speed (95% CI {ratio / math.exp(half):.3f}-"
+                  f"{ratio * math.exp(half):.3f}; plain {plain_s:.2f} s, {own_s:.2f} s), "
                   f"outputs equal plain's {same}/{rounds}, drafted {stats.num_draft_tokens}, "
                   f"accepted {stats.num_accepted_tokens}")
 
