@@ -51,7 +51,7 @@ MAX_SKIPPED = 8  # steps a batch goes without looking for drafts after a step th
 PROBE_WIDTH = 2
 # Probes may cost at most this share of the steps they watch over: on a target whose wide passes are dear (routed
 # experts: a pass of 3 tokens runs about their union), probing at every new request cost more than it found.
-MAX_PROBE_SHARE = 0.01
+MAX_PROBE_SHARE = 0.005
 # The widening cost measured in this run may scale the curve's by this much, no more: a few noisy
 # steps must not make wide passes look free, nor switch speculation off for good.
 CALIBRATION_RANGE = (0.5, 1.5)
