@@ -12,7 +12,7 @@ import torch
 from conftest import save_tiny, transformers
 from gguf import GGMLQuantizationType as Q
 from test_gemma3 import our_logits, randomize_norms, run
-from test_gguf import VOCAB, close, writer_for
+from test_gguf import VOCAB, add_weights, close, writer_for
 
 from speculant.models import gguf as conv
 from speculant.models import llama, native
@@ -194,16 +194,7 @@ def write_gemma2_gguf(path, folder, caps: bool = True, qtype: gguf.GGMLQuantizat
     if caps:
         writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight":
-            continue  # tied
-        value = tensor.numpy() + (1.0 if "norm" in name else 0.0)
-        gguf_name = names.get_name(name, try_suffixes=(".weight",))
-        assert gguf_name is not None, name
-        if value.ndim == 2 and qtype != Q.F32:
-            writer.add_tensor(gguf_name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(gguf_name, value)
+    add_weights(writer, model, names, qtype, norm_offset=1.0)
     close(writer)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import transformers
-from test_gguf import VOCAB, close, writer_for
+from test_gguf import VOCAB, add_weights, close, writer_for
 from test_prefix_cache import BUDGET, check_turns, engine_on
 
 from speculant.config import SamplingParams, SpeculativeConfig
@@ -218,18 +218,7 @@ def write_gemma3_gguf(path, folder, qtype: gguf.GGMLQuantizationType) -> None:
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
     writer.add_sliding_window(cfg.sliding_window)
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight":
-            continue  # tied
-        value = tensor.numpy()
-        if "norm" in name:
-            value = value + 1.0
-        gguf_name = names.get_name(name, try_suffixes=(".weight",))
-        assert gguf_name is not None, name
-        if value.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(gguf_name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(gguf_name, value)
+    add_weights(writer, model, names, qtype, norm_offset=1.0)
     close(writer)
 
 

@@ -80,6 +80,21 @@ def close(writer: gguf.GGUFWriter) -> None:
     writer.close()
 
 
+def add_weights(writer: gguf.GGUFWriter, model, names, qtype: Q | None = None, norm_offset: float = 0.0) -> None:
+    """A transformers model's tensors under llama.cpp's names: matrices in `qtype` (None or F32: as they are),
+    norms plus `norm_offset` (Gemma's 1 + w), a tied head left out."""
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        value = tensor.numpy() + (norm_offset if "norm" in name else 0.0)
+        gguf_name = names.get_name(name, try_suffixes=(".weight",))
+        assert gguf_name is not None, name
+        if value.ndim == 2 and qtype not in (None, Q.F32):
+            writer.add_tensor(gguf_name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, value)
+
+
 def llama_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf.py LlamaModel.permute (HF rotate-half -> interleaved rows)."""
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -142,7 +142,7 @@ def test_odd_rotary_dims_are_refused(phi3, tmp_path):
 def write_phi3_gguf(path, folder, qtype=None) -> None:
     """llama.cpp's layout of a Phi-3 folder: fused attn_qkv and ffn_up kept, LongRoPE's factors as tensors."""
     import gguf
-    from test_gguf import close, writer_for
+    from test_gguf import add_weights, close, writer_for
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     cfg = model.config
@@ -151,12 +151,7 @@ def write_phi3_gguf(path, folder, qtype=None) -> None:
     partial = cfg.rope_parameters.get("partial_rotary_factor", 1.0)
     writer.add_rope_dimension_count(int(cfg.hidden_size // cfg.num_attention_heads * partial))
     writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
-    for name, tensor in model.state_dict().items():
-        value, gguf_name = tensor.numpy(), names.get_name(name, try_suffixes=(".weight",))
-        if qtype is not None and value.ndim == 2:
-            writer.add_tensor(gguf_name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(gguf_name, value)
+    add_weights(writer, model, names, qtype)
     rope = cfg.rope_parameters
     for kind in ("short", "long"):
         writer.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
