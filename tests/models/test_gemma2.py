@@ -12,7 +12,7 @@ import torch
 from conftest import save_tiny, transformers
 from gguf import GGMLQuantizationType as Q
 from test_gemma3 import our_logits, randomize_norms, run
-from test_gguf import VOCAB, add_weights, close, writer_for
+from test_gguf import VOCAB, add_weights, close, native_target, windowed_writer
 
 from speculant.models import gguf as conv
 from speculant.models import llama, native
@@ -187,10 +187,7 @@ def write_gemma2_gguf(path, folder, caps: bool = True, qtype: gguf.GGMLQuantizat
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     cfg = model.config
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA2, cfg.num_hidden_layers)
-    writer = writer_for(path, "gemma2", cfg, cfg.rope_parameters["rope_theta"])
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_sliding_window(cfg.sliding_window)
+    writer = windowed_writer(path, "gemma2", cfg, cfg.rope_parameters["rope_theta"])
     if caps:
         writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
@@ -230,14 +227,9 @@ def test_gguf_on_its_own_blocks_speculates_exactly(gguf_folder, tmp_path):
     """Q8_0 blocks on the native kernels (bf16 activations, the capped attention kernel, the head's blocks capped
     after): a model of its own, close to the reference, whose speculative and batched output is its plain output
     alone."""
-    from speculant.models.gguf_native import native_loadable
-
     path = tmp_path / "tiny-gemma2-q8_0.gguf"
     write_gemma2_gguf(path, gguf_folder, qtype=Q.Q8_0)
-    if not native_loadable(path):
-        pytest.skip(f"the native GGUF kernels do not run here ({native.off_reason() or 'no kernel for Q8_0'})")
-    target = load_model(path, dtype="auto", quantization="auto")
-    assert target.quantization == "gguf"
+    target = native_target(path)
     got, _ = our_logits(target.model, IDS)
     expected = reference_logits(gguf_folder, IDS)
     assert (got - expected).abs().max().item() < 0.25 * expected.abs().max().item()

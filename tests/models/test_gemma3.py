@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import transformers
-from test_gguf import VOCAB, add_weights, close, writer_for
+from test_gguf import VOCAB, add_weights, close, native_target, windowed_writer
 from test_prefix_cache import BUDGET, check_turns, engine_on
 
 from speculant.config import SamplingParams, SpeculativeConfig
@@ -214,10 +214,7 @@ def write_gemma3_gguf(path, folder, qtype: gguf.GGMLQuantizationType) -> None:
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     cfg = model.config
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, cfg.num_hidden_layers)
-    writer = writer_for(path, "gemma3", cfg, cfg.rope_parameters["full_attention"]["rope_theta"])
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_sliding_window(cfg.sliding_window)
+    writer = windowed_writer(path, "gemma3", cfg, cfg.rope_parameters["full_attention"]["rope_theta"])
     add_weights(writer, model, names, qtype, norm_offset=1.0)
     close(writer)
 
@@ -243,14 +240,9 @@ def test_gguf_matches_transformers(gguf_folder, tmp_path):
 def test_gguf_on_its_own_blocks_speculates_exactly(gguf_folder, tmp_path):
     """Q8_0 blocks on the native kernels (bf16 activations): a model of its own, close to the reference, whose
     speculative and batched output is its plain output alone."""
-    from speculant.models.gguf_native import native_loadable
-
     path = tmp_path / "tiny-gemma3-q8_0.gguf"
     write_gemma3_gguf(path, gguf_folder, gguf.GGMLQuantizationType.Q8_0)
-    if not native_loadable(path):
-        pytest.skip(f"the native GGUF kernels do not run here ({native.off_reason() or 'no kernel for Q8_0'})")
-    target = load_model(path, dtype="auto", quantization="auto")
-    assert target.quantization == "gguf"
+    target = native_target(path)
     got, _ = our_logits(target.model, IDS)
     expected = reference_logits(gguf_folder, IDS)
     assert (got - expected).abs().max().item() < 0.25 * expected.abs().max().item()

@@ -73,6 +73,28 @@ def writer_for(path: Path, arch: str, cfg, rope_theta: float, tokenizer_pre: str
     return writer
 
 
+def windowed_writer(path: Path, arch: str, cfg, rope_theta: float) -> gguf.GGUFWriter:
+    """writer_for, with the head sizes and sliding window a Gemma config states."""
+    writer = writer_for(path, arch, cfg, rope_theta)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_sliding_window(cfg.sliding_window)
+    return writer
+
+
+def native_target(path: Path):
+    """The file loaded on its own blocks, or the test skipped with the reason they do not run here."""
+    from speculant.models import native
+    from speculant.models.gguf_native import native_loadable
+    from speculant.models.loader import load_model
+
+    if not native_loadable(path):
+        pytest.skip(f"the native GGUF kernels do not run here ({native.off_reason() or 'no kernel for its type'})")
+    target = load_model(path, dtype="auto", quantization="auto")
+    assert target.quantization == "gguf"
+    return target
+
+
 def close(writer: gguf.GGUFWriter) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

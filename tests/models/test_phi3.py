@@ -195,19 +195,13 @@ def test_gguf_on_its_own_blocks_speculates_exactly(tmp_path, layout):
     """Q8_0 blocks on the native kernels, the fused tensors as they are (Phi-4-mini's rows in the rotary layout):
     near the same file dequantized, and its speculative and batched output is its plain output alone."""
     import gguf
-    from test_gguf import VOCAB
-
-    from speculant.models import native
-    from speculant.models.gguf_native import native_loadable
+    from test_gguf import VOCAB, native_target
 
     folder = save_tiny(tmp_path / "phi3", transformers.Phi3Config, seed=5, init_std=0.1, pad_token_id=0,
                        vocab_size=VOCAB, **layout)
     path = tmp_path / "tiny-phi3-q8_0.gguf"
     write_phi3_gguf(path, folder, gguf.GGMLQuantizationType.Q8_0)
-    if not native_loadable(path):
-        pytest.skip(f"the native GGUF kernels do not run here ({native.off_reason() or 'no kernel for Q8_0'})")
-    target = load_model(path, dtype="auto", quantization="auto")
-    assert target.quantization == "gguf"
+    target = native_target(path)
     ids = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(6))
     expected = logits_of(load_model(path), ids)  # the same blocks dequantized, in fp32
     assert (logits_of(target, ids) - expected).abs().max().item() < 0.05 * expected.abs().max().item()
