@@ -35,7 +35,7 @@ from speculant.models.gguf import (
     write_tokenizer,
 )
 from speculant.models.hugepages import read_into_huge_pages
-from speculant.models.llama import ModelConfig, Transformer, rotary_layout
+from speculant.models.llama import ModelConfig, Transformer, rotary_rows
 
 FORMAT_VERSION = 4
 # An embedding table up to this size is dequantized whole at load (SmolLM2-135M's: 57 MB), a larger one a
@@ -142,7 +142,8 @@ def write_packed(reader: gguf.GGUFReader, config: dict, arch: str, src: Path, ou
     """Every quantized matrix (the token embedding only where it is the head too), repacked CHUNK_ROWS outputs
     at a time into one file, with the norms and biases; the embedding's place in the GGUF file."""
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    qkv_rows = rotary_rows(ModelConfig.from_hf(config, source=str(src)))
+    cfg = ModelConfig.from_hf(config, source=str(src))
+    qkv_rows = rotary_rows(cfg).numpy() if cfg.rotary_dim else None
     plan, offset = [], 0
     tied = "output.weight" not in {t.name for t in reader.tensors}
     for t in reader.tensors:
@@ -200,17 +201,6 @@ def release(reader: gguf.GGUFReader) -> None:
     mm = getattr(reader.data, "_mmap", None)
     if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
         mm.madvise(mmap.MADV_DONTNEED)
-
-
-def rotary_rows(cfg: ModelConfig) -> np.ndarray | None:
-    """A fused qkv tensor's rows in the order llama.Attention stores them when a head rotates in part
-    (llama.rotary_layout); None when it rotates whole."""
-    if not cfg.rotary_dim:
-        return None
-    dims = rotary_layout(cfg.head_dim, cfg.rotary_dim).numpy()
-    heads = [h * cfg.head_dim + dims for h in range(cfg.n_heads + cfg.n_kv_heads)]  # q's, then k's
-    v = np.arange(cfg.n_kv_heads * cfg.head_dim) + (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim
-    return np.concatenate([*heads, v])
 
 
 def unpermute_rows(n_out: int, n_heads: int) -> np.ndarray:

@@ -212,29 +212,32 @@ def rotary_layout(head_dim: int, rotary_dim: int) -> torch.Tensor:
     return torch.cat((rotated[:half], passed[:rest], rotated[half:], passed[rest:]))
 
 
-def permute_rotary_on_load(attn: nn.Module, cfg: ModelConfig) -> None:
-    """Store q and k (fused in qkv_proj) in rotary_layout; state_dict() gives the checkpoint's order back."""
-    heads = {"q_proj": cfg.n_heads, "k_proj": cfg.n_kv_heads}
+def rotary_rows(cfg: ModelConfig) -> torch.Tensor:
+    """The fused qkv projection's rows in the order they are stored here: each q and k head in rotary_layout, the
+    v rows as they are. GGUF files (gguf_native) are repacked in this order, checkpoints permuted on load."""
+    dims = rotary_layout(cfg.head_dim, cfg.rotary_dim)
+    heads = [h * cfg.head_dim + dims for h in range(cfg.n_heads + cfg.n_kv_heads)]  # q's, then k's
+    start = (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim
+    return torch.cat([*heads, torch.arange(start, start + cfg.n_kv_heads * cfg.head_dim)])
 
-    def permute(w: torch.Tensor, n_heads: int, inverse: bool = False) -> torch.Tensor:
-        # Made here, not at construction: a model is built on the meta device.
-        order = rotary_layout(cfg.head_dim, cfg.rotary_dim).to(w.device)
-        index = order.argsort() if inverse else order
-        return w.reshape(n_heads, cfg.head_dim, *w.shape[1:])[:, index].reshape(w.shape)
+
+def permute_rotary_on_load(attn: nn.Module, cfg: ModelConfig) -> None:
+    """Store qkv_proj's rows in rotary_rows' order; state_dict() gives the checkpoint's order back."""
 
     def on_load(_module, state, prefix, *_):
         for suffix in ("weight", "bias"):
             key = f"{prefix}qkv_proj.{suffix}"
-            if key in state:  # q and k lead the fused rows (fuse_on_load ran first)
-                q, k, v = state[key].split([n * cfg.head_dim for n in (cfg.n_heads, cfg.n_kv_heads,
-                                                                       cfg.n_kv_heads)])
-                state[key] = torch.cat((permute(q, cfg.n_heads), permute(k, cfg.n_kv_heads), v))
+            if key in state:  # fuse_on_load ran first; the order is made here, as the model is on the meta device
+                state[key] = state[key][rotary_rows(cfg).to(state[key].device)]
 
     def on_save(_module, state, prefix, _meta):
-        for name, n in heads.items():
+        rows = rotary_rows(cfg)
+        q_rows, k_rows = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        for name, order in (("q_proj", rows[:q_rows]), ("k_proj", rows[q_rows:q_rows + k_rows] - q_rows)):
             for suffix in ("weight", "bias"):
-                if f"{prefix}{name}.{suffix}" in state:
-                    state[f"{prefix}{name}.{suffix}"] = permute(state[f"{prefix}{name}.{suffix}"], n, True)
+                key = f"{prefix}{name}.{suffix}"
+                if key in state:
+                    state[key] = state[key][order.argsort().to(state[key].device)]
 
     attn.register_load_state_dict_pre_hook(on_load)
     attn.register_state_dict_post_hook(on_save)
