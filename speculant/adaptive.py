@@ -112,9 +112,9 @@ class AdaptiveK:
     # k. With from_batch 2 a run that never batches never measures the curve (seconds on a 1.5B).
     from_batch: int = 1
     load_curve: Callable[[], CostCurve] | None = None
-    # best()'s answers since the acceptance last changed: while drafting is off they are asked the same question
-    # every step, and at a small target's few milliseconds a pass recomputing them cost 1-2 % of it.
-    seen: int = 0  # raised whenever the acceptance changes (observe, new_request)
+    # best()'s answers since the acceptance last changed (emptied then: observe, new_request): while drafting is off
+    # they are asked the same question every step, and at a small target's few milliseconds a pass recomputing
+    # them cost 1-2 % of it.
     answers: dict = field(default_factory=dict)
 
     @property
@@ -168,7 +168,7 @@ class AdaptiveK:
             b.reached = [r * REQUEST_MEMORY for r in b.reached]
             b.kept = [c * REQUEST_MEMORY for c in b.kept]
             b.probe_interval = b.idle_steps = self.probe_every
-        self.seen += 1
+        self.answers.clear()
         self.joined()
 
     def joined(self) -> None:
@@ -251,9 +251,9 @@ class AdaptiveK:
         scale = self.calibration(batch)
         # The calibration drifts a little every step (the plain pass's time): to 2 decimals it is the same answer.
         question = (tuple(buckets), tuple(available), draft_ratio, frozenset(optimistic), extra, round(scale, 2),
-                    None if remaining is None or batch == 1 else tuple(remaining), self.alpha, self.seen)
+                    None if remaining is None or batch == 1 else tuple(remaining), self.alpha)
         if question not in self.answers:
-            if len(self.answers) > 64 or any(q[-1] != self.seen for q in self.answers):
+            if len(self.answers) > 64:  # batches' questions differ by their rows' remaining tokens
                 self.answers.clear()
             self.answers[question] = self._best(buckets, available, draft_ratio, optimistic, remaining, extra, scale)
         return self.answers[question]
@@ -322,7 +322,7 @@ class AdaptiveK:
             self.observe_pass(step.batch_size, step.width or max(step.drafted, default=0) + 1, step.pass_s)
         self.charge_probe(step)
         if any(step.drafted):
-            self.seen += 1
+            self.answers.clear()
         for key in {key for key, n in zip(step.buckets, step.drafted) if n}:
             b = self.bucket(key)
             b.reached = [r * self.memory for r in b.reached]
