@@ -14,10 +14,9 @@ from test_gguf import VOCAB, add_weights, close, native_target, windowed_writer
 from test_prefix_cache import BUDGET, check_turns, engine_on
 
 from speculant.config import SamplingParams, SpeculativeConfig
-from speculant.engine import Engine
+from speculant.llm import engine_for
 from speculant.models import llama, native
 from speculant.models.loader import load_model
-from speculant.proposers import build_proposer
 
 TOL = 1e-4
 WINDOW = 8
@@ -133,10 +132,7 @@ def test_conditional_generation_folder_loads_its_text_model(tmp_path):
 
 
 def run(target, spec: dict | None, prompts, rows: int = 4) -> list[list[int]]:
-    cfg = SpeculativeConfig.parse(spec)
-    k = cfg.num_speculative_tokens if cfg else 0
-    proposer = build_proposer(cfg, target, rows, 128 + k + 1) if cfg else None
-    engine = Engine(target, proposer, k, max_batch_size=rows, max_model_len=128)
+    engine = engine_for(target, SpeculativeConfig.parse(spec), rows, 128)
     seqs = [engine.add_request(p, GREEDY) for p in prompts]
     engine.generate(seqs)
     return [s.output_ids for s in seqs]

@@ -13,11 +13,10 @@ from safetensors.torch import load_file
 from test_gguf import VOCAB, close, llama_permute, writer_for
 
 from speculant.config import SamplingParams, SpeculativeConfig
-from speculant.engine import Engine
+from speculant.llm import engine_for
 from speculant.models.gguf_native import native_loadable
 from speculant.models.loader import load_model
 from speculant.models.moe import MoE
-from speculant.proposers import build_proposer
 
 TOL = 1e-4
 N_TOKENS = 32
@@ -111,11 +110,7 @@ def logits_error(model, ref, prompt: list[int]) -> float:
 
 
 def greedy(target, prompts: list[list[int]], spec: dict | None = None, max_batch_size: int = 1) -> list[list[int]]:
-    cfg = SpeculativeConfig.parse(spec)
-    k = cfg.num_speculative_tokens + cfg.tree_width - 1 if cfg else 0
-    proposer = build_proposer(cfg, target, max_batch_size, 128 + k + 1) if cfg else None
-    engine = Engine(target, proposer, cfg.num_speculative_tokens if cfg else 0, max_batch_size=max_batch_size,
-                    max_model_len=128)
+    engine = engine_for(target, SpeculativeConfig.parse(spec), max_batch_size, 128)
     params = SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True)
     seqs = [engine.add_request(p, params) for p in prompts]
     engine.generate(seqs)

@@ -14,8 +14,8 @@ from test_models import PHI3_LONGROPE
 from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.engine import Engine
 from speculant.errors import SpeculantError
+from speculant.llm import engine_for
 from speculant.models.loader import load_model
-from speculant.proposers import build_proposer
 
 PROMPTS = [[5, 17, 33, 8, 60, 12], [40, 41, 42, 40, 41, 42, 40], [90, 3, 77, 21, 14, 9, 55, 31, 2 + 60]]
 N_TOKENS = 32
@@ -28,10 +28,7 @@ def phi3(tmp_path_factory):
 
 
 def speculant_greedy(target, prompt: list[int], spec: dict | None = None) -> list[int]:
-    cfg = SpeculativeConfig.parse(spec)
-    k = cfg.num_speculative_tokens if cfg else 0
-    proposer = build_proposer(cfg, target, 1, 128 + k + 1) if cfg else None
-    engine = Engine(target, proposer, k, max_batch_size=1, max_model_len=128)
+    engine = engine_for(target, SpeculativeConfig.parse(spec), 1, 128)
     seq = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True))
     return engine.generate([seq])[0].output_ids
 
