@@ -9,7 +9,7 @@ import os
 import torch
 
 from speculant.errors import SpeculantError
-from speculant.models.llama import ModelConfig
+from speculant.models.model_config import ModelConfig
 
 log = logging.getLogger("speculant")
 

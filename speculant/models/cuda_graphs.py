@@ -29,9 +29,11 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from speculant.models.attention import Pass, attention_mask, tree_layout
 from speculant.models.kv_cache import CacheIndex, KVCache
 from speculant.models.limits import MAX_VERIFY_WIDTH
-from speculant.models.llama import Pass, Transformer, attention_mask, rope_tables, tree_layout
+from speculant.models.llama import Transformer
+from speculant.models.rope import rope_tables
 
 ATTENTION_BACKEND = SDPBackend.MATH  # row-invariant (module docstring); tools/attention_probe.py compares
 

@@ -258,7 +258,7 @@ def hf_config(reader: gguf.GGUFReader, meta: dict, arch: str, src: Path) -> dict
     for cap in SOFT_CAPS:  # where llama.cpp caps the family: the file's value, else its default (gguf_defaults)
         if cap in config:
             config[cap] = float(meta.get(f"{arch}.{cap}", config[cap]))
-    if family.norm_offset:  # llama.cpp's converter added it to the norms already (llama.ModelConfig reads this)
+    if family.norm_offset:  # llama.cpp's converter added it to the norms already (model_config.ModelConfig reads this)
         config["norm_weights_include_offset"] = True
     if family.gguf_width_scaled_layers:  # llama.cpp scales the 27B's scores by its width per head, not head_dim
         wide = config["num_hidden_layers"] == family.gguf_width_scaled_layers

@@ -35,7 +35,9 @@ from speculant.models.gguf import (
     write_tokenizer,
 )
 from speculant.models.hugepages import read_into_huge_pages
-from speculant.models.llama import ModelConfig, Transformer, rotary_rows
+from speculant.models.llama import Transformer
+from speculant.models.model_config import ModelConfig
+from speculant.models.rope import rotary_rows
 
 FORMAT_VERSION = 4
 # An embedding table up to this size is dequantized whole at load (SmolLM2-135M's: 57 MB), a larger one a

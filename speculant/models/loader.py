@@ -19,7 +19,8 @@ from speculant.errors import SpeculantError
 from speculant.models.cuda_graphs import use_static_passes
 from speculant.models.hugepages import move_to_huge_pages
 from speculant.models.kernels import fast_bfloat16, pack_linears
-from speculant.models.llama import ModelConfig, Transformer
+from speculant.models.llama import Transformer
+from speculant.models.model_config import ModelConfig
 from speculant.models.moe import expert_state
 from speculant.models.quantize import QUANTIZATIONS, matching_quantization, quantize
 from speculant.models.tokenizer import Tokenizer

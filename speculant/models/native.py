@@ -299,7 +299,7 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n_keys:
               tree: torch.Tensor | None = None, window: int | None = None, scale: float | None = None,
               softcap: float | None = None) -> torch.Tensor:
     """q [B, T, Hq, D] (a strided view will do), keys/values [B, Hkv, S, D] bf16 or fp32, n_keys [B, T]: row (b, t)
-    attends to the first n_keys[b, t] keys (a draft tree's, `tree`: see llama.Pass; with a sliding `window`, the
+    attends to the first n_keys[b, t] keys (a draft tree's, `tree`: see attention.Pass; with a sliding `window`, the
     last `window` positions of them) → [B, T, Hq, D], scaled by `scale` (default 1/√D, as scaled_dot_product_attention),
     each score s then softcap·tanh(s / softcap) where one is given (Gemma 2); on the AMX kernel where the CPU
     has AMX and no window applies."""
@@ -340,7 +340,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int) -> None:
     """Rotate, in place, the first n_heads heads of x [B, T, H, Dh] (contiguous) by cos and signed sin
-    [B, T, 1, Dh] (see llama.rope_tables)."""
+    [B, T, 1, Dh] (see rope.rope_tables)."""
     kernels().rope_(x.flatten(0, 1), cos, sin, n_heads)
 
 

@@ -9,7 +9,7 @@ import torch
 from torch.nn.functional import pad
 
 from speculant.adaptive import MODEL_BUCKET
-from speculant.models.llama import tree_layout
+from speculant.models.attention import tree_layout
 from speculant.sampling import DRAFT, SamplingBatch, argmax, constrain, probabilities, sample
 from speculant.verify import TargetTokens
 

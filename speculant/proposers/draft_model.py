@@ -16,7 +16,7 @@ import warnings
 import torch
 
 from speculant.errors import SpeculantError
-from speculant.models.llama import soft_cap
+from speculant.models.attention import soft_cap
 from speculant.models.loader import LoadedModel, stored_params
 from speculant.prefix_cache import PrefixCache
 from speculant.proposers.base import Proposal, Proposer, TargetHidden, pad_rows

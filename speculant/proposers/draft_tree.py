@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from speculant.models.llama import MAX_TREE_NODES
+from speculant.models.attention import MAX_TREE_NODES
 from speculant.proposers.base import chain_padded, pad_rows
 
 

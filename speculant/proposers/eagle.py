@@ -28,10 +28,13 @@ from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
 from speculant.errors import SpeculantError
+from speculant.models.attention import prepare_pass
 from speculant.models.kernels import pack_linears
 from speculant.models.kv_cache import KVCache
-from speculant.models.llama import Block, ModelConfig, RMSNorm, Rope, Transformer, prepare_pass, rope_inv_freq
+from speculant.models.llama import Block, RMSNorm, Transformer
 from speculant.models.loader import LoadedModel
+from speculant.models.model_config import ModelConfig
+from speculant.models.rope import Rope, rope_inv_freq
 from speculant.proposers.base import Proposal, Proposer, TargetHidden, chain_padded, pad_rows
 from speculant.proposers.draft_tree import DraftTree, branch_pass
 from speculant.sampling import SamplingBatch

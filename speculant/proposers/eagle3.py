@@ -30,10 +30,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from speculant.errors import SpeculantError
+from speculant.models.attention import prepare_pass
 from speculant.models.kernels import pack_linears
 from speculant.models.kv_cache import KVCache
-from speculant.models.llama import MLP, Attention, ModelConfig, RMSNorm, Rope, Transformer, prepare_pass, rope_inv_freq
+from speculant.models.llama import MLP, Attention, RMSNorm, Transformer
 from speculant.models.loader import LoadedModel
+from speculant.models.model_config import ModelConfig
+from speculant.models.rope import Rope, rope_inv_freq
 from speculant.prefix_cache import PrefixCache
 from speculant.proposers.base import TargetHidden
 from speculant.proposers.eagle import EagleProposer

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from speculant.models.llama import apply_rope, rope_tables
 from speculant.models.loader import LoadedModel
+from speculant.models.rope import apply_rope, rope_tables
 from speculant.proposers.eagle3 import default_aux_layers, head_from_target, save_eagle3
 from speculant.training.losses import top_k_kl
 

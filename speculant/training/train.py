@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from speculant.models.llama import ModelConfig, Transformer
+from speculant.models.llama import Transformer
 from speculant.models.loader import LoadedModel
+from speculant.models.model_config import ModelConfig
 from speculant.proposers.eagle import EagleHead, draft_lm_head, head_config, save_eagle
 from speculant.training.losses import top_k_kl
 

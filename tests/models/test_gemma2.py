@@ -14,8 +14,8 @@ from gguf import GGMLQuantizationType as Q
 from test_gemma3 import our_logits, randomize_norms, run
 from test_gguf import VOCAB, add_weights, close, native_target, windowed_writer
 
+from speculant.models import attention, llama, model_config, native
 from speculant.models import gguf as conv
-from speculant.models import llama, native
 from speculant.models.loader import load_model
 
 TOL = 1e-4
@@ -71,6 +71,7 @@ def attention_path(request, monkeypatch) -> str:
         pytest.skip(f"the native attention kernel does not run here ({native.off_reason() or 'head size'})")
     if request.param == "torch":
         monkeypatch.setattr(llama, "native_attention_usable", lambda *a: False)
+        monkeypatch.setattr(attention, "native_attention_usable", lambda *a: False)
     return request.param
 
 
@@ -82,10 +83,10 @@ def test_config_reads_the_caps_and_the_layer_pattern(folder):
     # Gemma 2's own config.json files list no layer_types: transformers' default, even layers sliding.
     plain = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "vocab_size": VOCAB, "hidden_size": 64,
              "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4, "sliding_window": 4096}
-    cfg = llama.ModelConfig.from_hf(plain)
-    assert [cfg.kind(i) for i in range(6)] == [llama.SLIDING, llama.FULL] * 3
+    cfg = model_config.ModelConfig.from_hf(plain)
+    assert [cfg.kind(i) for i in range(6)] == [model_config.SLIDING, model_config.FULL] * 3
     assert cfg.attn_softcap is None and cfg.logit_softcap is None  # no caps stated: none applied
-    assert not llama.native_layer_form(llama.ModelConfig.from_hf(
+    assert not llama.native_layer_form(model_config.ModelConfig.from_hf(
         {**plain, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attn_logit_softcapping": 50.0}), 0)
 
 
@@ -122,11 +123,11 @@ def test_capped_attention_equals_transformers_eager(folder):
     gen = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(2, h, 12, 32, generator=gen) * 3 for h in (4, 2, 2))
     positions = torch.arange(12).expand(2, 12)
-    mask = llama.attention_mask(positions, torch.zeros(2, dtype=torch.long), 12, WINDOW, torch.float32)
+    mask = attention.attention_mask(positions, torch.zeros(2, dtype=torch.long), 12, WINDOW, torch.float32)
     module = torch.nn.Module()
     module.num_key_value_groups, module.training = 2, False
     expected, _ = eager_attention_forward(module, q, k, v, mask, scaling=0.2, softcap=ATTN_CAP)
-    got = llama.capped_attention(q, k, v, mask, enable_gqa=True, scale=0.2, softcap=ATTN_CAP)
+    got = attention.capped_attention(q, k, v, mask, enable_gqa=True, scale=0.2, softcap=ATTN_CAP)
     assert (got.transpose(1, 2) - expected).abs().max().item() <= 1e-5
 
 
@@ -141,15 +142,15 @@ def test_native_kernel_caps_as_pytorch(dtype):
     keys, values = (torch.randn(1, 2, 20, 32, generator=gen).to(dt) for _ in range(2))
     q = (torch.randn(1, 4, 4, 32, generator=gen) * 4).to(dt)  # [B, T, Hq, D]: positions 16 .. 19
     parents = [[-1, 0, 0, 2]]
-    _, bits = llama.tree_layout(parents)
+    _, bits = attention.tree_layout(parents)
     tree, n_keys = torch.tensor(bits), torch.arange(17, 21)[None]
     for window, tree_ in ((None, None), (WINDOW, None), (None, tree), (WINDOW, tree)):
         got = native.attention(q, keys, values, n_keys, tree_, window, 0.2, ATTN_CAP)
         depths = [[0, 1, 1, 2]] if tree_ is not None else [[0, 1, 2, 3]]
         bits_ = bits if tree_ is not None else [[(1 << (t + 1)) - 1 for t in range(4)]]
-        rows = llama.tree_row_keys([16], [4], depths, bits_, window, torch.device("cpu"))[0]
+        rows = attention.tree_row_keys([16], [4], depths, bits_, window, torch.device("cpu"))[0]
         for t, seen in enumerate(rows):
-            want = llama.capped_attention(q[:, t:t + 1].transpose(1, 2).float(), keys[:, :, seen].float(),
+            want = attention.capped_attention(q[:, t:t + 1].transpose(1, 2).float(), keys[:, :, seen].float(),
                                           values[:, :, seen].float(), enable_gqa=True, scale=0.2,
                                           softcap=ATTN_CAP).transpose(1, 2)
             # bf16: the kernel's fp32 sums, rounded once at the output.

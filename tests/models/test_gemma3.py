@@ -15,7 +15,7 @@ from test_prefix_cache import BUDGET, check_turns, engine_on
 
 from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.llm import engine_for
-from speculant.models import llama, native
+from speculant.models import llama, model_config, native
 from speculant.models.loader import load_model
 
 TOL = 1e-4
@@ -90,7 +90,7 @@ IDS = torch.randint(0, VOCAB, (1, 30), generator=torch.Generator().manual_seed(1
 def test_logits_match_transformers_past_the_window(folders):
     expected = reference_logits(folders["target"], IDS)
     model = load_model(folders["target"]).model
-    assert model.cfg.attention_kinds == [llama.FULL, llama.SLIDING]
+    assert model.cfg.attention_kinds == [model_config.FULL, model_config.SLIDING]
     got, redo = our_logits(model, IDS)
     err, err_redo = (got - expected).abs().max().item(), (redo - expected[:, -3:]).abs().max().item()
     print(f"gemma3: max |Δlogits| {err:.2e}, after rollback {err_redo:.2e}")
@@ -265,10 +265,10 @@ def test_gguf_norms_without_the_offset_are_caught(gguf_folder, tmp_path, monkeyp
 
 def test_gguf_conversion_and_native_constants():
     """Constants llama.cpp fixes for the family: five local layers to one global, the local base 10,000."""
-    cfg = llama.ModelConfig.from_hf({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3",
+    cfg = model_config.ModelConfig.from_hf({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3",
                                      **{k: v for k, v in TINY.items()}, "num_hidden_layers": 12,
                                      "sliding_window_pattern": 6, "rope_local_base_freq": 10000.0,
                                      "rope_theta": 1e6, "rms_norm_eps": 1e-6})
-    assert [cfg.kind(i) for i in range(12)] == ([llama.SLIDING] * 5 + [llama.FULL]) * 2
+    assert [cfg.kind(i) for i in range(12)] == ([model_config.SLIDING] * 5 + [model_config.FULL]) * 2
     assert cfg.local_rope_theta == 10000.0 and cfg.window(0) == WINDOW and cfg.window(5) is None
     assert np.isclose(cfg.rope_theta, 1e6)

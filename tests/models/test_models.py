@@ -182,7 +182,7 @@ def test_native_layer_ops_match_pytorch_in_fp32_and_give_a_row_the_same_bits_in_
     import torch.nn.functional as F
 
     from speculant.models import native
-    from speculant.models.llama import rope_tables
+    from speculant.models.rope import rope_tables
 
     if native.kernels() is None:
         pytest.skip(native.off_reason())

@@ -97,10 +97,10 @@ def test_partial_rotary_matches_transformers(phi4):
 
 def test_rotary_layout_has_power(phi4, monkeypatch):
     """Rotating the checkpoint's dims in place (no layout) pairs the wrong dims: the logits move far."""
-    from speculant.models import llama
+    from speculant.models import rope
 
     right = logits_of(load_model(phi4), torch.arange(3, 27)[None])
-    monkeypatch.setattr(llama, "rotary_layout", lambda head_dim, _rotary_dim: torch.arange(head_dim))
+    monkeypatch.setattr(rope, "rotary_layout", lambda head_dim, _rotary_dim: torch.arange(head_dim))
     wrong = logits_of(load_model(phi4), torch.arange(3, 27)[None])
     assert (right - wrong).abs().max().item() > 1e-2
 

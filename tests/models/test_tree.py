@@ -17,7 +17,7 @@ from speculant.engine import Engine
 from speculant.errors import SpeculantError
 from speculant.llm import engine_for
 from speculant.models import native
-from speculant.models.llama import tree_layout
+from speculant.models.attention import tree_layout
 from speculant.models.loader import load_model
 from speculant.proposers.draft_tree import DraftTree
 from speculant.proposers.eagle import EagleProposer, load_eagle

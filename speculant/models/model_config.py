@@ -1,0 +1,194 @@
+"""A checkpoint's config.json read into ModelConfig: what the decoder (llama.py) builds from, for every family
+(families.py), with Hugging Face's names."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from speculant.errors import SpeculantError
+from speculant.models.families import FAMILIES, family_of
+
+SUPPORTED_ARCHITECTURES = {a: f.model_type for f in FAMILIES for a in f.architectures}
+SLIDING, FULL = "sliding_attention", "full_attention"  # Hugging Face's layer_types
+
+
+@dataclass
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    rope_scaling: dict | None = None
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    rope_scale: float = 1.0  # cos and sin multiplied by it: LongRoPE's attention factor
+    rotary_dim: int | None = None  # the dims of each head that rotate (Phi-4-mini: 3/4 of them); None: all
+    # What the family changes (families.Family, copied here so that a config alone builds the model).
+    norm_offset: float = 0.0
+    activation: str = "silu"
+    scale_embeddings: bool = False
+    sandwich_norms: bool = False
+    layer_types: tuple[str, ...] | None = None  # SLIDING or FULL per layer; None: every layer alike
+    local_rope_theta: float | None = None  # the sliding layers' own RoPE base, unscaled
+    query_scale: float | None = None  # attention's score scale where it is not 1/√head_dim
+    # Soft caps (Gemma 2): scores and final logits become cap·tanh(x / cap); None: uncapped.
+    attn_softcap: float | None = None
+    logit_softcap: float | None = None
+    # Routed experts (moe.py): how many, how many a token runs, each one's width, the family's rule, whether
+    # the top k weights are renormalised, and the layers that keep a dense MLP.
+    n_experts: int = 0
+    experts_per_token: int = 0
+    expert_size: int = 0
+    routing: str | None = None
+    renormalise: bool = True
+    dense_layers: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf(cls, cfg: dict, source: str = "config.json") -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        if isinstance(cfg.get("text_config"), dict):  # a multimodal checkpoint: its text decoder only
+            cfg = {**cfg["text_config"], "architectures": archs}
+        family = family_of(archs, cfg.get("model_type"))
+        if family is None:
+            name = ", ".join(archs) or cfg.get("model_type") or "unknown"
+            raise SpeculantError(
+                f"{source}: unsupported architecture '{name}'. "
+                f"Supported: {', '.join(SUPPORTED_ARCHITECTURES)}."
+            )
+        required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                    "intermediate_size"]
+        missing = [k for k in required if cfg.get(k) is None]
+        if missing:
+            raise SpeculantError(f"{source}: missing required key(s): {', '.join(missing)}.")
+        n_heads = cfg["num_attention_heads"]
+        rope, local_rope = rope_parameters(cfg)
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        max_positions, rope_scale = cfg.get("max_position_embeddings", 4096), 1.0
+        if scaling is not None:
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind not in ("default", "llama3", "longrope", "linear"):
+                raise SpeculantError(f"{source}: unsupported rope_scaling type '{kind}' (supported: llama3, "
+                                     "longrope, linear).")
+            if kind == "default":
+                scaling = None
+            elif kind == "linear":
+                scaling = {"rope_type": "linear", "factor": float(scaling["factor"])}
+            elif kind == "longrope":
+                scaling, max_positions, rope_scale = longrope(cfg, scaling, source)
+        windowed = cfg.get("use_sliding_window", family.window_by_default)
+        sliding = cfg.get("sliding_window") if windowed else None
+        layer_types = cfg.get("layer_types")
+        pattern = cfg.get("sliding_window_pattern") or family.sliding_pattern
+        if layer_types is None and pattern and sliding:
+            layer_types = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(cfg["num_hidden_layers"])]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
+        rotary_dim = partial_rotary_dim(cfg, rope, scaling or {}, head_dim, source)
+        scalar = cfg.get("query_pre_attn_scalar")
+        # GGUF folders converted by gguf.py hold Gemma's norms as llama.cpp stores them, with the 1 added.
+        offset = 0.0 if cfg.get("norm_weights_include_offset") else family.norm_offset
+        n_experts = (cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if family.routing else 0
+        step = cfg.get("decoder_sparse_step") or 1
+        dense_layers = tuple(i for i in range(cfg["num_hidden_layers"])
+                             if i in (cfg.get("mlp_only_layers") or []) or (i + 1) % step)
+        return cls(
+            model_type=family.model_type,
+            vocab_size=cfg["vocab_size"],
+            dim=cfg["hidden_size"],
+            n_layers=cfg["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=head_dim,
+            intermediate_size=cfg["intermediate_size"],
+            norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0,
+            max_position_embeddings=max_positions,
+            rope_scaling=scaling,
+            rope_scale=rope_scale,
+            rotary_dim=rotary_dim,
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", family.tied_by_default)),
+            qkv_bias=bool(cfg.get("attention_bias") or family.qkv_bias),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=family.qk_norm,
+            sliding_window=sliding,
+            norm_offset=offset,
+            activation=family.activation,
+            scale_embeddings=family.scale_embeddings,
+            sandwich_norms=family.sandwich_norms,
+            layer_types=tuple(layer_types) if layer_types and sliding and SLIDING in layer_types else None,
+            local_rope_theta=cfg.get("rope_local_base_freq") or local_rope.get("rope_theta"),
+            query_scale=None if scalar is None or scalar == head_dim else scalar ** -0.5,
+            attn_softcap=cfg.get("attn_logit_softcapping"),
+            logit_softcap=cfg.get("final_logit_softcapping"),
+            n_experts=n_experts,
+            experts_per_token=cfg.get("num_experts_per_tok", 2) if n_experts else 0,
+            expert_size=(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if n_experts else 0,
+            routing=family.routing if n_experts else None,
+            renormalise=bool(cfg.get("norm_topk_prob", False)),  # transformers' default
+            dense_layers=dense_layers if n_experts else (),
+        )
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (None: it sees every key)."""
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == SLIDING else None
+
+    @property
+    def attention_kinds(self) -> list[str]:
+        """The layers' kinds of attention (a pass prepares each once): FULL, or SLIDING where windowed."""
+        if self.layer_types is None:
+            return [SLIDING if self.sliding_window else FULL]
+        return sorted(set(self.layer_types))
+
+    def routed(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is routed experts (moe.py)."""
+        return self.n_experts > 0 and layer not in self.dense_layers
+
+    def kind(self, layer: int) -> str:
+        return self.attention_kinds[0] if self.layer_types is None else self.layer_types[layer]
+
+
+def rope_parameters(cfg: dict) -> tuple[dict, dict]:
+    """(the global layers' RoPE parameters, the sliding layers') from transformers' `rope_parameters`, flat or
+    one entry per layer type."""
+    rope = cfg.get("rope_parameters") or {}
+    if FULL in rope or SLIDING in rope:
+        return rope.get(FULL) or {}, rope.get(SLIDING) or {}
+    return rope, {}
+
+
+def partial_rotary_dim(cfg: dict, rope: dict, scaling: dict, head_dim: int, source: str) -> int | None:
+    """The dims of each head that rotate, where `partial_rotary_factor` leaves some unrotated (None: all)."""
+    factor = next((c["partial_rotary_factor"] for c in (scaling, rope, cfg) if c.get("partial_rotary_factor")), 1.0)
+    dim = int(head_dim * factor)
+    if dim == head_dim:
+        return None
+    if dim <= 0 or dim % 2:
+        raise SpeculantError(f"{source}: partial_rotary_factor {factor} rotates {dim} of {head_dim} dims per head; "
+                             "an even number from 2 to head_dim is needed")
+    return dim
+
+
+def longrope(cfg: dict, scaling: dict, source: str) -> tuple[dict, int, float]:
+    """Phi-3's LongRoPE → (the scaling rope_inv_freq reads, the context served, the attention factor). Served up
+    to the pretrained context, with the short factors: transformers switches to the long ones only past it
+    (and then for every position at once), which a KV cache written earlier cannot follow."""
+    original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if not original:
+        raise SpeculantError(f"{source}: longrope needs original_max_position_embeddings")
+    factor = scaling.get("factor") or cfg.get("max_position_embeddings", original) / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {"rope_type": "longrope", "short_factor": list(scaling["short_factor"])}, original, attention
