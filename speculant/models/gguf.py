@@ -12,12 +12,13 @@ import contextlib
 import functools
 import hashlib
 import json
+import mmap
 import os
 import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import gguf
@@ -34,6 +35,7 @@ ARCHITECTURES = {name: f.architectures[0] for name, f in BY_GGUF.items()}
 PERMUTED_QK = {name for name, f in BY_GGUF.items() if f.permuted_qk}
 # Bump when the converted output changes, so stale cache entries are not reused.
 FORMAT_VERSION = 2
+SHARD_BYTES = 2 << 30  # a conversion's float32 tensors held at once before they are written
 
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 BLOCK_NAMES = {
@@ -84,7 +86,8 @@ def convert_gguf(path: str | os.PathLike, cache_root: Path | None = None) -> tup
         return folder, True
 
     # 1.04 GiB took 211 s (AMD EPYC Zen 5, 2026-12-02): about 5 MB of the file a second.
-    notice.announce(f"converting {src.name} to a model folder, cached for later runs", src.stat().st_size / 5e6)
+    notice.announce(f"converting {src.name} to a float32 model folder, one tensor at a time, cached for later runs",
+                    src.stat().st_size / 5e6)
     reader = open_gguf(src)
     publish(folder, "config.json", lambda tmp: write_folder(reader, src, tmp))
     return folder, False
@@ -148,7 +151,7 @@ def stored_bits(src: Path, folder: Path) -> float:
 def _stored_bits(reader: gguf.GGUFReader) -> float:
     total = bits = 0
     for t in reader.tensors:
-        if len(t.shape) == 2 and t.tensor_type in gguf.GGML_QUANT_SIZES:
+        if len(t.shape) >= 2 and t.tensor_type in gguf.GGML_QUANT_SIZES:  # experts' stacks too
             block, nbytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
             total += int(t.n_elements)
             bits += int(t.n_elements) * 8 * nbytes / block
@@ -173,11 +176,43 @@ def write_folder(reader: gguf.GGUFReader, src: Path, out: Path) -> None:
             raise SpeculantError(f"{src}: tensor '{t.name}' has unsupported type {t.tensor_type.name}. "
                                  f"Supported: {supported}.")
     config = hf_config(reader, meta, arch, src)
-    tensors = hf_tensors(reader, config, arch, src)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    write_shards(hf_tensors(reader, config, arch, src), out, lambda: release(reader))
     write_tokenizer(reader, meta, src, out)
     write_generation_config(meta, config, out)
     write_json(out / "config.json", config)
+
+
+def write_shards(tensors: Iterator[tuple[str, torch.Tensor]], out: Path, release: Callable[[], None]) -> None:
+    """The tensors as they come, in shards of SHARD_BYTES (one model.safetensors where they all fit): memory holds
+    one shard, never the whole float32 model (a 1.6 GiB MoE file is over 12 GiB of float32)."""
+    shards, shard, size = [], {}, 0
+
+    def flush() -> None:
+        nonlocal shard, size
+        if shard:
+            shards.append(shard_name := f"model-{len(shards) + 1:05d}.safetensors")
+            save_file(shard, str(out / shard_name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, shard_name))
+            release()
+        shard, size = {}, 0
+
+    weight_map: dict[str, str] = {}
+    for name, tensor in tensors:
+        if shard and size + tensor.nbytes > SHARD_BYTES:
+            flush()
+        shard[name], size = tensor, size + tensor.nbytes
+    if not shards:  # it all fits: the single file every small model has
+        save_file(shard, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    flush()
+    write_json(out / "model.safetensors.index.json", {"metadata": {}, "weight_map": weight_map})
+
+
+def release(reader: gguf.GGUFReader) -> None:
+    """Unmap the pages of the file read so far (they stay in the page cache, outside this process's memory)."""
+    mm = getattr(reader.data, "_mmap", None)
+    if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
+        mm.madvise(mmap.MADV_DONTNEED)
 
 
 def write_generation_config(meta: dict, config: dict, out: Path) -> None:
@@ -341,9 +376,11 @@ def can_dequantize(qtype: gguf.GGMLQuantizationType) -> bool:
         return False
 
 
-def dequantize(t) -> torch.Tensor:
-    values = gguf.quants.dequantize(t.data, t.tensor_type)
+def dequantize(t, expert: int | None = None) -> torch.Tensor:
+    """Tensor t as float32 in PyTorch's order; `expert`: that expert's matrix of a stacked tensor alone."""
+    values = gguf.quants.dequantize(t.data if expert is None else t.data[expert], t.tensor_type)
     shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists dims fastest-first, torch slowest-first
+    shape = shape if expert is None else shape[1:]
     # F32 tensors come back as a read-only view of the memory-mapped file; copy those only.
     return torch.from_numpy(np.require(values.reshape(shape), np.float32, ["C", "W"]))
 
@@ -367,7 +404,8 @@ def hf_name(name: str, src: Path, arch: str = "llama") -> str | None:
                          "(multimodal GGUFs and shared experts are not supported).")
 
 
-def hf_tensors(reader: gguf.GGUFReader, config: dict, arch: str, src: Path) -> dict[str, torch.Tensor]:
+def hf_tensors(reader: gguf.GGUFReader, config: dict, arch: str, src: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The file's tensors under Hugging Face's names, streamed (float_tensors), after checking every name."""
     names = {t.name for t in reader.tensors}
     fused = BY_GGUF[arch].fused_checkpoint
     required, dense = (FUSED_BLOCK, FUSED_MLP) if fused else (REQUIRED_BLOCK, DENSE_MLP)
@@ -378,18 +416,23 @@ def hf_tensors(reader: gguf.GGUFReader, config: dict, arch: str, src: Path) -> d
                 raise SpeculantError(f"{src}: missing tensor 'blk.{i}.{part}.weight'.")
     if "output_norm.weight" not in names:
         raise SpeculantError(f"{src}: missing tensor 'output_norm.weight'.")
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    out = {}
     for t in reader.tensors:
-        m = EXPERTS.fullmatch(t.name)
-        if (m or ".ffn_gate_inp." in t.name) and not config.get("num_experts"):
+        if (EXPERTS.fullmatch(t.name) or ".ffn_gate_inp." in t.name) and not config.get("num_experts"):
             raise SpeculantError(f"{src}: tensor '{t.name}' has no equivalent in a dense model (the file states "
                                  f"no {arch}.expert_count).")
-        if m:
-            stacked = dequantize(t)
-            experts = enumerate(stacked.unbind(0)) if m[3] is None else [(int(m[3]), stacked)]
-            for e, w in experts:
-                out[f"model.layers.{m[1]}.mlp.experts.{e}.{m[2]}_proj.weight"] = w.contiguous()
+        if not EXPERTS.fullmatch(t.name):
+            hf_name(t.name, src, arch)  # raises on a tensor no model has: before the slow part
+    return float_tensors(reader, config, arch, src)
+
+
+def float_tensors(reader: gguf.GGUFReader, config: dict, arch: str, src: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float32 tensor), one tensor (or one expert) at a time."""
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    for t in reader.tensors:
+        if m := EXPERTS.fullmatch(t.name):
+            for e in range(int(t.shape[2])) if m[3] is None else [int(m[3])]:
+                w = dequantize(t, e if m[3] is None else None)
+                yield f"model.layers.{m[1]}.mlp.experts.{e}.{m[2]}_proj.weight", w
             continue
         name = hf_name(t.name, src, arch)
         if name is None:
@@ -398,8 +441,7 @@ def hf_tensors(reader: gguf.GGUFReader, config: dict, arch: str, src: Path) -> d
         kind = t.name.split(".")[-2]
         if arch in PERMUTED_QK and kind in heads:
             w = unpermute(w, heads[kind])
-        out[name] = w
-    return out
+        yield name, w
 
 
 # --- tokenizer -----------------------------------------------------------------------------------------

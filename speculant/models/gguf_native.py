@@ -1,5 +1,8 @@
 """A GGUF file loaded straight into the native kernels: each quantized tensor repacked exactly (models/ggml.py)
 into a packed cache that later loads read into huge pages; no float copy of the model on disk or in memory.
+A mixture of experts' stacked tensors (`ffn_{gate,up,down}_exps`, [experts, rows, inputs]) are repacked one expert
+at a time, each its own matrix, as older Mixtral files store them (`ffn_gate.E`): a pass reads only the experts
+its tokens chose (models/moe.py).
 
 The cache holds the repacked tensors (packed.bin, packed.json) next to the config and tokenizer that
 models/gguf.py writes, published by an atomic rename; the token embedding stays in the file's blocks and
@@ -10,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
-import mmap
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -20,8 +23,10 @@ from torch import nn
 
 from speculant.errors import SpeculantError
 from speculant.models import ggml, native, notice
+from speculant.models.families import BY_MODEL_TYPE, GGUF_EXPERTS
 from speculant.models.gguf import (
     ARCHITECTURES,
+    EXPERTS,
     PERMUTED_QK,
     block_names,
     cache_dir,
@@ -30,6 +35,7 @@ from speculant.models.gguf import (
     open_gguf,
     publish,
     read_metadata,
+    release,
     write_generation_config,
     write_json,
     write_tokenizer,
@@ -66,6 +72,43 @@ def _reader(src: Path, key: str) -> gguf.GGUFReader:
     return open_gguf(src)
 
 
+@dataclass(frozen=True)
+class Matrix:
+    """One matrix the kernels multiply by: a 2-D tensor of the file, or one expert of a stacked one."""
+    name: str  # experts as blk.N.ffn_{gate,up,down}.E.weight, whichever way the file stores them
+    tensor_type: gguf.GGMLQuantizationType
+    shape: tuple[int, int]  # (inputs, outputs), ggml's order
+    data: np.ndarray  # [outputs, bytes a row]
+
+
+def matrices(reader: gguf.GGUFReader) -> list[Matrix]:
+    """The file's multiplied matrices: every 2-D tensor but the embedding (unless it is the head too) and a router
+    (kept dense: ROUTERS), each stacked expert tensor split by expert."""
+    tied = "output.weight" not in {t.name for t in reader.tensors}
+    out = []
+    for t in reader.tensors:
+        if len(t.shape) == 1 or t.name == "token_embd.weight" and not tied or dense_matrix(t):
+            continue
+        shape = (int(t.shape[0]), int(t.shape[1]))
+        if len(t.shape) == 3 and (m := EXPERTS.fullmatch(t.name)) and m[3] is None:
+            out += [Matrix(f"blk.{m[1]}.ffn_{m[2]}.{e}.weight", t.tensor_type, shape, t.data[e])
+                    for e in range(int(t.shape[2]))]
+        elif len(t.shape) == 2:
+            out.append(Matrix(t.name, t.tensor_type, shape, t.data))
+        else:
+            raise SpeculantError(f"tensor '{t.name}' of shape {list(t.shape)} is no matrix the decoder reads")
+    return out
+
+
+ROUTER = ".ffn_gate_inp."  # an MoE layer's router: its logits decide the experts, so it is never quantized
+
+
+def dense_matrix(t) -> bool:
+    """A router stored as floats: kept in full precision beside the norms (router logits that moved would pick
+    other experts)."""
+    return ROUTER in t.name and t.tensor_type in DENSE and len(t.shape) == 2
+
+
 def native_loadable(src: Path) -> bool:
     """Whether every matrix of the file has a native kernel here (else the file goes through models/gguf.py)."""
     if native.level() == "off":
@@ -73,16 +116,22 @@ def native_loadable(src: Path) -> bool:
     if (cache_folder(src) / "packed.json").is_file():
         return True
     reader = _reader(src, cache_key(src))
-    if any(len(t.shape) > 2 for t in reader.tensors):  # stacked experts: the decoder's MoE layers take dense weights
-        return False
     tied = "output.weight" not in {t.name for t in reader.tensors}
     for t in reader.tensors:
         if t.name == "token_embd.weight" and not tied:  # rows are looked up, not multiplied
             if t.tensor_type not in ggml.FORMATS and t.tensor_type not in DENSE:
                 return False
-        elif len(t.shape) == 2 and not ggml.usable(t.tensor_type, int(t.shape[1]), int(t.shape[0])):
+        elif dense_matrix(t):
+            continue
+        elif len(t.shape) == 3 and not (EXPERTS.fullmatch(t.name) and usable(t)):
+            return False
+        elif len(t.shape) == 2 and not usable(t):
             return False
     return read_metadata(reader).get("general.architecture") in ARCHITECTURES
+
+
+def usable(t) -> bool:
+    return ggml.usable(t.tensor_type, int(t.shape[1]), int(t.shape[0]))
 
 
 def load_gguf_native(src: Path, dtype: torch.dtype = torch.bfloat16,
@@ -147,10 +196,7 @@ def write_packed(reader: gguf.GGUFReader, config: dict, arch: str, src: Path, ou
     cfg = ModelConfig.from_hf(config, source=str(src))
     qkv_rows = rotary_rows(cfg).numpy() if cfg.rotary_dim else None
     plan, offset = [], 0
-    tied = "output.weight" not in {t.name for t in reader.tensors}
-    for t in reader.tensors:
-        if len(t.shape) != 2 or (t.name == "token_embd.weight" and not tied):
-            continue
+    for t in matrices(reader):
         if t.tensor_type not in ggml.FORMATS:
             raise SpeculantError(f"{src}: tensor '{t.name}' has type {t.tensor_type.name}, which the native "
                                  f"kernels do not take. Supported: {', '.join(q.name for q in ggml.FORMATS)}.")
@@ -162,10 +208,11 @@ def write_packed(reader: gguf.GGUFReader, config: dict, arch: str, src: Path, ou
             offset = (offset + 63) // 64 * 64
         plan.append((t, n_out, n_in, parts))
     vectors = {}
-    for t in reader.tensors:  # norms and biases, as float32
-        if len(t.shape) == 1:
-            vectors[t.name] = {"shape": [int(t.shape[0])], "dtype": "<f4", "offset": offset}
-            offset = (offset + 4 * int(t.shape[0]) + 63) // 64 * 64
+    for t in reader.tensors:  # norms, biases and routers, as float32
+        if len(t.shape) == 1 or dense_matrix(t):
+            shape = [int(d) for d in reversed(t.shape)]
+            vectors[t.name] = {"shape": shape, "dtype": "<f4", "offset": offset}
+            offset = (offset + 4 * int(np.prod(shape)) + 63) // 64 * 64
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
     embedding = {"type": embd.tensor_type.name, "rows": int(embd.shape[1]), "dim": int(embd.shape[0]),
                  "offset": int(embd.data_offset), "row_bytes": int(embd.n_bytes) // int(embd.shape[1])}
@@ -196,13 +243,6 @@ def write_packed(reader: gguf.GGUFReader, config: dict, arch: str, src: Path, ou
             release(reader)
     write_json(out / "packed.json", {"version": FORMAT_VERSION, "tensors": index, "vectors": vectors,
                                      "embedding": embedding})
-
-
-def release(reader: gguf.GGUFReader) -> None:
-    """Unmap the pages of the file read so far (they stay in the page cache, outside this process's memory)."""
-    mm = getattr(reader.data, "_mmap", None)
-    if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
-        mm.madvise(mmap.MADV_DONTNEED)
 
 
 def unpermute_rows(n_out: int, n_heads: int) -> np.ndarray:
@@ -256,7 +296,8 @@ class GGMLEmbedding(nn.Module):
 
 def assemble(src: Path, cfg: ModelConfig, packed: dict, dtype: torch.dtype) -> Transformer:
     matrices, vectors = packed["matrices"], packed["vectors"]
-    arch = cfg.model_type
+    family = BY_MODEL_TYPE[cfg.model_type]
+    arch = family.gguf or next(a for a, f in GGUF_EXPERTS.items() if f is family)  # Mixtral's files say llama
     heads = {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}
 
     def vector(name: str, kind: str = "") -> torch.Tensor:
@@ -266,6 +307,9 @@ def assemble(src: Path, cfg: ModelConfig, packed: dict, dtype: torch.dtype) -> T
         return v.to(dtype)
 
     def linear(parts: list[str], n_in: int, bias: bool = False) -> ggml.GGMLLinear:
+        missing = [p for p in parts if p not in matrices]
+        if missing:
+            raise SpeculantError(f"{src}: missing tensor '{missing[0]}'")
         b = torch.cat([vector(p.replace(".weight", ".bias"), p.split(".")[-2]) for p in parts]) if bias else None
         return ggml.GGMLLinear([matrices[p][0] for p in parts], n_in, b)
 
@@ -274,15 +318,19 @@ def assemble(src: Path, cfg: ModelConfig, packed: dict, dtype: torch.dtype) -> T
     for i, block in enumerate(model.model.layers):
         p = f"blk.{i}."
         attn, mlp = block.self_attn, block.mlp
-        if p + "attn_qkv.weight" in matrices:  # Phi-3: q, k, v in one tensor, gate and up in ffn_up
-            attn.qkv_proj = linear([p + "attn_qkv.weight"], cfg.dim)
-            mlp.gate_up_proj = linear([p + "ffn_up.weight"], cfg.dim)
-        else:
-            attn.qkv_proj = linear([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], cfg.dim,
-                                   cfg.qkv_bias)
-            mlp.gate_up_proj = linear([p + "ffn_gate.weight", p + "ffn_up.weight"], cfg.dim)
+        fused = p + "attn_qkv.weight" in matrices  # Phi-3: q, k, v in one tensor, gate and up in ffn_up
+        qkv = ["attn_qkv"] if fused else ["attn_q", "attn_k", "attn_v"]
+        attn.qkv_proj = linear([f"{p}{name}.weight" for name in qkv], cfg.dim, cfg.qkv_bias and not fused)
         attn.o_proj = linear([p + "attn_output.weight"], cfg.n_heads * cfg.head_dim)
-        mlp.down_proj = linear([p + "ffn_down.weight"], cfg.intermediate_size)
+        if cfg.routed(i):
+            mlp.gate.weight = nn.Parameter(vector(p + "ffn_gate_inp.weight"), requires_grad=False)
+            for e, expert in enumerate(mlp.experts):
+                expert.gate_up_proj = linear([f"{p}ffn_gate.{e}.weight", f"{p}ffn_up.{e}.weight"], cfg.dim)
+                expert.down_proj = linear([f"{p}ffn_down.{e}.weight"], cfg.expert_size)
+        else:
+            mlp.gate_up_proj = linear([p + "ffn_up.weight"] if fused else [p + "ffn_gate.weight", p + "ffn_up.weight"],
+                                      cfg.dim)
+            mlp.down_proj = linear([p + "ffn_down.weight"], cfg.intermediate_size)
         for name, module in block_names(arch).items():  # the norms, as the file holds them
             if name.endswith("norm") and f"{p}{name}.weight" in vectors:
                 block.get_submodule(module).weight = nn.Parameter(vector(f"{p}{name}.weight"), requires_grad=False)

@@ -18,12 +18,11 @@ from torch import nn
 from speculant.models import native
 from speculant.models.attention import Pass, attend, native_attention_usable, prepare_pass, soft_cap
 from speculant.models.ggml import GGMLLinear
-from speculant.models.kernels import PackedLinear
 from speculant.models.kv_cache import KVCache
 from speculant.models.limits import MAX_VERIFY_WIDTH
 from speculant.models.model_config import SLIDING, ModelConfig
 from speculant.models.moe import MoE
-from speculant.models.quantize import Int4Linear
+from speculant.models.projections import native_projection
 from speculant.models.rope import Rope, apply_rope, permute_rotary_on_load, rope_inv_freq
 
 if TYPE_CHECKING:
@@ -188,19 +187,6 @@ def native_layer_form(cfg: ModelConfig, layer: int) -> bool:
     sliding window, the usual score scale, uncapped scores, a dense MLP."""
     return (not (cfg.qk_norm or cfg.sandwich_norms or cfg.query_scale or cfg.window(layer) or cfg.routed(layer)
                  or cfg.attn_softcap) and cfg.activation == "silu")
-
-
-def native_projection(linear: nn.Module, bias_ok: bool = False) -> list[torch.Tensor] | None:
-    """A projection's weights as the native layer takes them: ggml_mm's 7 tensors a part (GGUF blocks),
-    (q, scale, minimum) for the int4 kernel, (w) for the AMX bf16 one; None for any other kernel, or a
-    bias (but the qkv projection's, `bias_ok`, which decoder.cpp adds for GGUF blocks)."""
-    if isinstance(linear, GGMLLinear) and (linear.bias is None or bias_ok):
-        return linear.weights
-    if isinstance(linear, Int4Linear) and linear.native and linear.bias is None:
-        return [linear.weight, linear.scale, linear.minimum]
-    if isinstance(linear, PackedLinear) and linear.kind == "amx" and linear.bias is None:
-        return [linear.weight]
-    return None
 
 
 def embedding_table(embed: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

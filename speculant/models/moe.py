@@ -16,6 +16,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from speculant.models import native
+from speculant.models.projections import native_projection
+
 # Routing rules (families.Family.routing):
 SOFTMAX_TOPK = "softmax_topk"  # softmax over every expert, the top k kept, renormalised if configured (Qwen3-MoE)
 TOPK_SOFTMAX = "topk_softmax"  # the top k logits, softmax over those alone (Mixtral)
@@ -36,6 +39,7 @@ class MoE(nn.Module):
         # Quantized router logits would move which experts a token gets (quantize.py skips it).
         self.gate.keep_precision = True
         self.experts = nn.ModuleList(expert() for _ in range(n_experts))
+        self._native = None  # native_experts(), built at the first pass (the weights are final by then)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] → (weights [N, k] in x's dtype, experts [N, k]), computed in fp32 as transformers does."""
@@ -53,6 +57,8 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, chosen = self.route(x)
+        if (experts := self.native_experts(x)) is not None:
+            return experts.forward(x, chosen, weights).view(shape)
         out = torch.zeros_like(x)
         for e in torch.unique(chosen).tolist():  # ascending: each token sums its experts in one order
             rows, slot = (chosen == e).nonzero(as_tuple=True)
@@ -60,6 +66,19 @@ class MoE(nn.Module):
             # slower than the expert's products on bf16 rows).
             out[rows] = out[rows] + self.experts[e](x[rows]) * weights[rows, slot, None]
         return out.view(shape)
+
+    def native_experts(self, x: torch.Tensor) -> object | None:
+        """csrc/moe.cpp's Experts over these experts' weights, where every expert is a SwiGLU MLP on native
+        weights and x bf16 on a CPU: one call for the layer's experts, not a dozen PyTorch ops an expert."""
+        if not native.layer_ops_usable(x):
+            return None
+        if self._native is None:
+            gate_up = [native_projection(e.gate_up_proj) for e in self.experts]
+            down = [native_projection(e.down_proj) for e in self.experts]
+            usable = all(p is not None for p in gate_up + down) and all(e.activation == "silu" for e in self.experts)
+            inner = self.experts[0].down_proj.in_features
+            self._native = native.kernels().Experts(gate_up, down, inner) if usable else False
+        return self._native or None
 
 
 # The names checkpoints give an expert's projections: Qwen3-MoE's, and Mixtral's w1 (gate), w3 (up), w2 (down).

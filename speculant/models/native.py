@@ -48,7 +48,7 @@ log = logging.getLogger("speculant")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ["quantized.cpp", "ggml_mm.cpp", "bf16_amx.cpp", "bf16_dot.cpp", "f32_mm.cpp", "attention.cpp",
-           "attention_amx.cpp", "layer_ops.cpp", "argmax.cpp", "sampling.cpp", "decoder.cpp"]
+           "attention_amx.cpp", "layer_ops.cpp", "argmax.cpp", "sampling.cpp", "moe.cpp", "decoder.cpp"]
 HEADERS = ["amx.h", "attention.h", "bf16.h", "kernels.h", "team.h", "tensor.h", "vec.h"]
 # The binding unit (decoder.cpp: pybind11 and PyTorch's Python headers) compiles longest: first, so that it does
 # not run alone at the end of the build.

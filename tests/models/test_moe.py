@@ -4,20 +4,26 @@ alone and in a batch; a wrong routing rule is caught."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
+import gguf
 import numpy as np
 import pytest
 import torch
 from conftest import save_tiny, transformers
 from mutants import ROUTING_MUTANTS, patch_routing
 from safetensors.torch import load_file
-from test_gguf import VOCAB, close, llama_permute, writer_for
+from test_gguf import VOCAB, close, llama_permute, native_target, writer_for
 
 from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.llm import engine_for
+from speculant.models.ggml import GGMLLinear
 from speculant.models.gguf_native import native_loadable
 from speculant.models.loader import load_model
 from speculant.models.moe import MoE
 
+Q = gguf.GGMLQuantizationType
 TOL = 1e-4
 N_TOKENS = 32
 PROMPTS = [[5, 17, 33, 8, 60, 12], [40, 41, 42, 40, 41, 42, 40], [90, 3, 77, 21, 14, 9, 55, 31, 62],
@@ -30,7 +36,7 @@ FAMILIES = {
         COMMON, num_hidden_layers=3, head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
         intermediate_size=96, decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=False)),
     "mixtral": (transformers.MixtralConfig, dict(
-        COMMON, num_hidden_layers=2, num_local_experts=6, num_experts_per_tok=2, intermediate_size=48)),
+        COMMON, num_hidden_layers=2, num_local_experts=6, num_experts_per_tok=2, intermediate_size=64)),
 }
 
 
@@ -54,9 +60,18 @@ def draft(tmp_path_factory):
                      hidden_size=32, intermediate_size=64)
 
 
-def write_moe_gguf(path, name: str, cfg, state: dict[str, torch.Tensor]) -> None:
+def write_moe_gguf(path, name: str, cfg, state: dict[str, torch.Tensor], qtype: Q | None = None,
+                   per_expert: bool = False) -> None:
     """The checkpoint as llama.cpp's converter writes it: qwen3moe, or llama with experts (Mixtral); experts
-    stacked [n_expert, …], every tensor F32."""
+    stacked [n_expert, …] (`per_expert`: one 2-D tensor each, blk.N.ffn_gate.E, as older Mixtral files), every
+    matrix but the router in `qtype` (None: every tensor F32, as the converter writes it)."""
+
+    def add(key: str, w: np.ndarray) -> None:
+        if qtype is None or w.ndim == 1 or ".ffn_gate_inp." in key:
+            writer.add_tensor(key, w)
+        else:
+            writer.add_tensor(key, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+
     arch = "qwen3moe" if name == "qwen3_moe" else "llama"
     n_experts = cfg.num_experts if name == "qwen3_moe" else cfg.num_local_experts
     writer = writer_for(path, arch, cfg, cfg.rope_parameters["rope_theta"],
@@ -81,7 +96,7 @@ def write_moe_gguf(path, name: str, cfg, state: dict[str, torch.Tensor]) -> None
         w = tensor.numpy()
         parts = key.removeprefix("model.").removesuffix(".weight").split(".")
         if parts[0] != "layers":
-            writer.add_tensor(f"{names['.'.join(parts)]}.weight", w)
+            add(f"{names['.'.join(parts)]}.weight", w)
             continue
         layer, module = parts[1], ".".join(parts[2:])
         if "experts" in parts:  # layers.N.{mlp,block_sparse_moe}.experts.E.proj
@@ -89,9 +104,13 @@ def write_moe_gguf(path, name: str, cfg, state: dict[str, torch.Tensor]) -> None
             continue
         if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
             w = llama_permute(w, cfg.num_attention_heads if module.endswith("q_proj") else cfg.num_key_value_heads)
-        writer.add_tensor(f"blk.{layer}.{names[module]}.weight", w)
+        add(f"blk.{layer}.{names[module]}.weight", w)
     for key, ws in stacked.items():
-        writer.add_tensor(key, np.stack([w for _, w in sorted(ws, key=lambda e: e[0])]))
+        if per_expert:
+            for e, w in ws:
+                add(key.replace("_exps.", f".{e}."), w)
+        else:
+            add(key, np.stack([w for _, w in sorted(ws, key=lambda e: e[0])]))
     close(writer)
 
 
@@ -141,7 +160,7 @@ def test_folder_logits_and_greedy_tokens_equal_transformers(family):
 def test_gguf_logits_and_greedy_tokens_equal_transformers(family, tmp_path, monkeypatch):
     name, ref, _, path = family
     monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
-    assert not native_loadable(path)  # the blocks loader declines experts: the converted folder runs
+    assert not native_loadable(path)  # F32 experts have no block kernel: the converted folder runs
     target = load_model(path, quantization="auto")
     n_experts = ref.config.num_experts if name == "qwen3_moe" else ref.config.num_local_experts
     assert (target.config.model_type, target.config.n_experts) == (name, n_experts)
@@ -202,3 +221,91 @@ def test_cost_probe_runs_the_experts_distinct_tokens_choose(family, monkeypatch)
     measure_cost_curve(target, [1], max_width=6, context=16, reps=1)
     assert 16 in runs  # the prompt pass
     assert min(runs[6]) > max(runs[1]) == target.cfg.experts_per_token
+
+
+@pytest.fixture(scope="module")
+def blocks(family, tmp_path_factory):
+    """The family's weights as a Q8_0 GGUF file, experts stacked, and the same weights one tensor an expert."""
+    name, ref, folder, _ = family
+    root = tmp_path_factory.mktemp(f"{name}-q8_0")
+    files = {}
+    for layout in ("stacked", "per_expert"):
+        files[layout] = root / f"{name}-{layout}.gguf"
+        write_moe_gguf(files[layout], name, ref.config, load_file(folder / "model.safetensors"), Q.Q8_0,
+                       per_expert=layout == "per_expert")
+    return files
+
+
+def test_gguf_experts_run_on_their_own_blocks(family, blocks):
+    """Stacked Q8_0 experts on the native kernels, one expert a matrix: near the same blocks dequantized, and
+    speculation and batches give the file's own plain output, alone and in a batch."""
+    target = native_target(blocks["stacked"])
+    moe = next(b.mlp for b in target.model.model.layers if isinstance(b.mlp, MoE))
+    assert isinstance(moe.experts[0].down_proj, GGMLLinear) and moe.gate.weight.dtype == torch.bfloat16
+    ids = torch.tensor([LONG])
+    expected = logits_of(load_model(blocks["stacked"]).model, ids)  # the same blocks dequantized, in fp32
+    assert (logits_of(target.model, ids) - expected).abs().max().item() < 0.05 * expected.abs().max().item()
+    plain = greedy(target, PROMPTS)
+    assert greedy(target, PROMPTS, max_batch_size=4) == plain
+    for spec in SPECS[:2]:
+        assert greedy(target, PROMPTS, spec) == plain, spec
+        assert greedy(target, PROMPTS, spec, max_batch_size=4) == plain, spec
+
+
+def test_per_expert_tensors_are_the_stacked_experts(blocks):
+    """Older Mixtral files (blk.N.ffn_gate.E.weight) load into the same matrices as stacked ones: the same logits."""
+    ids = torch.tensor([LONG])
+    stacked = logits_of(native_target(blocks["stacked"]).model, ids)
+    assert torch.equal(logits_of(native_target(blocks["per_expert"]).model, ids), stacked)
+
+
+def test_experts_in_the_wrong_places_are_caught(family, blocks, monkeypatch):
+    """A mutant that hands each expert its neighbour's blocks moves the logits far: the test above can fail."""
+    from speculant.models import gguf_native
+
+    ids = torch.tensor([LONG])
+    right = logits_of(native_target(blocks["stacked"]).model, ids)
+    split = gguf_native.matrices
+
+    def shifted(reader):  # expert e's up projection read from expert e + 1's blocks
+        out = split(reader)
+        n = sum(".ffn_up." in m.name for m in out) // sum(".ffn_up.0." in m.name for m in out)
+        return [dataclasses.replace(m, name=re.sub(r"\.ffn_up\.(\d+)\.", lambda e: f".ffn_up.{(int(e[1]) + 1) % n}.",
+                                                   m.name)) for m in out]
+
+    monkeypatch.setenv("SPECULANT_CACHE", str(blocks["stacked"].parent / "mutant-cache"))
+    monkeypatch.setattr(gguf_native, "matrices", shifted)
+    wrong = logits_of(native_target(blocks["stacked"]).model, ids)
+    assert (right - wrong).abs().max().item() > 0.05 * right.abs().max().item()
+
+
+def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.logits(model(ids, model.new_cache(1, 64), torch.tensor([0]))).float()
+
+
+def test_native_experts_are_the_loop_bit_for_bit(blocks):
+    """csrc/moe.cpp's one call and the Python loop over experts give the same bits, for a decode row and a batch
+    of rows that chose different experts."""
+    target = native_target(blocks["stacked"])
+    moe = next(b.mlp for b in target.model.model.layers if isinstance(b.mlp, MoE))
+    x = torch.randn(7, target.config.dim, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    assert moe.native_experts(x) is not None
+    fast = [moe(x[:1]), moe(x)]
+    moe._native = False
+    assert all(torch.equal(a, b) for a, b in zip(fast, [moe(x[:1]), moe(x)]))
+
+
+def test_a_conversion_streams_in_shards(family, tmp_path, monkeypatch):
+    """Where the converted folder is still made (F32 experts have no block kernel), it is written a shard at a
+    time: several shards where the model passes the limit, and the same logits as one file."""
+    from speculant.models import gguf as conv
+
+    name, ref, _, path = family
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "whole"))
+    whole = logits_of(load_model(path).model, torch.tensor([LONG]))
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "sharded"))
+    monkeypatch.setattr(conv, "SHARD_BYTES", 64 << 10)
+    folder, _ = conv.convert_gguf(path)
+    assert len(list(folder.glob("model-*.safetensors"))) > 2 and not (folder / "model.safetensors").exists()
+    assert torch.equal(logits_of(load_model(path).model, torch.tensor([LONG])), whole)

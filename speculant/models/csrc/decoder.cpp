@@ -13,6 +13,16 @@
 #include "kernels.h"
 #include "team.h"
 
+// A projection's weights: (q, d, m) in int4_mm's layout, (w) in bf16_mm's, or ggml_mm's 7 tensors a part.
+void project_into(const torch::Tensor& x, const std::vector<torch::Tensor>& p, torch::Tensor& y) {
+  if (p.size() % 7 == 0)
+    ggml_mm_into(x, p, y);
+  else if (p.size() == 3)
+    int4_mm_into(x, p[0], p[1], p[2], y);
+  else
+    bf16_mm_into(x, p[0], y);
+}
+
 namespace {
 
 // Row (b, t)'s key and value heads (rotated) into its cache row slots[b] at position n_keys[b, t] − 1.
@@ -39,15 +49,6 @@ void write_kv(const torch::Tensor& qkv, torch::Tensor& k_cache, torch::Tensor& v
     }
 }
 
-// A projection's weights: (q, d, m) in int4_mm's layout, (w) in bf16_mm's, or ggml_mm's 7 tensors a part.
-void project(const torch::Tensor& x, const std::vector<torch::Tensor>& p, torch::Tensor& y) {
-  if (p.size() % 7 == 0)
-    ggml_mm_into(x, p, y);
-  else if (p.size() == 3)
-    int4_mm_into(x, p[0], p[1], p[2], y);
-  else
-    bf16_mm_into(x, p[0], y);
-}
 
 // The width of a projection's output: the down projection's tells the MLP's inner size.
 int64_t input_width(const std::vector<torch::Tensor>& p) {
@@ -88,16 +89,16 @@ void layer_rows(const torch::Tensor& rows, const torch::Tensor& normed, const to
                 const c10::optional<torch::Tensor>& qkv_bias, Workspace& w, torch::Tensor& out,
                 torch::Tensor& out_normed) {
   const int64_t Dh = k_cache.size(3);
-  project(normed, qkv_proj, w.qkv);
+  project_into(normed, qkv_proj, w.qkv);
   if (qkv_bias) w.qkv.view({normed.size(0), -1}).add_(*qkv_bias);  // as llama.Attention's qkv_proj adds it
   rope_(w.qkv, cos, sin, n_heads + n_kv_heads);
   write_kv(w.qkv, k_cache, v_cache, slots, n_keys, n_heads, n_kv_heads);
   attention_into(w.q, k_cache, v_cache, n_keys, std::pow((double)Dh, -0.5), slots, tree, true, w.attended);
-  project(w.mixed, o_proj, w.o);
+  project_into(w.mixed, o_proj, w.o);
   add_rms_norm_into(rows, w.o, post_attention_norm, eps, w.h, w.h_normed);
-  project(w.h_normed, gate_up_proj, w.gate_up);
+  project_into(w.h_normed, gate_up_proj, w.gate_up);
   silu_mul_into(w.gate_up, w.act);
-  project(w.act, down_proj, w.down);
+  project_into(w.act, down_proj, w.down);
   if (next_norm)
     add_rms_norm_into(w.h, w.down, *next_norm, eps, out, out_normed);
   else
@@ -113,7 +114,7 @@ Workspace workspace_for(const torch::Tensor& rows, const torch::Tensor& n_keys, 
 
 }  // namespace
 
-// x [B, T, D]; each projection's weights as project() takes them; cos, sin [B, T, 1, Dh]; k_cache, v_cache
+// x [B, T, D]; each projection's weights as project_into() takes them; cos, sin [B, T, 1, Dh]; k_cache, v_cache
 // one layer of the KV cache [rows, Hkv, L, Dh]; slots [B]: each sequence's cache row; n_keys [B, T]: row
 // (b, t) sits at position n_keys[b, t] − 1 and sees the keys before it (a draft tree's: see attention's `tree`)
 // → the layer's output [B, T, D].
@@ -274,6 +275,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("slots"), pybind11::arg("n_keys"),
           pybind11::arg("n_heads"), pybind11::arg("n_kv_heads"), pybind11::arg("tree") = pybind11::none(),
           pybind11::arg("qkv_bias") = pybind11::none());
+  pybind11::class_<Experts>(mod, "Experts")
+      .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<torch::Tensor>>, int64_t>())
+      .def("forward", &Experts::forward, kFree);
   pybind11::class_<DecoderStack>(mod, "DecoderStack")
       .def(pybind11::init<std::vector<std::vector<std::vector<torch::Tensor>>>, torch::Tensor, double, int64_t,
                           int64_t>())

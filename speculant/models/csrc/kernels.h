@@ -55,3 +55,20 @@ torch::Tensor argmax_rows(torch::Tensor x);
 // sampling.cpp: a row of logits [V] (bf16 or fp32) under temperature, top-k, top-p and min-p: the token an
 // inverse-CDF draw u in [0, 1) lands on.
 int64_t sample_row(torch::Tensor row, double inv_temperature, int64_t top_k, double top_p, double min_p, double u);
+
+// decoder.cpp: y = x Wᵀ for a projection's weights in any native layout: ggml_mm's 7 tensors a part, int4_mm's
+// (q, d, m), bf16_mm's (w).
+void project_into(const torch::Tensor& x, const std::vector<torch::Tensor>& p, torch::Tensor& y);
+
+// moe.cpp: a mixture of experts' MLP (SwiGLU experts, each gate_up and down in a layout project_into takes).
+class Experts {
+ public:
+  Experts(std::vector<std::vector<torch::Tensor>> gate_up, std::vector<std::vector<torch::Tensor>> down,
+          int64_t inner);
+  // x [N, D] bf16, chosen [N, k] expert ids, weights [N, k] bf16 → [N, D] bf16.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& chosen, const torch::Tensor& weights) const;
+
+ private:
+  std::vector<std::vector<torch::Tensor>> gate_up_, down_;
+  int64_t inner_;
+};
