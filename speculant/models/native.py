@@ -90,6 +90,12 @@ def cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
+def torch_bf16_linear() -> bool:
+    """Whether PyTorch's oneDNN runs bf16 linear layers on this CPU: it needs AVX512BW or AVX-NE-CONVERT (AMX-BF16
+    CPUs have both); elsewhere (AMD Zen 3, AVX2 alone) its weight reorder raises. Tests patch it to be a Zen 3."""
+    return bool({"avx512bw", "avx_ne_convert", "amx_bf16"} & cpu_flags())
+
+
 @functools.cache
 def source_digest() -> str:
     """A hash of the kernels' sources and headers: what they compute, and how fast."""
