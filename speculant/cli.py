@@ -53,7 +53,7 @@ def run_generate(args: argparse.Namespace) -> None:
     tok = engine.tokenizer
     if tok is None:
         raise SpeculantError("this model has no tokenizer.json: generate needs one to read the prompt")
-    prompt_ids = tok.encode(args.prompt) if args.no_chat else tok.encode_chat(
+    prompt_ids = tok.encode(args.prompt) if args.no_chat else tok.encode_conversation(
         [{"role": "user", "content": args.prompt}])
     seq = engine.add_request(prompt_ids, params)
     while not seq.finished:
@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Generate from a prompt (chat template applied unless --no-chat) and print "
                                      "speed and speculation statistics at the end.")
     gen.add_argument("prompt")
-    gen.add_argument("--no-chat", action="store_true", help="raw completion: no chat template")
+    gen.add_argument("--no-chat", action="store_true",
+                     help="raw completion: no chat template (a model without one always runs raw)")
     add_model_arguments(gen)
     add_sampling_arguments(gen)
     gen.set_defaults(run=run_generate)

@@ -133,7 +133,7 @@ class LLM:
              sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         self._need_tokenizer()
-        prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(c)} for c in conversations]
+        prompts = [{"prompt_token_ids": self.tokenizer.encode_conversation(c)} for c in conversations]
         return self.generate(prompts, sampling_params)
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:

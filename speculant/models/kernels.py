@@ -30,7 +30,13 @@ ONEDNN_EXACT_ROWS = 32
 
 def _onednn_usable(dtype: torch.dtype) -> bool:
     return (dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and native.torch_bf16_linear())
+
+
+def bf16_linear_kernel(device: torch.device) -> bool:
+    """Whether bf16 linear layers have a kernel of their own here (CUDA; on CPUs the native bf16 kernels, else
+    oneDNN's where the CPU runs it): elsewhere they stay plain nn.Linear, on PyTorch's slow reference product."""
+    return device.type != "cpu" or native.bf16_usable(16, 32) or _onednn_usable(torch.bfloat16)
 
 
 def fast_bfloat16(device: torch.device) -> bool:
@@ -38,7 +44,7 @@ def fast_bfloat16(device: torch.device) -> bool:
     /proc/cpuinfo, which the native bf16 kernels use, and oneDNN's where they do not run)."""
     if device.type == "cuda":
         return True
-    if device.type != "cpu" or not (native.bf16_usable(16, 32) or _onednn_usable(torch.bfloat16)):
+    if device.type != "cpu" or not bf16_linear_kernel(device):
         return False
     flags = native.cpu_flags()
     return "amx_bf16" in flags or "avx512_bf16" in flags
@@ -142,7 +148,7 @@ def packable(module: nn.Module) -> bool:
     # layout takes it, on f32_mm or PyTorch's matmul.
     if w.dtype in (torch.float32, torch.float16):
         return True
-    return w.dtype == torch.bfloat16 and (native.bf16_usable(16, 32) or _onednn_usable(w.dtype))
+    return w.dtype == torch.bfloat16 and bf16_linear_kernel(w.device)
 
 
 def pack_linears(model: nn.Module) -> nn.Module:

@@ -5,6 +5,7 @@ Only safetensors and GGUF are read: never pickle, never remote code.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -16,9 +17,10 @@ import torch
 from safetensors import safe_open
 
 from speculant.errors import SpeculantError
+from speculant.models import native, notice
 from speculant.models.cuda_graphs import use_static_passes
 from speculant.models.hugepages import move_to_huge_pages
-from speculant.models.kernels import fast_bfloat16, pack_linears
+from speculant.models.kernels import bf16_linear_kernel, fast_bfloat16, pack_linears
 from speculant.models.llama import Transformer
 from speculant.models.model_config import ModelConfig
 from speculant.models.moe import expert_state
@@ -79,7 +81,16 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device | None = None) 
         return torch.bfloat16 if fast_bfloat16(device or torch.device("cpu")) else torch.float32
     if dtype not in DTYPES:
         raise SpeculantError(f"unknown dtype '{dtype}'; choose one of auto, {', '.join(DTYPES)}")
+    if DTYPES[dtype] == torch.bfloat16 and not bf16_linear_kernel(device or torch.device("cpu")):
+        _say_slow_bfloat16()
     return DTYPES[dtype]
+
+
+@functools.cache
+def _say_slow_bfloat16() -> None:
+    """Once: asked for bf16 where its linear layers have no kernel (they run, on PyTorch's reference product)."""
+    notice.log.warning("bfloat16 runs slowly here: this CPU lacks AVX512BW and AVX-NE-CONVERT (oneDNN's bf16) and "
+                       "the native kernels are off (%s); --dtype float32 (or auto) is faster", native.off_reason())
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -31,11 +31,13 @@ AVX512 or AVX2; quantized.cpp and the AMX files exist on AVX512 alone.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
-import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -86,6 +88,12 @@ def cpu_flags() -> frozenset[str]:
         return frozenset(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         return frozenset()
+
+
+def torch_bf16_linear() -> bool:
+    """Whether PyTorch's oneDNN runs bf16 linear layers on this CPU: it needs AVX512BW or AVX-NE-CONVERT (AMX-BF16
+    CPUs have both); elsewhere (AMD Zen 3, AVX2 alone) its weight reorder raises. Tests patch it to be a Zen 3."""
+    return bool({"avx512bw", "avx_ne_convert", "amx_bf16"} & cpu_flags())
 
 
 @functools.cache
@@ -140,11 +148,12 @@ def kernels() -> ModuleType | None:
 
         # The name carries the sources' hash: checkouts of other sources never share (or race on) one build.
         name = f"speculant_native_{build}_{source_digest()}"
-        clear_stale_lock(name)
-        if not _built(name):
-            notice.announce(f"compiling the native CPU kernels ({build}), cached for later runs", build_seconds())
-        sources = sorted(SOURCES, key=lambda s: s != BINDING)
-        module = load(name, [str(CSRC / s) for s in sources], extra_cflags=CFLAGS[build], extra_ldflags=["-fopenmp"])
+        with build_lock(name):
+            if not _built(name):
+                notice.announce(f"compiling the native CPU kernels ({build}), cached for later runs", build_seconds())
+            sources = sorted(SOURCES, key=lambda s: s != BINDING)
+            module = load(name, [str(CSRC / s) for s in sources], extra_cflags=CFLAGS[build],
+                          extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler, no ninja, a compiler without these flags: all mean the fallback
         BUILD_ERRORS.append(str(e))
         log.warning("native kernels: PyTorch's instead (they did not build: %s)", str(e).splitlines()[0][:200])
@@ -153,21 +162,38 @@ def kernels() -> ModuleType | None:
     return module
 
 
-STALE_LOCK_S = 20 * 60  # a build takes minutes: a lock this old was left by a build that was killed
-
-
-def clear_stale_lock(name: str) -> None:
-    """Remove the lock a killed build left in PyTorch's extension cache: every later load would wait on it
-    forever (PyTorch's baton has no owner to check)."""
+@contextlib.contextmanager
+def build_lock(name: str) -> Iterator[None]:
+    """Our own lock around PyTorch's load of `name`: an flock on a file beside its build folder, which the kernel
+    lets go when its owner dies, our pid written in it for whoever waits. Under it, PyTorch's build lock (a baton
+    file with no owner to check, which every later load would wait on forever) can only be a killed build's."""
     try:
         from torch.utils.cpp_extension import _get_build_directory
 
-        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
-        if lock.is_file() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            log.warning("native kernels: removing %s, left by a build that did not finish", lock)
-            lock.unlink(missing_ok=True)
-    except Exception:  # a PyTorch without the helper, a lock another process just took: leave it to PyTorch
+        build_dir = Path(_get_build_directory(name, verbose=False))
+        fd = os.open(build_dir.with_name(f"{name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except Exception:  # a PyTorch without the helper, a read-only cache: PyTorch's own lock alone
+        fd = None
+    if fd is None:
+        yield
         return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            notice.log.info("native kernels: waiting for process %s, which is building or loading them (%s)",
+                            holder, build_dir)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        baton = build_dir / "lock"
+        if baton.exists():
+            log.warning("native kernels: removing %s, left by a build that was killed", baton)
+            baton.unlink(missing_ok=True)
+        yield
+    finally:
+        os.close(fd)  # lets the flock go
 
 
 def _built(name: str) -> bool:

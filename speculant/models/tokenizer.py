@@ -13,6 +13,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from speculant.errors import SpeculantError
+from speculant.models import notice
 
 
 def _token_text(value) -> str | None:
@@ -32,6 +33,7 @@ class Tokenizer:
         self.config = config
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
+        self._said_raw = False  # encode_conversation's line, once
         self.chat_template = config.get("chat_template")
         if isinstance(self.chat_template, list):  # named templates: use the default one
             named = {t["name"]: t["template"] for t in self.chat_template}
@@ -137,6 +139,19 @@ class Tokenizer:
             elif piece:
                 ids += self._encode(self.hf, piece, False)
         return ids
+
+    def encode_conversation(self, messages: list[dict]) -> list[int]:
+        """encode_chat; where the model has no chat template (a base model), its messages' texts as one raw
+        prompt, said once in a line on stderr (llama.cpp's tools run such a model raw too)."""
+        if self.chat_template:
+            return self.encode_chat(messages)
+        texts = [m.get("content") for m in messages]
+        if not all(isinstance(t, str) for t in texts):
+            raise SpeculantError("this model has no chat template: a raw prompt is made of text messages only")
+        if not self._said_raw:
+            notice.log.warning("this model has no chat template: the prompt runs raw, as with --no-chat")
+            self._said_raw = True
+        return self.encode("\n".join(texts))
 
     def _text_tokenizer(self) -> HFTokenizer:
         if self._as_text is None:

@@ -16,7 +16,9 @@ Dialects (all read by `read_config`, whichever the folder holds):
 
 Fused layers: the config's ids, else vLLM's default (2, N//2, N−3), each read as the hidden state entering that
 layer (id N: the last layer's output before the final norm): Transformer.forward(capture=…). The ids circulate in
-two conventions and the wrong one fails silently (acceptance collapses), so tests/proposers/test_eagle3.py pins it.
+two conventions and the wrong one fails silently (acceptance collapses): the top-level key (vLLM's) names a layer's
+input, `eagle_config`'s (SGLang, ModelOpt) the layer whose output is read (SGLang captures id + 1). Each is read
+and written in its own; tests/proposers/test_eagle3.py pins both.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from speculant.proposers.eagle import EagleProposer
 from speculant.sequence import Sequence
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
+AUX_KEY = "eagle_aux_hidden_state_layer_ids"
 DIALECTS = ("specforge", "speculators", "modelopt")
 SPECFORGE_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 SPECULATORS_ARCHITECTURES = ("Eagle3Speculator", "Eagle3DraftModel")
@@ -78,6 +81,24 @@ def default_aux_layers(n_layers: int) -> list[int]:
     return [2, n_layers // 2, n_layers - 3]
 
 
+def from_layer_outputs(ids: list[int]) -> list[int]:
+    """eagle_config's ids (SGLang, ModelOpt: the output of layer i) → this module's (the input of layer i + 1)."""
+    return [int(i) + 1 for i in ids]
+
+
+def to_layer_outputs(aux: list[int]) -> list[int]:
+    """This module's ids → eagle_config's: a head saved here reads, in SGLang, the layers it was trained on."""
+    return [int(i) - 1 for i in aux]
+
+
+def read_aux_layers(raw: dict, eagle: dict) -> list[int] | None:
+    """The fused layers as this module counts them; the top-level key (vLLM's, a layer's input) first, as vLLM
+    reads it, else eagle_config's (a layer's output)."""
+    if raw.get(AUX_KEY) is not None:
+        return [int(i) for i in raw[AUX_KEY]]
+    return None if eagle.get(AUX_KEY) is None else from_layer_outputs(eagle[AUX_KEY])
+
+
 def read_config(raw: dict, where: str = CONFIG) -> Eagle3Config:
     """A head's config.json in any of the three dialects → Eagle3Config (SpeculantError, one line, otherwise)."""
     archs = raw.get("architectures") or []
@@ -105,11 +126,11 @@ def read_config(raw: dict, where: str = CONFIG) -> Eagle3Config:
     vocab = layer_src.get("vocab_size") or raw.get("vocab_size")
     if missing or vocab is None:
         raise SpeculantError(f"{where}: missing {', '.join(missing + ['vocab_size'] * (vocab is None))}")
-    aux = flag("eagle_aux_hidden_state_layer_ids")
+    aux = read_aux_layers(raw, eagle)
     return Eagle3Config(
         layer=layer, vocab_size=int(vocab), draft_vocab_size=int(flag("draft_vocab_size") or vocab),
         target_hidden_size=int(flag("target_hidden_size") or layer["hidden_size"]),
-        aux_layers=None if aux is None else [int(i) for i in aux],
+        aux_layers=aux,
         norm_before_residual=bool(flag("norm_before_residual", False)),
         norm_before_fc=bool(flag("norm_before_fc", False)), fc_norm=bool(flag("fc_norm", False)),
         norm_output=bool(flag("norm_output", False)), dialect=dialect)
@@ -316,18 +337,17 @@ def save_eagle3(head: Eagle3Head, folder: Path, dialect: str = "specforge", dtyp
         config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
                   "transformer_layer_config": {"model_type": "llama", **layer}, "draft_vocab_size": c.draft_vocab_size,
                   "target_hidden_size": None if c.target_hidden_size == layer["hidden_size"] else c.target_hidden_size,
-                  "eagle_aux_hidden_state_layer_ids": aux, **flags,
+                  AUX_KEY: aux, **flags,
                   "speculators_config": {"algorithm": "eagle3", "verifier": {}}, "torch_dtype": torch_dtype}
     else:
         config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", **layer,
                   "draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.target_hidden_size,
                   "tie_word_embeddings": False, "torch_dtype": torch_dtype}
         if dialect == "modelopt":
-            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True, **flags}
+            config["eagle_config"] = {AUX_KEY: to_layer_outputs(aux), "use_aux_hidden_state": True, **flags}
         else:
-            # SGLang reads the ids from eagle_config, vLLM from the top level.
-            config.update({"eagle_config": {"eagle_aux_hidden_state_layer_ids": aux},
-                           "eagle_aux_hidden_state_layer_ids": aux, **flags})
+            # SGLang reads eagle_config's ids (layer outputs), vLLM the top level's (layer inputs).
+            config.update({"eagle_config": {AUX_KEY: to_layer_outputs(aux)}, AUX_KEY: aux, **flags})
     config.update(extra or {})
     save_file(state, str(folder / WEIGHTS), metadata={"format": "pt"})
     (folder / CONFIG).write_text(json.dumps(config, indent=2))
@@ -389,7 +409,7 @@ class Eagle3Proposer(EagleProposer):
     # -- prefix caching: the head's own entries of past sequences, as a draft model keeps its keys -----------
 
     prefix_cache: PrefixCache | None = None
-    scratch: KVCache | None = None  # a target row to recompute features the head's cache lacks
+    scratch: KVCache | None = None  # a target row to recompute features the head's cache lacks (released after)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -436,6 +456,9 @@ class Eagle3Proposer(EagleProposer):
         self.scratch.rollback(0, 0)
         ids = torch.tensor([seq.tokens[:end]], device=self.target.device)
         _, features = self.target(ids, self.scratch, torch.tensor([0], device=self.target.device), capture=self.capture)
+        # The row's keys serve this pass only: its pages go back now, not at the next recompute (a long prefix's
+        # keys of every target layer would stay taken for the proposer's life).
+        self.scratch.release(0)
         return features[0, start:end].to(self.target.dtype)
 
     def draft_head(self, head: Eagle3Head, target: Transformer):

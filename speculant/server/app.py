@@ -283,6 +283,9 @@ class OpenAIServer:
         req = await parse_body(request, ChatCompletionRequest)
         self.check_model(req.model)
         self.need_tokenizer("messages")
+        if not self.tokenizer.chat_template:  # before a grammar's compilation, a request's costliest check
+            raise APIError(400, "this model has no chat template (a base model): send its prompt raw to "
+                                "/v1/completions", param="messages")
         self.check_sequences(1, req.n, "n")
         try:
             mode = req.tool_mode()

@@ -3,8 +3,13 @@ fails must fail here, not read as missing hardware in every test that skips with
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
+import types
+from pathlib import Path
 
 import pytest
 
@@ -42,16 +47,76 @@ def test_an_unknown_level_is_refused_with_the_choices():
     assert out.returncode != 0 and "choose one of on, amx, avx512, avxvnni, avx2, off" in out.stderr
 
 
-def test_a_lock_left_by_a_killed_build_is_removed(tmp_path, monkeypatch):
-    """PyTorch's build lock has no owner: one a killed build left would hang every later load. An old one goes,
-    a fresh one (a build running in another process) stays."""
+# Holds native.build_lock(name) until its stdin closes; "build": with PyTorch's baton in the build folder as a
+# build in progress has it.
+HOLDER = """
+import sys
+from pathlib import Path
+from speculant.models import native
+with native.build_lock(sys.argv[1]):
+    if sys.argv[2] == "build":
+        (Path(sys.argv[3]) / "lock").touch()
+    print("holding", flush=True)
+    sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def fake_build(tmp_path, monkeypatch):
+    """kernels() over an extension cache in tmp_path, with PyTorch's load replaced (it records whether the baton
+    was there when called: PyTorch would wait on it)."""
     from torch.utils import cpp_extension
 
-    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path / name))
-    for name, age in (("old", native.STALE_LOCK_S + 60), ("fresh", 5)):
-        (tmp_path / name).mkdir()
-        lock = tmp_path / name / "lock"
-        lock.touch()
-        os.utime(lock, (lock.stat().st_atime - age, lock.stat().st_mtime - age))
-        native.clear_stale_lock(name)
-    assert not (tmp_path / "old" / "lock").exists() and (tmp_path / "fresh" / "lock").exists()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_allowed_level", lambda: "avx2")
+    monkeypatch.setattr(native, "source_digest", lambda: "test")
+    monkeypatch.setattr(native, "_built", lambda name: True)
+    name = "speculant_native_avx2_test"
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    batons = []
+
+    def load(*args, **kwargs):
+        batons.append((build_dir / "lock").exists())
+        return types.SimpleNamespace(set_amx=lambda on: None)
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    return name, build_dir, batons
+
+
+def holder(name: str, build_dir: Path, mode: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(Path(native.__file__).parents[2])}
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, name, mode, str(build_dir)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env=env, text=True)
+    assert proc.stdout.readline().strip() == "holding"
+    return proc
+
+
+def test_a_killed_build_never_blocks_the_next_load(fake_build, capsys):
+    """A build killed (SIGKILL) while it held the lock and PyTorch's baton: the next load takes the lock at once,
+    removes the baton before PyTorch would wait on it, and says nothing of waiting."""
+    name, build_dir, batons = fake_build
+    proc = holder(name, build_dir, "build")
+    assert (build_dir / "lock").exists()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert native.kernels.__wrapped__() is not None
+    assert batons == [False] and not (build_dir / "lock").exists()
+    assert "waiting" not in capsys.readouterr().err
+
+
+def test_a_live_build_is_waited_for_and_named(fake_build, capsys):
+    """A live process holding the lock: the load waits (PyTorch's load is not called), says for which process,
+    and goes on once it lets go."""
+    name, build_dir, batons = fake_build
+    proc = holder(name, build_dir, "hold")
+    loaded = threading.Thread(target=native.kernels.__wrapped__)
+    loaded.start()
+    err, deadline = "", time.monotonic() + 60
+    while "waiting" not in err and time.monotonic() < deadline:
+        time.sleep(0.05)
+        err += capsys.readouterr().err
+    assert f"native kernels: waiting for process {proc.pid}," in err and batons == []
+    proc.stdin.close()
+    proc.wait()
+    loaded.join(60)
+    assert not loaded.is_alive() and batons == [False]

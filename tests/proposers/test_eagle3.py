@@ -240,8 +240,8 @@ def test_capture_keeps_the_pass_bits_on_every_path(native_dir, dtype, quantizati
     from speculant.models import native
 
     model = load_model(native_dir, dtype=dtype, quantization=quantization).model
-    if quantization and native.attention_usable(64):
-        assert model.native_stack is not None and model.packs_ragged
+    if quantization and native.attention_usable(64) and native.quantized_usable(128, 128):
+        assert model.native_stack is not None and model.packs_ragged  # int4's kernels: AVX512 alone
     ref = load_model(native_dir).model
     ids = (0, 2, N_LAYERS)
     tokens = torch.tensor([[1, 5, 9, 14, 20, 30], [1, 7, 8, 0, 0, 0]])
@@ -320,6 +320,61 @@ def test_default_fused_layers_are_vllms(target, heads, tmp_path):
 
     folder = edited(heads["speculators"], tmp_path, "default", without_ids)
     assert load_eagle3(folder, target).aux_layers == (2, N_LAYERS // 2, N_LAYERS - 3)
+
+
+def peers_capture(config: dict) -> dict[str, list[int]]:
+    """The layers each peer's loader feeds a saved head, as inputs of layers (this module's ids): vLLM reads the
+    top-level ids as layer inputs, SGLang eagle_config's as layer outputs and captures id + 1."""
+    seen = {}
+    if "eagle_aux_hidden_state_layer_ids" in config:
+        seen["vllm"] = config["eagle_aux_hidden_state_layer_ids"]
+    if "eagle_aux_hidden_state_layer_ids" in config.get("eagle_config", {}):
+        seen["sglang"] = [i + 1 for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+    return seen
+
+
+@pytest.mark.parametrize("mutant", [False, True])
+def test_each_dialect_keeps_its_own_layer_convention(target, tmp_path, monkeypatch, mutant):
+    """A head written in each dialect reads back, here and in vLLM and SGLang, the layers it was trained on; a
+    config of SGLang's own (ids only in eagle_config, layer outputs) reads them too. The mutant (one convention
+    for both keys) still round-trips here: only the peers' readings catch it."""
+    from speculant.proposers import eagle3
+
+    if mutant:
+        monkeypatch.setattr(eagle3, "to_layer_outputs", list)
+        monkeypatch.setattr(eagle3, "from_layer_outputs", list)
+    head = random_head(target)
+    right = {"vllm": [], "sglang": []}  # does each peer's reading of each saved head feed it the layers AUX?
+    for dialect in DIALECTS:
+        save_eagle3(head, tmp_path / dialect, dialect, dtype=torch.float32)
+        seen = peers_capture(json.loads((tmp_path / dialect / "config.json").read_text()))
+        assert seen.keys() == {"speculators": {"vllm"}, "modelopt": {"sglang"}, "specforge": {"vllm", "sglang"}}[
+            dialect]
+        assert load_eagle3(tmp_path / dialect, target).aux_layers == tuple(AUX)
+        for peer, ids in seen.items():
+            right[peer].append(ids == AUX)
+    sglang = edited(tmp_path / "specforge", tmp_path, "sglang_own",
+                    lambda raw: {**raw, "eagle_aux_hidden_state_layer_ids": None,
+                                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, N_LAYERS - 1]}})
+    right["sglang"].append(load_eagle3(sglang, target).aux_layers == tuple(AUX))
+    assert right["vllm"] == [True, True]
+    assert right["sglang"] == [not mutant] * 3
+
+
+def test_recomputed_features_give_the_scratch_row_back(target):
+    """Features the head's cache lacks are recomputed in a scratch row of the target's: its pages go back after
+    the pass (they read as zeros), and requests one after another leave every row free."""
+    head = random_head(target)
+    prompt = [3 + i % 90 for i in range(400)]
+    proposer = Eagle3Proposer(head, target.model, 1, 500 + 4, 1, 3)
+    engine = Engine(target, proposer, 3, max_batch_size=1, max_model_len=500, prefix_cache_bytes=1 << 26)
+    proposer.prefix_cache.store = lambda *args: None  # the head keeps nothing: every shared prefix is recomputed
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for tail in range(3):
+        run(engine, [prompt + [tail + 3]], params)
+    assert proposer.scratch is not None and engine.prefix_cache.stats.hits >= 2
+    assert not proposer.scratch.k[:, 0, :, 64:380].any() and not proposer.scratch.v[:, 0, :, 64:380].any()
+    assert proposer.free == [0] and not proposer.slot
 
 
 # -- prefix caching ----------------------------------------------------------------------------------

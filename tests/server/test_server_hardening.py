@@ -13,6 +13,7 @@ import json
 import socket
 import threading
 import time
+import types
 
 import httpx
 import pytest
@@ -161,6 +162,20 @@ def test_top_k_past_int64_is_refused_and_others_stream_on(url, client):
     out = client.chat.completions.create(model="smollm", messages=body["messages"], max_tokens=4, top_p=1,
                                          extra_body={"top_k": 2**31 - 1}, seed=3, temperature=1)
     assert out.choices[0].finish_reason in ("stop", "length")
+
+
+def test_chat_on_a_model_without_a_template_is_refused_before_any_work(url, engine, monkeypatch):
+    """A base model (no chat template): chat is a 400 naming /v1/completions, raised before the request's
+    grammar is compiled (its costliest check)."""
+    compiled = []
+    monkeypatch.setattr(engine.tokenizer, "chat_template", None)
+    monkeypatch.setattr(engine, "_grammars", types.SimpleNamespace(compile=compiled.append))
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                       "max_tokens": 4, "response_format": schema})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "messages" and compiled == []
+    assert "no chat template" in error["message"] and "/v1/completions" in error["message"]
 
 
 @pytest.mark.parametrize("temperature", [1e-300, 1e-40])

@@ -9,12 +9,14 @@ import pytest
 import torch
 from conftest import save_tiny
 from safetensors.torch import load_file, save_file
+from test_eagle3 import peers_capture
 from test_training import proposals, quick, repetitive_sequences
 
 from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.engine import Engine
 from speculant.models.loader import load_model
 from speculant.proposers import build_proposer
+from speculant.proposers.eagle3 import load_eagle3
 from speculant.training import train as train_module
 from speculant.training.data import load_dataset, record
 from speculant.training.eagle3 import Eagle3Objective
@@ -130,7 +132,12 @@ def test_trained_head_is_specforge_form_and_lossless(target_dir, data_dir, tmp_p
     assert summary["train_tokens_per_s"] > 0
     config_json = json.loads((tmp_path / "config.json").read_text())
     assert config_json["architectures"] == ["LlamaForCausalLMEagle3"] and config_json["draft_vocab_size"] == 24
-    assert config_json["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 2, 1]
+    # Trained on the inputs of layers (2, 2, 1): vLLM reads them so at the top level, SGLang as eagle_config's layer
+    # outputs (1, 1, 0), capturing id + 1; and so does the loader here.
+    assert config_json["eagle_aux_hidden_state_layer_ids"] == [2, 2, 1]
+    assert config_json["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 1, 0]
+    assert peers_capture(config_json) == {"vllm": [2, 2, 1], "sglang": [2, 2, 1]}
+    assert load_eagle3(tmp_path, target).aux_layers == (2, 2, 1)
     tensors = load_file(str(tmp_path / "model.safetensors"))
     assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight", "norm.weight",
             "lm_head.weight", "d2t", "t2d"} <= set(tensors)
