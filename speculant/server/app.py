@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over one engine: the FastAPI app, its routes and its error handlers.
 
 POST /v1/completions, POST /v1/chat/completions (completions.py), GET /v1/models, GET /health, GET /metrics
-(info.py), POST /tokenize, POST /detokenize (tokens.py). Requests first pass the guard (guard.py: host, key,
+(info.py), POST /tokenize, POST /detokenize (tokens.py), POST /v1/responses, GET and DELETE
+/v1/responses/{id} (responses.py). Requests first pass the guard (guard.py: host, key,
 content type, body size and time). Handlers validate, tokenize (in a thread: the event loop keeps answering)
 and hand the request to the engine thread (core.py, worker.py); they never touch the engine themselves. Every
 error leaves as the OpenAI error body with a 4xx/5xx status; a 5xx says only which request failed, the log
@@ -21,17 +22,18 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from speculant.engine import Engine
-from speculant.server import completions, info, tokens
+from speculant.server import completions, info, responses, tokens
 from speculant.server.core import OpenAIServer, default_model_name
 from speculant.server.guard import RequestGuard, ServerLimits, allowed_host_names, header_timeout_protocol
 from speculant.server.http import APIError, error_response, internal_error
 from speculant.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from speculant.server.responses_protocol import ResponsesRequest
 
 log = logging.getLogger("speculant.server")
 
 
 BODIES = (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest),
-          ("/tokenize", TokenizeRequest), ("/detokenize", DetokenizeRequest))
+          ("/v1/responses", ResponsesRequest), ("/tokenize", TokenizeRequest), ("/detokenize", DetokenizeRequest))
 
 
 def add_request_bodies(schema: dict) -> dict:
@@ -62,7 +64,7 @@ def create_app(engine: Engine, served_model_names: list[str] | None = None, api_
 
     app = FastAPI(title="Speculant", version="0.1.0", lifespan=lifespan)
     app.state.server = server
-    for router in (completions.router, info.router, tokens.router):
+    for router in (completions.router, responses.router, info.router, tokens.router):
         app.include_router(router)
 
     def openapi() -> dict:

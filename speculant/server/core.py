@@ -30,6 +30,7 @@ from speculant.server.protocol import (
     SpeculativeStats,
     UsageInfo,
 )
+from speculant.server.store import ResponseStore
 from speculant.server.worker import (
     Delta,
     EngineFailure,
@@ -62,6 +63,7 @@ class OpenAIServer:
                                    self.limits.max_waiting_requests)
         # Tokenization and template rendering: off the event loop, two at a time (the engine needs the rest).
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="speculant-tokenize")
+        self.responses = ResponseStore()  # POST /v1/responses' stored answers (responses.py)
 
     async def off_loop(self, fn: Callable, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, partial(fn, *args))
