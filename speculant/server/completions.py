@@ -80,7 +80,7 @@ async def chat_prompt(server: OpenAIServer, messages: list[dict], mode: str | No
                       tools: ToolFormat, param: str, add_generation_prompt: bool = True) -> list[int]:
     """The conversation through the chat template, the tools (OpenAI tool objects) in play when `mode` is."""
     functions = [t["function"] for t in tool_specs] if mode else None
-    messages = tools.messages_for_template(messages, functions)
+    messages = tools.messages_for_template(messages, functions, auto=mode == "auto")
     rendered = tool_specs if mode and tools.template_renders_tools else None
     try:
         return await server.off_loop(server.tokenizer.encode_chat, messages, rendered, add_generation_prompt)

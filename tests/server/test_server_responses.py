@@ -85,6 +85,8 @@ def test_a_function_tool_round_trip_through_previous_response_id(client):
         {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny, 21 degrees"}],
         max_output_tokens=40, **GREEDY)
     assert answer.status in ("completed", "incomplete")
+    # The loop ends: after the tool's result, with tool_choice "auto", the model answers in text.
+    assert [i.type for i in answer.output] == ["message"] and "21" in answer.output_text
     assert answer.usage.input_tokens_details.cached_tokens > 0
     # The whole history sent back as input (as the Agents SDK does without previous_response_id) also runs.
     again = client.responses.create(model="smollm", tools=[WEATHER], max_output_tokens=4, **GREEDY, input=[
@@ -142,3 +144,27 @@ def test_the_store_drops_the_oldest_and_the_expired():
     assert store.get("a") is None and store.get("b") is not None and store.get("c") is not None
     store.entries["b"].at -= 120
     assert store.get("b") is None and store.get("c") is not None
+
+
+def test_auto_tool_prompt_lets_the_model_answer_in_text():
+    """tool_choice "auto": the SmolLM2 tool prompt allows a text answer (its own forbids any text, so an agent's
+    loop after a tool result could never end); "required" keeps SmolLM2's prompt, the grammar forcing the call."""
+    from speculant.structured.tools import SMOLLM2, SMOLLM2_SYSTEM
+
+    functions = [{k: v for k, v in WEATHER.items() if k != "type"}]
+    auto = SMOLLM2.messages_for_template([{"role": "user", "content": "Hi"}], functions, auto=True)[0]["content"]
+    forced = SMOLLM2.messages_for_template([{"role": "user", "content": "Hi"}], functions)[0]["content"]
+    assert "NO other text" not in auto and "answer in plain text" in auto and '"get_weather"' in auto
+    assert forced == SMOLLM2_SYSTEM.format(tools=json.dumps(functions))
+
+
+def test_parallel_calls_in_one_answer_are_separate_items():
+    from speculant.server.responses import output_items
+    from speculant.structured.tools import SMOLLM2
+
+    text = ('<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+            '{"name": "get_weather", "arguments": {"city": "Rome"}}]</tool_call>')
+    items, calls = output_items(text, SMOLLM2)
+    assert [i.type for i in items] == ["function_call", "function_call"]
+    assert [json.loads(i.arguments)["city"] for i in items] == ["Paris", "Rome"]
+    assert len({i.call_id for i in items}) == 2 and [c["id"] for c in calls] == [i.call_id for i in items]
