@@ -89,6 +89,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: none; n: the chosen token's log-probability and the top n
+    prompt_logprobs: int | None = None  # None: none; n: each prompt token's log-probability and the top n
     structured_outputs: StructuredOutputsParams | None = None  # None: free text
 
     def __post_init__(self):
@@ -111,9 +112,13 @@ class SamplingParams:
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
             ("seed", self.seed is None or isinstance(self.seed, int), "must be an integer"),
-            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1
+             or (self.max_tokens == 0 and self.prompt_logprobs is not None),
+             "must be >= 1 (0 only to score the prompt, with prompt_logprobs)"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"must be in [0, {MAX_LOGPROBS}]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
              f"must be in [0, {MAX_LOGPROBS}]"),
             ("structured_outputs", self.structured_outputs is None
              or isinstance(self.structured_outputs, StructuredOutputsParams), "must be a StructuredOutputsParams"),

@@ -25,13 +25,13 @@ from speculant.errors import SpeculantError
 from speculant.models import native
 from speculant.models.loader import LoadedModel
 from speculant.models.tokenizer import Detokenizer
-from speculant.output import OutputProcessor, StepOutput, failed
+from speculant.output import OutputProcessor, StepOutput, failed, finish, token_logprobs
 from speculant.prefix_cache import prefix_cache_for
 from speculant.proposers import Proposal, Proposer, TargetHidden
 from speculant.runner import ModelRunner, Scored
 from speculant.sampling import SamplingBatch, request_key
 from speculant.scheduler import DEFAULT_PREFILL_CHUNK, ChunkSizer, Prefill, Scheduler
-from speculant.sequence import Sequence, SpecStats, check_prompt
+from speculant.sequence import Sequence, SpecStats, TokenLogprob, check_prompt
 from speculant.structured.steps import constrain_logits, drop_forbidden, settle_grammars
 from speculant.timing import EngineTiming, SpecMetricsLog
 from speculant.verify import verify_proposal
@@ -79,7 +79,8 @@ class Engine:
         self._ids = itertools.count()
         self.spec_log = SpecMetricsLog(self.log_interval_s)
         self._batch: list[Sequence] = []  # the rows _batch_tensors last built for
-        self._failed: list[StepOutput] = []  # sequences whose prefill raised, reported by the next step
+        # Sequences whose prefill raised, or that finished with it (max_tokens 0), reported by the next step.
+        self._failed: list[StepOutput] = []
         self._grammars = None  # the structured-output compiler, built at the first constrained request
 
     @property
@@ -101,7 +102,7 @@ class Engine:
         # The request's own copy, validated again: changing the caller's object later changes nothing here.
         params = replace(params)
         room = self.max_model_len - len(prompt_ids)
-        max_tokens = min(params.max_tokens or room, room)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         seq = Sequence(
             request_id=request_id or f"req-{next(self._ids)}",
             prompt_ids=list(prompt_ids),
@@ -277,6 +278,8 @@ class Engine:
         for seq in self.scheduler.admit():
             if self.proposer is not None:
                 self.proposer.add(seq)
+        for group in self.scheduler.to_score():
+            self.score_prompt(group)
         plan = self.scheduler.plan()
         for group, n in plan.apart:
             if not group.lead.finished:  # an earlier chunk of its prompt failed
@@ -299,6 +302,35 @@ class Engine:
         except Exception as e:
             self.fail_group(group, e)
         self.timing.target_s += time.perf_counter() - t0
+
+    def score_prompt(self, group: Prefill) -> None:
+        """Feed a group's whole prompt (all but its last token, as any prefill) in passes of its own, reading the
+        log-probabilities of its tokens from the final hidden states: the same passes, cut the same way, alone
+        or beside others, with or without a proposer, never from the prefix cache (Scheduler.admit). A group
+        asking for no completion (max_tokens 0) finishes here."""
+        lead, want = group.lead, group.lead.params.prompt_logprobs
+        prompt, chunk = lead.tokens, self.scheduler.prefill_chunk or len(lead.tokens)
+        scored: list[TokenLogprob | None] = [None]
+        t0 = time.perf_counter()
+        try:
+            while lead.num_cached < len(prompt) - 1:
+                start = lead.num_cached
+                tokens = prompt[start:min(start + chunk, len(prompt) - 1)]
+                hidden, read = self.runner.prompt_pass(lead.slot, tokens)
+                scored += token_logprobs(self.model.head(hidden[0]), prompt[start + 1:start + 1 + len(tokens)],
+                                         want, rank=True)
+                self.show_chunk(group, len(tokens), read)
+            group.started = True
+        except Exception as e:
+            self.fail_group(group, e)
+            return
+        finally:
+            self.timing.target_s += time.perf_counter() - t0
+        for seq in group.seqs:
+            seq.prompt_logprobs = scored
+            if seq.max_tokens == 0:
+                finish(seq, "length")
+                self._failed.append(StepOutput(seq, [], "", None if seq.params.logprobs is None else []))
 
     def fail_group(self, group: Prefill, error: Exception) -> None:
         """A prompt's chunk failed: its sequences finish as errors, reported by the next step."""

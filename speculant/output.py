@@ -24,15 +24,18 @@ class StepOutput:
     error: Exception | None = None  # set when serving this sequence raised: it finished as "error"
 
 
-def token_logprobs(logits: torch.Tensor, tokens: list[int], n_top: int) -> list[TokenLogprob]:
+def token_logprobs(logits: torch.Tensor, tokens: list[int], n_top: int, rank: bool = False) -> list[TokenLogprob]:
     """logits [N, V] at the positions that produced `tokens` [N] → each token's log-probability
-    and the n_top most likely alternatives."""
+    and the n_top most likely alternatives (and its rank, if asked)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
+    chosen_t = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None])
+    chosen = chosen_t[:, 0].tolist()
+    ranks = ((logp > chosen_t).sum(-1) + 1).tolist() if rank else [None] * len(tokens)
     if not n_top:
-        return [TokenLogprob(lp, []) for lp in chosen]
+        return [TokenLogprob(lp, [], r) for lp, r in zip(chosen, ranks)]
     top_lp, top_ids = logp.topk(n_top, dim=-1)
-    return [TokenLogprob(lp, list(zip(ids, lps))) for lp, ids, lps in zip(chosen, top_ids.tolist(), top_lp.tolist())]
+    return [TokenLogprob(lp, list(zip(ids, lps)), r)
+            for lp, ids, lps, r in zip(chosen, top_ids.tolist(), top_lp.tolist(), ranks)]
 
 
 def finish(seq: Sequence, reason: str) -> None:

@@ -97,6 +97,12 @@ class ModelRunner:
         ids, n_new = pad_rows([tokens], self.device)
         return self.forward(ids, self.cache, torch.tensor([slot], device=self.device), n_new)[1]
 
+    def prompt_pass(self, slot: int, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """prefill's pass → (the final hidden states [1, n, D], which the logits are read from; what the
+        proposer reads)."""
+        ids, n_new = pad_rows([tokens], self.device)
+        return self.forward(ids, self.cache, torch.tensor([slot], device=self.device), n_new)
+
     def keep_branches(self, batch: list[Sequence], accepted: list[list[int]], hidden: torch.Tensor) -> torch.Tensor:
         """After a draft tree's verification: move the accepted branch's keys and values where the sequence
         continues (the other candidates sat between them) → the pass's hidden states [B, T, D] reordered alike,

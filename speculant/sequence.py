@@ -92,6 +92,7 @@ class TokenLogprob:
 
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None  # 1 + the tokens more likely than this one (vLLM's prompt_logprobs report it)
 
 
 @dataclass
@@ -109,6 +110,8 @@ class Sequence:
     text: str = ""
     emitted: int = 0  # characters of text already streamed out
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if asked
+    # One per prompt token, the first None (nothing predicts it), if asked; set once the prompt is fed.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: str | None = None
     stats: SpecStats = field(default_factory=SpecStats)
     arrival: float = field(default_factory=time.perf_counter)

@@ -107,3 +107,13 @@ def wait_until_healthy(proc, base: str, timeout_s: float, poll_s: float = 0.1) -
         assert proc.poll() is None, proc.communicate()[1]
         assert time.time() < deadline, "the server did not come up"
         time.sleep(poll_s)
+
+
+def target_prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
+    """log p(prompt[i] | prompt[:i]) for i >= 1 from one direct pass of the target over the prompt, on a fresh
+    cache: what prompt log-probabilities must equal."""
+    cache = model.new_cache(1, len(prompt) + 1)
+    ids = torch.tensor([prompt], device=model.device)
+    hidden = model(ids, cache, torch.tensor([0], device=model.device), torch.tensor([len(prompt)], device=model.device))
+    logp = torch.log_softmax(model.head(hidden[0]).float(), dim=-1)
+    return logp[:-1].gather(-1, ids[0, 1:, None])[:, 0].cpu()

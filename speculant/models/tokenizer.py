@@ -104,7 +104,8 @@ class Tokenizer:
         # server tokenizing in a worker thread keeps its event loop answering.
         return hf.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True) -> list[int]:
         """The chat template's prompt, with special tokens only where the template writes them: one typed
         in a message (its content, a tool call's arguments) or a tool's description is tokenized as its
         text, so a user cannot open a turn of their own."""
@@ -129,7 +130,7 @@ class Tokenizer:
         if pattern is not None:
             messages, tools = hide(messages), hide(tools)
         # The template already writes the BOS token where the model wants one.
-        prompt = self.apply_chat_template(messages, tools=tools)
+        prompt = self.apply_chat_template(messages, add_generation_prompt, tools=tools)
         if not typed:
             return self._encode(self.hf, prompt, False)
         ids: list[int] = []

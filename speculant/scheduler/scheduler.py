@@ -17,6 +17,11 @@ from speculant.scheduler.policy import first_come
 from speculant.sequence import Sequence
 
 
+def reads_prefix_cache(seq: Sequence) -> bool:
+    """A prompt scored for its log-probabilities is fed whole: the prefix cache holds keys, not logits."""
+    return seq.params.prompt_logprobs is None
+
+
 @dataclass
 class ChunkPlan:
     apart: list[tuple[Prefill, int]] = field(default_factory=list)  # chunks fed in passes of their own
@@ -67,13 +72,18 @@ class Scheduler:
             self.cache.rollback(seq.slot, 0)
         for group in group_by_prompt(admitted):
             lead = group.lead
-            if self.prefix_cache is not None:
+            if self.prefix_cache is not None and reads_prefix_cache(lead):
                 live = [(s.tokens[:s.num_cached], s.slot) for s in self.running + [g.lead for g in self.prefilling]]
                 lead.num_cached = self.prefix_cache.load(lead.tokens[:-1], self.cache, lead.slot, live=live)
             for seq in group.seqs:
                 seq.cached_tokens = lead.num_cached
             self.prefilling.append(group)
         return admitted
+
+    def to_score(self) -> list[Prefill]:
+        """Admitted groups whose prompt's log-probabilities are asked and not yet computed."""
+        return [g for g in self.prefilling if g.lead.params.prompt_logprobs is not None
+                and g.lead.prompt_logprobs is None and not g.lead.finished]
 
     def plan(self) -> ChunkPlan:
         """This step's prompt chunks: with nothing decoding, in passes of their own; beside decoding, riding the

@@ -59,6 +59,7 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     return_token_ids: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's
     # Accepted only at their neutral value: refusing beats silently ignoring.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -84,13 +85,18 @@ class SamplingRequest(BaseModel):
         """None: no logprobs; n: the chosen token's and the n most likely alternatives'."""
         return None
 
+    def prompt_top_wanted(self) -> int | None:
+        """The prompt tokens' log-probabilities: None: none; n: with the n most likely alternatives'."""
+        return self.prompt_logprobs
+
     def sampling_params(self, choice: int, structured: StructuredOutputsParams | None = None) -> SamplingParams:
         # n choices with one seed must differ yet stay reproducible: choice i uses seed + i.
         return SamplingParams(
             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
             seed=None if self.seed is None else self.seed + choice, max_tokens=self.max_new_tokens(),
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            logprobs=self.top_logprobs_wanted(), structured_outputs=structured)
+            logprobs=self.top_logprobs_wanted(), prompt_logprobs=self.prompt_top_wanted(),
+            structured_outputs=structured)
 
     @property
     def include_usage(self) -> bool:
@@ -111,7 +117,7 @@ IGNORED_FIELDS: dict[str, tuple | None] = {
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)  # the OpenAI API's default for completions
+    max_tokens: int | None = Field(16, ge=0)  # the OpenAI API's default; 0 only to score the prompt (echo)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -120,13 +126,16 @@ class CompletionRequest(SamplingRequest):
     def top_logprobs_wanted(self) -> int | None:
         return self.logprobs
 
+    def prompt_top_wanted(self) -> int | None:
+        """echo with logprobs scores the prompt as the completion, vLLM's prompt_logprobs as it asks."""
+        wanted = [n for n in (self.logprobs if self.echo else None, self.prompt_logprobs) if n is not None]
+        return max(wanted) if wanted else None
+
     def prompt_count(self) -> int:
         return len(self.prompt) if isinstance(self.prompt, list) and self.prompt \
             and not isinstance(self.prompt[0], int) else 1
 
     def unsupported(self) -> str | None:
-        if self.echo:
-            return "echo"
         if self.suffix:
             return "suffix"
         if self.best_of not in (None, self.n):
@@ -248,18 +257,53 @@ class ChatCompletionRequest(SamplingRequest):
         """None (no tools in play), "auto", "required" or the name of the function that must be called;
         raises ValueError naming a tool_choice that cannot be honoured."""
         choice = self.tool_choice
-        names = [t.function.name for t in self.tools or []]
-        if len(set(names)) < len(names):
-            raise ValueError("tools: two tools share a function name")
-        if isinstance(choice, NamedToolChoice):
-            if choice.function.name not in names:
-                raise ValueError(f"tool_choice names the function '{choice.function.name}', which is not in tools")
-            return choice.function.name
-        if not names or choice == "none":
-            if choice == "required":
-                raise ValueError("tool_choice 'required' needs tools")
-            return None
-        return choice or "auto"
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        return tool_mode([t.function.name for t in self.tools or []], named or choice)
+
+
+def tool_mode(names: list[str], choice: str | None) -> str | None:
+    """None (no tools in play), "auto", "required" or the name of the function that must be called, for tools
+    `names` and a tool_choice ("none", "auto", "required", a function's name, or None); raises ValueError naming
+    a tool_choice that cannot be honoured."""
+    if len(set(names)) < len(names):
+        raise ValueError("tools: two tools share a function name")
+    if choice not in (None, "none", "auto", "required"):
+        if choice not in names:
+            raise ValueError(f"tool_choice names the function '{choice}', which is not in tools")
+        return choice
+    if not names or choice == "none":
+        if choice == "required":
+            raise ValueError("tool_choice 'required' needs tools")
+        return None
+    return choice or "auto"
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's POST /tokenize: a prompt, or messages through the chat template."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True  # for a prompt: the BOS token where the model wants one
+    tools: list[ToolSpec] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    model: str | None = None
+    tokens: list[int]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 # -- responses --------------------------------------------------------------------------------
@@ -291,11 +335,12 @@ class SpeculativeStats(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """The legacy completions shape: parallel lists, one entry per generated token."""
+    """The legacy completions shape: parallel lists, one entry per generated token (with echo, per prompt token
+    first, the first prompt token's null: nothing predicts it)."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 
@@ -313,12 +358,36 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprobInfo]
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry: one per token, keyed by its id (the prompt's token and the top n)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _prompt_logprobs_if_any(self, handler) -> dict:
+        return without_none(handler(self), "prompt_logprobs")
+
+
+def without_none(out: dict, *names: str) -> dict:
+    """vLLM's extensions leave the body only when asked for."""
+    for name in names:
+        if out.get(name) is None:
+            out.pop(name, None)
+    return out
 
 
 class CompletionResponse(BaseModel):
@@ -360,6 +429,11 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     speculative_stats: SpeculativeStats | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, for the request's one prompt
+
+    @model_serializer(mode="wrap")
+    def _prompt_logprobs_if_any(self, handler) -> dict:
+        return without_none(handler(self), "prompt_logprobs")
 
 
 class FunctionCallDelta(BaseModel):
@@ -401,6 +475,11 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
     speculative_stats: SpeculativeStats | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # on the first content chunk, if asked
+
+    @model_serializer(mode="wrap")
+    def _prompt_logprobs_if_any(self, handler) -> dict:
+        return without_none(handler(self), "prompt_logprobs")
 
 
 class ModelCard(BaseModel):

@@ -62,6 +62,7 @@ class Delta:
     text: str
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on a sequence's first Delta, if asked
 
 
 @dataclass
@@ -298,7 +299,7 @@ class EngineWorker:
                 self._abort(entry.stream, EngineFailure("the engine failed while serving this request"))
                 continue
             entry.stream.put(Delta(entry.index, list(out.new_token_ids), out.new_text, seq.finish_reason,
-                                   out.new_logprobs))
+                                   out.new_logprobs, seq.prompt_logprobs if entry.last_emit is None else None))
             if entry.last_emit is None:
                 self.metrics.observe_first_tokens(len(out.new_token_ids), now - entry.stream.arrival)
             else:

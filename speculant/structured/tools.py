@@ -27,6 +27,14 @@ SMOLLM2_SYSTEM = (
     "call is needed, please make the tool calls an empty list '[]'.\n<tool_call>[\n{{\"name\": \"func_name1\", "
     "\"arguments\": {{\"argument1\": \"value1\", \"argument2\": \"value2\"}}}},\n... (more tool calls as "
     "required)\n]</tool_call>")
+# With tool_choice "auto" the model may also answer in text (after a tool's result, most often): SmolLM2's own
+# prompt above forbids any text and asks for an empty list instead, which would never end an agent's loop.
+SMOLLM2_AUTO_SYSTEM = SMOLLM2_SYSTEM.replace(
+    "The output MUST strictly adhere to the following format, and NO other text MUST be included.",
+    "To call functions, the output MUST strictly adhere to the following format.").replace(
+    "If no function call is needed, please make the tool calls an empty list '[]'.",
+    "If no function call is needed (for instance once the tool results answer the question), answer in plain "
+    "text, without any <tool_call>.")
 
 
 @dataclass(frozen=True)
@@ -81,9 +89,11 @@ class ToolFormat:
         content = re.sub(pattern, "", text, flags=re.DOTALL).strip()
         return content or None, calls
 
-    def messages_for_template(self, messages: list[dict], functions: list[dict] | None) -> list[dict]:
+    def messages_for_template(self, messages: list[dict], functions: list[dict] | None,
+                              auto: bool = False) -> list[dict]:
         """OpenAI messages (assistant tool_calls, tool results) → what the chat template reads. A template
-        that knows no tools gets them in the system prompt, and earlier calls in this format as text."""
+        that knows no tools gets them in the system prompt (which lets it answer in text where `auto`), and
+        earlier calls in this format as text."""
         out = []
         for m in messages:
             calls = [{"name": c["function"]["name"], "arguments": json_value(c["function"]["arguments"])}
@@ -96,7 +106,8 @@ class ToolFormat:
                 m = {**m, "tool_calls": [{"type": "function", "function": c} for c in calls]}
             out.append(m)
         if functions and not self.template_renders_tools:
-            prompt = SMOLLM2_SYSTEM.format(tools=json.dumps(functions, ensure_ascii=False))
+            system = SMOLLM2_AUTO_SYSTEM if auto else SMOLLM2_SYSTEM
+            prompt = system.format(tools=json.dumps(functions, ensure_ascii=False))
             if out and out[0]["role"] == "system":
                 out[0] = {**out[0], "content": prompt + "\n\n" + out[0]["content"]}
             else:

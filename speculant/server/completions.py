@@ -1,0 +1,123 @@
+"""POST /v1/completions and POST /v1/chat/completions. Chat's prompt (template, tools) and structured output
+are built here for the Responses API too (responses.py)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from speculant.config import StructuredOutputsParams
+from speculant.errors import SpeculantError
+from speculant.server.core import OpenAIServer
+from speculant.server.formats import ChatFormat, CompletionFormat, Echo
+from speculant.server.http import ERROR_RESPONSES, APIError, parse_body
+from speculant.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+)
+from speculant.structured.tools import ToolFormat, tool_format
+
+router = APIRouter()
+
+
+@router.post("/v1/completions", responses=ERROR_RESPONSES, response_model=CompletionResponse)
+async def completions(request: Request) -> Response:
+    server: OpenAIServer = request.app.state.server
+    req = await parse_body(request, CompletionRequest)
+    server.check_model(req.model)
+    if req.echo and req.n > 1:
+        raise APIError(400, "echo with n > 1 is not supported (each choice would repeat the prompt)", param="echo")
+    if req.max_tokens == 0 and req.prompt_top_wanted() is None:
+        raise APIError(400, "max_tokens 0 writes nothing: it is allowed only to score the prompt (echo with "
+                            "logprobs, or prompt_logprobs)", param="max_tokens")
+    server.check_sequences(req.prompt_count(), req.n, "prompt")
+    prompts = await completion_prompts(server, req.prompt)
+    for ids in prompts:
+        server.check_context(ids, req.max_new_tokens(), "prompt")
+    server.check_work(prompts, req)
+    echo = Echo(await echo_texts(server, req.prompt, prompts), req.logprobs) if req.echo else None
+    fmt = CompletionFormat(server.token_text, echo, prompts, req.n, req.prompt_logprobs)
+    return await server.generate(request, req, prompts, fmt)
+
+
+async def echo_texts(server: OpenAIServer, prompt: str | list, prompts: list[list[int]]) -> list[str]:
+    """The prompts as echo writes them back: as sent where they came as text, else decoded."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and isinstance(prompt[0], str):
+        return list(prompt)
+    if server.tokenizer is None:
+        return ["".join(server.token_text(t) for t in ids) for ids in prompts]
+    return await server.off_loop(lambda: [server.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts])
+
+
+@router.post("/v1/chat/completions", responses=ERROR_RESPONSES, response_model=ChatCompletionResponse)
+async def chat_completions(request: Request) -> Response:
+    server: OpenAIServer = request.app.state.server
+    req = await parse_body(request, ChatCompletionRequest)
+    server.check_model(req.model)
+    server.need_chat_template("messages")
+    server.check_sequences(1, req.n, "n")
+    try:
+        mode = req.tool_mode()
+    except ValueError as e:
+        raise APIError(400, str(e), param="tool_choice") from None
+    tools = tool_format(server.tokenizer.chat_template)
+    wanted = req.response_format.structured() if req.response_format is not None else None
+    structured = await structured_output(server, wanted, mode, req.functions(), req.parallel_tool_calls, tools,
+                                         "response_format")
+    specs = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    ids = await chat_prompt(server, [m.for_template() for m in req.messages], mode, specs, tools, "messages")
+    server.check_context(ids, req.max_new_tokens(), "messages")
+    server.check_work([ids], req)
+    fmt = ChatFormat(server.token_text, tools if mode else None, ids, req.prompt_logprobs)
+    return await server.generate(request, req, [ids], fmt, structured)
+
+
+async def chat_prompt(server: OpenAIServer, messages: list[dict], mode: str | None, tool_specs: list[dict],
+                      tools: ToolFormat, param: str, add_generation_prompt: bool = True) -> list[int]:
+    """The conversation through the chat template, the tools (OpenAI tool objects) in play when `mode` is."""
+    functions = [t["function"] for t in tool_specs] if mode else None
+    messages = tools.messages_for_template(messages, functions, auto=mode == "auto")
+    rendered = tool_specs if mode and tools.template_renders_tools else None
+    try:
+        return await server.off_loop(server.tokenizer.encode_chat, messages, rendered, add_generation_prompt)
+    except SpeculantError as e:
+        raise APIError(400, str(e), param=param) from None
+
+
+async def structured_output(server: OpenAIServer, wanted: StructuredOutputsParams | None, mode: str | None,
+                            functions: list[dict], parallel: bool, tools: ToolFormat,
+                            format_param: str) -> StructuredOutputsParams | None:
+    """The grammar the answer must follow: the asked format's (`wanted`), or a call for tool_choice "required"
+    or a named function; compiled here (a bad schema is this request's 400, and the engine finds it cached)."""
+    param = format_param
+    if wanted is not None and mode is not None:
+        raise APIError(400, f"{format_param} (json_object, json_schema) with tools is not supported: the answer "
+                            f"could not be both; send tool_choice 'none' or no {format_param}", param=format_param)
+    if mode == "required":
+        wanted, param = tools.constraint(functions, parallel), "tools"
+    elif mode not in (None, "auto"):
+        named = [f for f in functions if f["name"] == mode]
+        wanted, param = tools.constraint(named, False), "tools"
+    if wanted is None:
+        return None
+    try:
+        await server.off_loop(server.engine.grammars.compile, wanted)
+    except SpeculantError as e:
+        raise APIError(400, str(e), param=param) from None
+    return wanted
+
+
+async def completion_prompts(server: OpenAIServer, prompt: str | list) -> list[list[int]]:
+    if isinstance(prompt, list) and not prompt:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    if isinstance(prompt, list) and isinstance(prompt[0], int):
+        return [prompt]
+    if isinstance(prompt, list) and isinstance(prompt[0], list):
+        return prompt
+    server.need_tokenizer("prompt")
+    texts = [prompt] if isinstance(prompt, str) else prompt
+    return await server.off_loop(lambda: [server.tokenizer.encode(p) for p in texts])
