@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 class Family:
     model_type: str
     architectures: tuple[str, ...]  # Hugging Face `architectures` entries that name it
+    # transformers' config class for it: the defaults of every key a config.json leaves out (model_config.py).
+    config_class: str
     gguf: str | None = None  # its GGUF files' general.architecture
     norm_offset: float = 0.0  # RMSNorm scales by (offset + weight): Gemma's checkpoints store weight − 1
     activation: str = "silu"  # the gated MLP's: "silu" or "gelu_tanh" (GeGLU)
@@ -23,10 +25,9 @@ class Family:
     qkv_bias: bool = False
     fused_checkpoint: bool = False  # q, k, v and gate, up stored as one tensor each (loader.split_fused)
     window_by_default: bool = False  # config `sliding_window` applies unless `use_sliding_window` says no
-    # Every n-th layer global, the others sliding, where a config lists no `layer_types` (transformers' default
-    # for the family; Gemma 2's own config.json files state neither the types nor a pattern).
+    # Every n-th layer global, the others sliding, where neither the config nor its class (older transformers)
+    # lists `layer_types`; Gemma 2's own config.json files state neither the types nor a pattern.
     sliding_pattern: int | None = None
-    tied_by_default: bool = False  # the head is the embedding where the config does not say
     permuted_qk: bool = False  # llama.cpp's converter interleaved each head's q/k rows (GGUF)
     # The MLP of its routed layers is a mixture of experts (models/moe.py), and how the router picks and weighs
     # them: moe.SOFTMAX_TOPK or moe.TOPK_SOFTMAX; None: a dense model.
@@ -43,28 +44,31 @@ GEMMA_GGUF_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm
                      "post_ffw_norm": "post_feedforward_layernorm"}
 
 FAMILIES: tuple[Family, ...] = (
-    Family("llama", ("LlamaForCausalLM",), "llama", permuted_qk=True),
-    Family("mistral", ("MistralForCausalLM",), "mistral", window_by_default=True, permuted_qk=True),
-    Family("qwen2", ("Qwen2ForCausalLM",), "qwen2", qkv_bias=True),
-    Family("qwen3", ("Qwen3ForCausalLM",), "qwen3", qk_norm=True),
-    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), "qwen3moe", qk_norm=True, routing="softmax_topk"),
+    Family("llama", ("LlamaForCausalLM",), "LlamaConfig", "llama", permuted_qk=True),
+    Family("mistral", ("MistralForCausalLM",), "MistralConfig", "mistral", window_by_default=True,
+           permuted_qk=True),
+    Family("qwen2", ("Qwen2ForCausalLM",), "Qwen2Config", "qwen2", qkv_bias=True),
+    Family("qwen3", ("Qwen3ForCausalLM",), "Qwen3Config", "qwen3", qk_norm=True),
+    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), "Qwen3MoeConfig", "qwen3moe", qk_norm=True,
+           routing="softmax_topk"),
     # llama.cpp writes Mixtral as a "llama" GGUF with experts (GGUF_EXPERTS).
-    Family("mixtral", ("MixtralForCausalLM",), window_by_default=True, permuted_qk=True, routing="topk_softmax"),
+    Family("mixtral", ("MixtralForCausalLM",), "MixtralConfig", window_by_default=True, permuted_qk=True,
+           routing="topk_softmax"),
     # llama.cpp keeps Phi-3's fused tensors: attn_qkv, and ffn_up holding gate and up.
     # Phi-3's attention honours `sliding_window` whenever the config states one (Phi-3-mini: 2047).
-    Family("phi3", ("Phi3ForCausalLM",), "phi3", fused_checkpoint=True, window_by_default=True,
+    Family("phi3", ("Phi3ForCausalLM",), "Phi3Config", "phi3", fused_checkpoint=True, window_by_default=True,
            gguf_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}),
     # Gemma 2's attention scores and logits are soft-capped (config attn_logit_softcapping,
     # final_logit_softcapping; llama.cpp's 50 and 30 where a GGUF states none, and its window 4096). Even layers
     # slide, as in llama.cpp; its norms already hold 1 + w.
-    Family("gemma2", ("Gemma2ForCausalLM",), "gemma2", norm_offset=1.0, activation="gelu_tanh",
+    Family("gemma2", ("Gemma2ForCausalLM",), "Gemma2Config", "gemma2", norm_offset=1.0, activation="gelu_tanh",
            scale_embeddings=True, sandwich_norms=True, window_by_default=True, sliding_pattern=2,
-           tied_by_default=True, gguf_names=GEMMA_GGUF_NAMES, gguf_width_scaled_layers=46,
+           gguf_names=GEMMA_GGUF_NAMES, gguf_width_scaled_layers=46,
            gguf_defaults={"sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
     # llama.cpp fixes Gemma 3's local layers (5 of every 6) and their RoPE base; its norms already hold 1 + w.
-    Family("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), "gemma3", norm_offset=1.0,
-           activation="gelu_tanh", scale_embeddings=True, sandwich_norms=True, qk_norm=True,
-           window_by_default=True, sliding_pattern=6, tied_by_default=True, gguf_names=GEMMA_GGUF_NAMES,
+    Family("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), "Gemma3TextConfig", "gemma3",
+           norm_offset=1.0, activation="gelu_tanh", scale_embeddings=True, sandwich_norms=True, qk_norm=True,
+           window_by_default=True, sliding_pattern=6, gguf_names=GEMMA_GGUF_NAMES,
            gguf_width_scaled_layers=62, gguf_defaults={"rope_local_base_freq": 10000.0}),
 )
 BY_ARCHITECTURE = {a: f for f in FAMILIES for a in f.architectures}

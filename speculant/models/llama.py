@@ -34,15 +34,28 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        # A folded 1 + w stays fp32 whatever the model is cast to: transformers adds the 1 in fp32 in every pass,
+        # and the sum in bf16 loses w's low bits.
+        self.fp32 = bool(offset)
         if offset:
             fold_offset_on_load(self, offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == x.dtype and native.layer_ops_usable(x):
             return native.rms_norm(x, self.weight, self.eps)
+        if self.weight.dtype != x.dtype:  # an fp32 scale on bf16 rows: normalised and scaled in fp32, rounded once
+            return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
         # One call (it normalises bf16/fp16 in fp32 and rounds once): a separate upcast, cast back and
         # weight product were three more operations per norm, 61 norms per pass.
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+    def _apply(self, fn, recurse: bool = True):
+        before = self.weight.detach()
+        super()._apply(fn, recurse)
+        if self.fp32 and self.weight.dtype != torch.float32:  # a cast to another dtype: the fp32 values kept
+            kept = self.weight if before.is_meta else before
+            self.weight = nn.Parameter(kept.to(self.weight.device, torch.float32), self.weight.requires_grad)
+        return self
 
 
 def fold_offset_on_load(norm: RMSNorm, offset: float) -> None:
@@ -247,8 +260,9 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        # Norms are never quantized: they hold the activations' dtype.
-        return self.model.norm.weight.dtype
+        # The embeddings' rows are the activations' dtype (Gemma's norms keep fp32: RMSNorm).
+        embed = self.model.embed_tokens
+        return embed.weight.dtype if isinstance(embed, nn.Embedding) else embed.dtype
 
     def new_cache(self, max_batch: int, max_len: int) -> KVCache:
         c = self.cfg

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import copy
 import math
+import warnings
 from dataclasses import dataclass
 
 from speculant.errors import SpeculantError
-from speculant.models.families import FAMILIES, family_of
+from speculant.models.families import FAMILIES, Family, family_of
 
 SUPPORTED_ARCHITECTURES = {a: f.model_type for f in FAMILIES for a in f.architectures}
 SLIDING, FULL = "sliding_attention", "full_attention"  # Hugging Face's layer_types
@@ -66,15 +68,18 @@ class ModelConfig:
                 f"{source}: unsupported architecture '{name}'. "
                 f"Supported: {', '.join(SUPPORTED_ARCHITECTURES)}."
             )
-        required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                    "intermediate_size"]
-        missing = [k for k in required if cfg.get(k) is None]
+        # The size every published config states; any other key may be left at the family's default.
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "intermediate_size") if cfg.get(k) is None]
         if missing:
             raise SpeculantError(f"{source}: missing required key(s): {', '.join(missing)}.")
+        cfg = with_family_defaults(cfg, family, source)
         n_heads = cfg["num_attention_heads"]
         rope, local_rope = rope_parameters(cfg)
+        if local_rope.get("rope_type", "default") != "default":
+            raise SpeculantError(f"{source}: scaled RoPE on the sliding layers ('{local_rope['rope_type']}') is "
+                                 "not supported")
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        max_positions, rope_scale = cfg.get("max_position_embeddings", 4096), 1.0
+        max_positions, rope_scale = cfg["max_position_embeddings"], 1.0
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
             if kind not in ("default", "llama3", "longrope", "linear"):
@@ -110,13 +115,13 @@ class ModelConfig:
             n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
             head_dim=head_dim,
             intermediate_size=cfg["intermediate_size"],
-            norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0,
+            norm_eps=cfg["rms_norm_eps"],
+            rope_theta=cfg.get("rope_theta") or rope["rope_theta"],
             max_position_embeddings=max_positions,
             rope_scaling=scaling,
             rope_scale=rope_scale,
             rotary_dim=rotary_dim,
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", family.tied_by_default)),
+            tie_embeddings=bool(cfg["tie_word_embeddings"]),
             qkv_bias=bool(cfg.get("attention_bias") or family.qkv_bias),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=family.qk_norm,
@@ -131,10 +136,10 @@ class ModelConfig:
             attn_softcap=cfg.get("attn_logit_softcapping"),
             logit_softcap=cfg.get("final_logit_softcapping"),
             n_experts=n_experts,
-            experts_per_token=cfg.get("num_experts_per_tok", 2) if n_experts else 0,
+            experts_per_token=cfg["num_experts_per_tok"] if n_experts else 0,
             expert_size=(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if n_experts else 0,
             routing=family.routing if n_experts else None,
-            renormalise=bool(cfg.get("norm_topk_prob", False)),  # transformers' default
+            renormalise=bool(cfg.get("norm_topk_prob")),
             dense_layers=dense_layers if n_experts else (),
         )
 
@@ -157,6 +162,30 @@ class ModelConfig:
 
     def kind(self, layer: int) -> str:
         return self.attention_kinds[0] if self.layer_types is None else self.layer_types[layer]
+
+
+def with_family_defaults(cfg: dict, family: Family, source: str) -> dict:
+    """`cfg` with each key it leaves out at the family's own default, as transformers' config class for the
+    family resolves it (publishers write only what differs: Gemma 3's text_config), in that class's names."""
+    import transformers
+
+    config_class = getattr(transformers, family.config_class, None)
+    if config_class is None:
+        raise SpeculantError(f"{source}: {family.model_type} needs transformers' {family.config_class}, which "
+                             f"transformers {transformers.__version__} lacks: upgrade transformers")
+    given = {k: v for k, v in copy.deepcopy(cfg).items() if k not in ("architectures", "model_type")}
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # its advice on its own newer key names is none of the user's
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return config_class(**given).to_dict()
+    except Exception as e:  # transformers' own checks: a LongRoPE factor list of the wrong length, ...
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        raise SpeculantError(f"{source}: transformers' {family.config_class} refuses it: {lines[-1].strip()}") \
+            from None
+    finally:
+        transformers.logging.set_verbosity(level)
 
 
 def rope_parameters(cfg: dict) -> tuple[dict, dict]:

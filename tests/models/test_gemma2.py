@@ -85,7 +85,8 @@ def test_config_reads_the_caps_and_the_layer_pattern(folder):
              "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4, "sliding_window": 4096}
     cfg = model_config.ModelConfig.from_hf(plain)
     assert [cfg.kind(i) for i in range(6)] == [model_config.SLIDING, model_config.FULL] * 3
-    assert cfg.attn_softcap is None and cfg.logit_softcap is None  # no caps stated: none applied
+    # No caps stated: Gemma2Config's (50, 30), as transformers applies them; its head size 256 likewise.
+    assert (cfg.attn_softcap, cfg.logit_softcap, cfg.head_dim) == (50.0, 30.0, 256)
     assert not llama.native_layer_form(model_config.ModelConfig.from_hf(
         {**plain, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attn_logit_softcapping": 50.0}), 0)
 

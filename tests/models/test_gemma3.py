@@ -5,9 +5,14 @@ Speculation, batches and prefix-cache hits keep the output, the window included,
 
 from __future__ import annotations
 
+import copy
+import json
+import shutil
+
 import gguf
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 from conftest import transformers
 from test_gguf import VOCAB, add_weights, close, native_target, windowed_writer
@@ -129,6 +134,63 @@ def test_conditional_generation_folder_loads_its_text_model(tmp_path):
     ours = load_model(tmp_path / "mm").model
     got, _ = our_logits(ours, ids)
     assert (got - expected).abs().max().item() <= TOL
+
+
+def test_multimodal_folder_with_a_sparse_text_config(tmp_path):
+    """A text_config as Google publishes it: only what differs from Gemma3TextConfig's defaults, so the heads (8),
+    KV heads (4), head size (256), RoPE bases (1M global, 10k local), score scale and layer pattern are the
+    family's. The folder loads and gives the logits transformers gives from the same folder."""
+    sparse = {"model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 7,
+              "vocab_size": VOCAB, "sliding_window": WINDOW, "rope_scaling": {"factor": 8.0, "rope_type": "linear"}}
+    vision = {"model_type": "siglip_vision_model", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
+    raw = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": sparse,
+           "vision_config": vision, "mm_tokens_per_image": 4, "image_token_index": 5, "eos_token_id": [1, 106]}
+    torch.manual_seed(5)
+    model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(**copy.deepcopy(raw)))
+    randomize_norms(model, torch.Generator().manual_seed(5))
+    model.save_pretrained(tmp_path / "mm")
+    (tmp_path / "mm" / "config.json").write_text(json.dumps(raw))  # as published, whatever save_pretrained wrote
+    ref = transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "mm", dtype=torch.float32).eval()
+    ids = torch.randint(6, VOCAB, (1, 20), generator=torch.Generator().manual_seed(6))  # no image tokens
+    with torch.no_grad():
+        expected = ref(input_ids=ids).logits
+    ours = load_model(tmp_path / "mm").model
+    c = ours.cfg
+    assert (c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta, c.local_rope_theta) == (8, 4, 256, 1e6, 1e4)
+    got, _ = our_logits(ours, ids)
+    assert (got - expected).abs().max().item() <= TOL
+
+
+def bf16_checkpoint(folder, to):
+    """The folder with its weights stored in bf16, as Gemma's are published."""
+    shutil.copytree(folder, to)
+    weights = safetensors.torch.load_file(to / "model.safetensors")
+    safetensors.torch.save_file({k: v.bfloat16() for k, v in weights.items()}, to / "model.safetensors",
+                                metadata={"format": "pt"})
+    return to
+
+
+@pytest.mark.parametrize("mutant", [False, True])
+def test_bf16_model_keeps_the_folded_norm_scale_in_fp32(folders, tmp_path, monkeypatch, mutant):
+    """A bf16 model's norms hold 1 + w exactly (fp32), and scale as transformers' Gemma3RMSNorm does, bit for
+    bit: transformers adds the 1 in fp32 each pass. Mutant: the sum cast to bf16 with the rest of the model."""
+    if mutant:
+        monkeypatch.setattr(llama.RMSNorm, "_apply", torch.nn.Module._apply)
+    folder = bf16_checkpoint(folders["wide"], tmp_path / "bf16")
+    stored = safetensors.torch.load_file(folder / "model.safetensors")
+    model = load_model(folder, dtype="bfloat16").model
+    assert model.dtype == torch.bfloat16
+    norms = {n: p for n, p in model.named_parameters() if "norm" in n}
+    exact = [p.dtype == torch.float32 and torch.equal(p, stored[n].float() + 1) for n, p in norms.items()]
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(7)).bfloat16()
+    ref = transformers.models.gemma3.modeling_gemma3.Gemma3RMSNorm(128, eps=1e-6).to(torch.bfloat16)
+    ref.weight.data.copy_(stored["model.norm.weight"])
+    same = torch.equal(model.model.norm(x), ref(x))
+    if mutant:
+        assert not all(exact) and not same
+    else:
+        assert len(norms) == 4 * 7 + 2 * 7 + 1 and all(exact) and same
 
 
 def run(target, spec: dict | None, prompts, rows: int = 4) -> list[list[int]]:

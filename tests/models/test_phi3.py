@@ -130,7 +130,10 @@ def test_odd_rotary_dims_are_refused(phi3, tmp_path):
     folder = tmp_path / "odd"
     shutil.copytree(phi3, folder)
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["partial_rotary_factor"] = cfg["rope_parameters"]["partial_rotary_factor"] = 0.7  # 11.2 of 16 dims
+    rope = cfg["rope_parameters"]
+    rope["partial_rotary_factor"] = cfg["partial_rotary_factor"] = 0.7  # 11.2 of 16 dims
+    for name in ("short_factor", "long_factor"):  # one per pair of the 11 dims, as transformers checks
+        rope[name] = rope[name][:5]
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(SpeculantError, match="partial_rotary_factor 0.7 rotates 11 of 16"):
         load_model(folder)
