@@ -53,6 +53,7 @@ SMALL_EMBEDDING_BYTES = 128 << 20
 # (AMD EPYC Zen 5, 2026-12-02). For the first run's notice.
 REPACK_BYTES_PER_S = 50e6
 CHUNK_ROWS = 8192  # outputs repacked at a time: a vocabulary-sized head's temporaries stay a few hundred MB
+Shapes = list[tuple[tuple[int, ...], np.dtype]]  # a matrix's 7 kernel tensors
 DENSE = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
 
 
@@ -177,15 +178,22 @@ def stored_rows(t, rows: np.ndarray | slice, requantize: bool) -> tuple[gguf.GGM
     return REQUANTIZED, gguf.quants.quantize(gguf.quants.dequantize(raw, t.tensor_type), REQUANTIZED)
 
 
-def component_shapes(t, n_in: int, requantize: bool = False) -> list[tuple[tuple[int, ...], np.dtype]]:
+def component_shapes(t, n_in: int, requantize: bool = False) -> Shapes:
     """The shapes and dtypes of ggml.layout's 7 tensors for tensor t, its outputs padded to 16: a block's
-    from the layout of its first 16 outputs, times the blocks (1-D ones, the format and the empty
-    tensors, as they are)."""
-    n_out = int(t.shape[1])
-    qtype, raw = stored_rows(t, slice(0, min(16, n_out)), requantize)
-    first = ggml.layout(ggml.decode(qtype, raw, min(16, n_out), n_in).padded())
-    blocks = (n_out + 15) // 16
-    return [((blocks, *x.shape[1:]) if x.dim() > 1 else tuple(x.shape), x.numpy().dtype) for x in first]
+    times the blocks (1-D ones, the format and the empty tensors, as they are)."""
+    blocks = (int(t.shape[1]) + 15) // 16
+    return [((blocks, *shape[1:]) if len(shape) > 1 else shape, dt)
+            for shape, dt in block_shapes(t.tensor_type, n_in, requantize)]
+
+
+@functools.cache
+def block_shapes(qtype: gguf.GGMLQuantizationType, n_in: int, requantize: bool) -> Shapes:
+    """ggml.layout's tensors for one block of 16 outputs, from zero bytes: the file's pages stay untouched (an
+    MoE has thousands of matrices, and each first read would stay in this process's memory)."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    zeros = Matrix("", qtype, (n_in, 16), np.zeros((16, n_in // block * size), np.uint8))
+    stored, raw = stored_rows(zeros, slice(0, 16), requantize)
+    return [(tuple(x.shape), x.numpy().dtype) for x in ggml.layout(ggml.decode(stored, raw, 16, n_in).padded())]
 
 
 def write_packed(reader: gguf.GGUFReader, config: dict, arch: str, src: Path, out: Path,
@@ -286,9 +294,8 @@ class GGMLEmbedding(nn.Module):
 
     def table(self) -> nn.Embedding:
         """The whole table in the activations' dtype (a pass's lookups are then copies)."""
-        table = nn.Embedding(self.num_embeddings, self.embedding_dim, device="meta")
-        table.weight = nn.Parameter(self(torch.arange(self.num_embeddings)), requires_grad=False)
-        return table
+        return nn.Embedding(self.num_embeddings, self.embedding_dim, _weight=self(torch.arange(self.num_embeddings)),
+                            _freeze=True)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.qtype.name} blocks"

@@ -213,7 +213,9 @@ def embedding_table(embed: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tenso
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # Given its weight, nn.Embedding skips its random init, whose first call imports torch._dynamo (seconds):
+        # every checkpoint overwrites it.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim))
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_offset)
 

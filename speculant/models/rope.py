@@ -61,7 +61,8 @@ def rope_inv_freq(cfg: ModelConfig, kind: str = FULL) -> torch.Tensor:
     local = kind == SLIDING and cfg.local_rope_theta is not None
     theta = cfg.local_rope_theta if local else cfg.rope_theta
     dim = cfg.rotary_dim or cfg.head_dim
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    # On the CPU even where a model is built on the meta device: meta's arange imports torch._dynamo (seconds).
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
     # Dims that do not rotate (rotary_layout) turn by an angle of 0.
     return F.pad(scaled_frequencies(inv_freq, None if local else cfg.rope_scaling), (0, (cfg.head_dim - dim) // 2))
 
