@@ -41,6 +41,7 @@ from speculant.models.gguf import (
     write_tokenizer,
 )
 from speculant.models.hugepages import read_into_huge_pages
+from speculant.models.kernels import PackedLinear
 from speculant.models.llama import Transformer
 from speculant.models.model_config import ModelConfig
 from speculant.models.rope import rotary_rows
@@ -301,6 +302,14 @@ class GGMLEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.qtype.name} blocks"
 
 
+def router(weight: torch.Tensor) -> PackedLinear:
+    """An MoE layer's router in the file's float32, on a row-exact kernel: a token's experts must not depend on
+    the pass it rides in (PyTorch's bf16 linear rounds differently for one row and for five)."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight.float(), requires_grad=False)
+    return PackedLinear(linear)
+
+
 def assemble(src: Path, cfg: ModelConfig, packed: dict, dtype: torch.dtype) -> Transformer:
     matrices, vectors = packed["matrices"], packed["vectors"]
     family = BY_MODEL_TYPE[cfg.model_type]
@@ -330,7 +339,7 @@ def assemble(src: Path, cfg: ModelConfig, packed: dict, dtype: torch.dtype) -> T
         attn.qkv_proj = linear([f"{p}{name}.weight" for name in qkv], cfg.dim, cfg.qkv_bias and not fused)
         attn.o_proj = linear([p + "attn_output.weight"], cfg.n_heads * cfg.head_dim)
         if cfg.routed(i):
-            mlp.gate.weight = nn.Parameter(vector(p + "ffn_gate_inp.weight"), requires_grad=False)
+            mlp.gate = router(vectors[p + "ffn_gate_inp.weight"])
             for e, expert in enumerate(mlp.experts):
                 expert.gate_up_proj = linear([f"{p}ffn_gate.{e}.weight", f"{p}ffn_up.{e}.weight"], cfg.dim)
                 expert.down_proj = linear([f"{p}ffn_down.{e}.weight"], cfg.expert_size)

@@ -20,6 +20,7 @@ from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.llm import engine_for
 from speculant.models.ggml import GGMLLinear
 from speculant.models.gguf_native import native_loadable
+from speculant.models.kernels import inexact_reason
 from speculant.models.loader import load_model
 from speculant.models.moe import MoE
 
@@ -241,7 +242,9 @@ def test_gguf_experts_run_on_their_own_blocks(family, blocks):
     speculation and batches give the file's own plain output, alone and in a batch."""
     target = native_target(blocks["stacked"])
     moe = next(b.mlp for b in target.model.model.layers if isinstance(b.mlp, MoE))
-    assert isinstance(moe.experts[0].down_proj, GGMLLinear) and moe.gate.weight.dtype == torch.bfloat16
+    assert isinstance(moe.experts[0].down_proj, GGMLLinear)
+    # The router too gives a row the same bits in any pass (else a verify pass may route a token elsewhere).
+    assert inexact_reason(target.model, torch.device("cpu")) is None
     ids = torch.tensor([LONG])
     expected = logits_of(load_model(blocks["stacked"]).model, ids)  # the same blocks dequantized, in fp32
     assert (logits_of(target.model, ids) - expected).abs().max().item() < 0.05 * expected.abs().max().item()
