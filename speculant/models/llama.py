@@ -20,7 +20,7 @@ from speculant.models.attention import Pass, attend, native_attention_usable, pr
 from speculant.models.ggml import GGMLLinear
 from speculant.models.kv_cache import KVCache
 from speculant.models.limits import MAX_VERIFY_WIDTH
-from speculant.models.model_config import SLIDING, ModelConfig
+from speculant.models.model_config import FULL, SLIDING, ModelConfig
 from speculant.models.moe import MoE
 from speculant.models.projections import native_projection
 from speculant.models.rope import Rope, apply_rope, permute_rotary_on_load, rope_inv_freq
@@ -137,8 +137,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.activation == "silu" and native.layer_ops_usable(gate_up):
-            return self.down_proj(native.silu_mul(gate_up))
+        if native.layer_ops_usable(gate_up):  # the native layer's own kernels (decoder.cpp), the same bits
+            return self.down_proj(native.gelu_tanh_mul(gate_up) if self.activation == "gelu_tanh"
+                                  else native.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         if self.activation == "gelu_tanh":
             return self.down_proj(F.gelu(gate, approximate="tanh") * up)
@@ -171,20 +172,28 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     @functools.cached_property
-    def native_weights(self) -> list | None:
-        """This layer's tensors as native.decoder_layer takes them, or None where it does not apply
-        (a projection off the AMX kernels, biases, per-head q/k norms). Read on the first pass that
-        asks: a model's weights are final by then (quantized and packed at load)."""
+    def native_weights(self) -> native.NativeLayer | None:
+        """This layer as native.decoder_layer takes it, or None where it does not apply (a projection off the
+        native kernels, biases, routed experts). Read on the first pass that asks: a model's weights are final
+        by then (quantized and packed at load)."""
         attn, mlp = self.self_attn, self.mlp
-        if not native_layer_form(attn.cfg, attn.layer):
+        cfg, layer = attn.cfg, attn.layer
+        if not native_layer_form(cfg, layer):
             return None
-        norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
+        norms = [self.input_layernorm.weight, self.post_attention_layernorm.weight]
+        qk_norms = [attn.q_norm.weight, attn.k_norm.weight] if cfg.qk_norm else []
+        mlp_norms = [self.pre_feedforward_layernorm.weight, self.post_feedforward_layernorm.weight] \
+            if self.sandwich else []
         qkv_bias = attn.qkv_proj.bias if isinstance(attn.qkv_proj, GGMLLinear) else None
         projections = [native_projection(p, bias_ok=p is attn.qkv_proj) for p in
                        (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        if any(n.dtype != torch.bfloat16 for n in norms) or None in projections:
+        if any(n.dtype != torch.bfloat16 for n in norms + qk_norms + mlp_norms) or None in projections:
             return None
-        return [*norms, attn.cfg.norm_eps, *projections, [] if qkv_bias is None else [qkv_bias]]
+        local_rope = cfg.kind(layer) == SLIDING and cfg.local_rope_theta is not None  # Transformer.rope_for's choice
+        form = (cfg.window(layer) or 0, cfg.query_scale or 0.0, cfg.attn_softcap or 0.0,
+                cfg.activation == "gelu_tanh", local_rope)
+        groups = [*([n] for n in norms), *projections, [] if qkv_bias is None else [qkv_bias], qk_norms, mlp_norms]
+        return native.NativeLayer(groups, cfg.norm_eps, form)
 
     def forward_native(self, x: torch.Tensor, cache: KVCache, fwd: Pass) -> torch.Tensor:
         """forward in one native call (csrc/decoder.cpp: the same kernels in the same order), for a
@@ -196,10 +205,9 @@ class Block(nn.Module):
 
 
 def native_layer_form(cfg: ModelConfig, layer: int) -> bool:
-    """Whether layer `layer` is the form csrc/decoder.cpp computes: Llama's norms, SiLU, no q/k norms, no
-    sliding window, the usual score scale, uncapped scores, a dense MLP."""
-    return (not (cfg.qk_norm or cfg.sandwich_norms or cfg.query_scale or cfg.window(layer) or cfg.routed(layer)
-                 or cfg.attn_softcap) and cfg.activation == "silu")
+    """Whether layer `layer` is a form csrc/decoder.cpp computes: a dense MLP gated by SiLU or GELU (every form of
+    norms, windows, score scales and caps the families here have)."""
+    return not cfg.routed(layer) and cfg.activation in ("silu", "gelu_tanh")
 
 
 def embedding_table(embed: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,6 +291,14 @@ class Transformer(nn.Module):
             return self.local_rope, self.local_inv_freq
         return self.rope, self.inv_freq
 
+    def rope_tables(self, n: int) -> list[torch.Tensor]:
+        """cos and sin [≥ n, Dh] of the layers on the model's rotary frequencies, then the local layers' where
+        they have their own (the native stack's tables)."""
+        tables = list(self.rope.tables(self.inv_freq, n, self.dtype))
+        if hasattr(self, "local_rope"):
+            tables += self.local_rope.tables(self.local_inv_freq, n, self.dtype)
+        return tables
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """[B, T] → [B, T, D]: the token embeddings, times √D in the families that scale them (in the
         embedding's dtype, as transformers rounds the factor)."""
@@ -325,10 +341,10 @@ class Transformer(nn.Module):
             if capture else None
         chain = parents is None and T <= MAX_VERIFY_WIDTH
         if chain and self.native_decode and self.native_stack is not None:
-            cos, sin = self.rope.tables(self.inv_freq, cache.max_len + 1, self.dtype)
+            cos, sin, *local = self.rope_tables(cache.max_len + 1)
             table, ids = embedding_table(self.model.embed_tokens, tokens)
             hidden = self.native_stack.decode(ids, table, cos, sin, cache.k, cache.v, cache.lengths, slots,
-                                              cache.max_len, n_new, kept, list(capture))
+                                              cache.max_len, n_new, kept, list(capture), *local)
             if hidden is not None:
                 return with_features(hidden, kept, B, T)
             # None: a row would run past the cache, which prepare_pass reports.
@@ -336,8 +352,10 @@ class Transformer(nn.Module):
         fwd = next(iter(passes.values()))
         x = self.embed(tokens)
         if fwd.n_keys is not None and self.native_stack is not None:
-            hidden = self.native_stack.forward(x.contiguous() if capture else x, fwd.cos, fwd.sin, cache.k, cache.v,
-                                               fwd.slots, fwd.n_keys, fwd.tree, kept, list(capture))
+            glob = passes.get(FULL, fwd)  # the tables of layers without local ones (rope_for)
+            local = (passes[SLIDING].cos, passes[SLIDING].sin) if hasattr(self, "local_rope") else ()
+            hidden = self.native_stack.forward(x.contiguous() if capture else x, glob.cos, glob.sin, cache.k, cache.v,
+                                               fwd.slots, fwd.n_keys, fwd.tree, kept, list(capture), *local)
         else:
             for i, block in enumerate(self.model.layers):
                 keep_input(kept, capture, i, x)
@@ -359,13 +377,14 @@ class Transformer(nn.Module):
         cache.check_capacity(int(end.max()))
         real = torch.arange(T, device=tokens.device) < n_new[:, None]  # [B, T]
         positions = (start[:, None] + torch.arange(T, device=tokens.device))[real]  # [N]
-        cos, sin = self.rope.tables(self.inv_freq, cache.max_len + 1, self.dtype)
+        rows = [t[positions][:, None, None] for t in self.rope_tables(cache.max_len + 1)]  # cos, sin[, local ones]
         x = self.embed(tokens[real])[:, None]  # [N, 1, D]
         row_slots = slots[:, None].expand(B, T)[real]
         n, D = len(capture), x.shape[-1]
         kept = torch.empty(n, len(x), D, dtype=x.dtype, device=x.device) if n else None
-        hidden = self.native_stack.forward(x, cos[positions][:, None, None], sin[positions][:, None, None], cache.k,
-                                           cache.v, row_slots, (positions + 1)[:, None], None, kept, list(capture))
+        cos, sin, *local = rows
+        hidden = self.native_stack.forward(x, cos, sin, cache.k, cache.v, row_slots, (positions + 1)[:, None], None,
+                                           kept, list(capture), *local)
         cache.lengths[slots] = end
         out = hidden.new_zeros(B, T, hidden.shape[-1])
         out[real] = hidden[:, 0]
@@ -398,10 +417,16 @@ class Transformer(nn.Module):
         Block.forward_native computes it), or None where a layer runs as modules. Built on the first pass
         that asks: a model's weights are final by then (quantized and packed at load)."""
         weights = [block.native_weights for block in self.model.layers]
-        # The stack embeds its tokens itself (decode), unscaled.
-        if None in weights or self.model.norm.weight.dtype != torch.bfloat16 or self.cfg.scale_embeddings:
+        if None in weights or self.model.norm.weight.dtype != torch.bfloat16:
             return None
-        return native.decoder_stack(weights, self.model.norm.weight, self.cfg.n_heads, self.cfg.n_kv_heads)
+        return native.decoder_stack(weights, self.model.norm.weight, self.cfg.n_heads, self.cfg.n_kv_heads,
+                                    self.embed_scale)
+
+    @property
+    def embed_scale(self) -> float:
+        """The native stack's decode pass embeds its tokens itself: times √D rounded to the dtype, as embed()
+        scales them, in the families that do (0: unscaled)."""
+        return float(torch.tensor(self.cfg.dim ** 0.5, dtype=self.dtype)) if self.cfg.scale_embeddings else 0.0
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The lm_head's logits in its dtype, soft-capped where the family caps them (Gemma 2): every caller

@@ -18,14 +18,16 @@ AVX512 or AVX2; quantized.cpp and the AMX files exist on AVX512 alone.
   or in a verify pass or batch, faster than PyTorch's attention called row by row (its exact use).
 - attention_amx.cpp: the same on AMX tiles (attention.cpp calls it where the CPU has AMX), the rows that
   read one key head together, so a verify pass costs little more than one row.
-- layer_ops.cpp: RMSNorm (alone, or with the residual sum before it), rotary embedding and SwiGLU's
-  product for bf16 rows, one call each where PyTorch dispatches several operations (its RMSNorm ~10).
+- layer_ops.cpp: RMSNorm (alone, with the residual sum before it, or of each q and k head), rotary embedding and
+  SwiGLU's and GeGLU's products for bf16 rows, one call each where PyTorch dispatches several operations (its
+  RMSNorm ~10).
 - argmax.cpp: each row's first maximum in one pass over bf16 or fp32 logits (greedy decoding's token).
 - sampling.cpp: under a request's temperature, top-k, top-p and min-p, an inverse-CDF draw over one row
   of logits, two passes and a sort of the likeliest tokens where PyTorch made ~10 operations over the
   vocabulary (sampled decoding, and the target's tokens that deterministic drafts are verified against).
-- decoder.cpp: a whole decoder layer of AMX weights (int4 or bf16) in one call, the same kernels in the
-  same order; every layer of a pass in one call, its parallel loops handed to one team of threads
+- decoder.cpp: a whole decoder layer of native weights (GGUF blocks, int4, bf16) in one call, the same kernels
+  in the same order, for every family's form (norms around attention and the MLP, q/k norms, GeGLU, windows,
+  score scales and caps); every layer of a pass in one call, its parallel loops handed to one team of threads
   (team.h: a parallel region per kernel, ~150 a pass, cost more than handing loops to waiting threads).
 """
 
@@ -38,6 +40,7 @@ import hashlib
 import logging
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -381,22 +384,38 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return kernels().silu_mul(gate_up)
 
 
-def decoder_stack(layers: list[list], final_norm: torch.Tensor, n_heads: int, n_kv_heads: int):
-    """Every decoder layer and the final norm in one native object (decoder.cpp's DecoderStack): `layers`
-    each layer's Block.native_weights (norms, eps, four projections, [the qkv bias] or []). Its
-    forward(x, cos, sin, k_cache, v_cache, slots, n_keys, tree) is a pass over all of them, the whole KV
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2n] (gate, then up) → gelu_tanh(gate) · up [..., n] (GeGLU), the product rounded once."""
+    return kernels().gelu_tanh_mul(gate_up)
+
+
+@dataclass(frozen=True)
+class NativeLayer:
+    """A decoder layer as decoder.cpp takes it: its tensors in groups (decoder.cpp's Layer: [input norm],
+    [post-attention norm], the qkv, o, gate_up and down projections' weights, then [qkv bias], [q norm, k norm],
+    [pre-MLP norm, post-MLP norm], each [] where the layer has none), its norms' eps and its form: (sliding window,
+    0 for none; the scores' scale, 0 for 1/√head_dim; their soft cap, 0 for none; GeGLU rather than SwiGLU; the
+    local layers' own rotary tables)."""
+    groups: list[list[torch.Tensor]]
+    eps: float
+    form: tuple[int, float, float, bool, bool]
+
+
+def decoder_stack(layers: list[NativeLayer], final_norm: torch.Tensor, n_heads: int, n_kv_heads: int,
+                  embed_scale: float = 0.0):
+    """Every decoder layer and the final norm in one native object (decoder.cpp's DecoderStack), `embed_scale`
+    the factor its decode pass multiplies the embeddings by (0: none). Its forward(x, cos, sin, k_cache, v_cache,
+    slots, n_keys, tree, capture, capture_at, local_cos, local_sin) is a pass over all of them, the whole KV
     cache [layers, rows, Hkv, L, Dh] given at once, and returns the final norm's output."""
-    eps = layers[0][2]
-    return kernels().DecoderStack([[[w[0]], [w[1]], *w[3:]] for w in layers], final_norm, eps, n_heads,
-                                  n_kv_heads)
+    return kernels().DecoderStack([layer.groups for layer in layers], [layer.form for layer in layers], final_norm,
+                                  layers[0].eps, n_heads, n_kv_heads, embed_scale)
 
 
-def decoder_layer(x: torch.Tensor, weights: list, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+def decoder_layer(x: torch.Tensor, layer: NativeLayer, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slots: torch.Tensor, n_keys: torch.Tensor, n_heads: int,
                   n_kv_heads: int, tree: torch.Tensor | None = None) -> torch.Tensor:
-    """One decoder layer (llama.Block) over x [B, T, D]: `weights` from Block.native_weights, k_cache and
-    v_cache one layer of the KV cache [rows, Hkv, L, Dh] (row b's keys go to row slots[b], position
-    n_keys[b, t] − 1)."""
-    *layer, qkv_bias = weights
-    return kernels().decoder_layer(x, *layer, cos, sin, k_cache, v_cache, slots, n_keys, n_heads, n_kv_heads,
-                                   tree, qkv_bias[0] if qkv_bias else None)
+    """One decoder layer (llama.Block) over x [B, T, D]: `layer` from Block.native_weights, cos and sin its
+    rotary tables at the pass's rows, k_cache and v_cache one layer of the KV cache [rows, Hkv, L, Dh] (row b's
+    keys go to row slots[b], position n_keys[b, t] − 1)."""
+    return kernels().decoder_layer(x, layer.groups, layer.form, layer.eps, cos, sin, k_cache, v_cache, slots,
+                                   n_keys, n_heads, n_kv_heads, tree)

@@ -301,6 +301,7 @@ def test_gguf_on_its_own_blocks_speculates_exactly(gguf_folder, tmp_path):
     path = tmp_path / "tiny-gemma3-q8_0.gguf"
     write_gemma3_gguf(path, gguf_folder, gguf.GGMLQuantizationType.Q8_0)
     target = native_target(path)
+    assert target.model.native_stack is not None  # every layer in the native decoder (test_native_families.py)
     got, _ = our_logits(target.model, IDS)
     expected = reference_logits(gguf_folder, IDS)
     assert (got - expected).abs().max().item() < 0.25 * expected.abs().max().item()

@@ -175,10 +175,10 @@ def test_bfloat16_batch_rows_equal_single_rows_bitwise(tmp_path):
 
 
 def test_native_layer_ops_match_pytorch_in_fp32_and_give_a_row_the_same_bits_in_any_call():
-    """RMSNorm (alone or with the residual sum before it: PyTorch's sum's bits), rotary embedding and
-    silu(gate)·up, one call each: within bf16 rounding of an fp32 computation, sizes that are not
-    multiples of the vector width included, and a row's bits do not depend on the other rows of the
-    call."""
+    """RMSNorm (alone, with the residual sum before it: PyTorch's sum's bits, or of each q and k head: rms_norm's
+    bits), rotary embedding, silu(gate)·up and gelu_tanh(gate)·up, one call each: within bf16 rounding of an fp32
+    computation, sizes that are not multiples of the vector width included, and a row's bits do not depend on
+    the other rows of the call."""
     import torch.nn.functional as F
 
     from speculant.models import native
@@ -205,6 +205,17 @@ def test_native_layer_ops_match_pytorch_in_fp32_and_give_a_row_the_same_bits_in_
         y = native.silu_mul(gate_up)
         assert close(y, F.silu(gate) * up)
         assert torch.equal(native.silu_mul(gate_up[2:3, :1]), y[2:3, :1])
+        y = native.gelu_tanh_mul(gate_up)  # GeGLU (Gemma)
+        assert close(y, F.gelu(gate, approximate="tanh") * up)
+        assert not close(y, F.gelu(gate) * up)  # the tanh form, not the exact GELU
+        assert torch.equal(native.gelu_tanh_mul(gate_up[2:3, :1]), y[2:3, :1])
+
+        heads = torch.randn(5, 6, D, generator=gen).bfloat16()  # q/k norms: 4 query heads, then 2 key heads
+        q_w, k_w = torch.randn(D, generator=gen).bfloat16(), torch.randn(D, generator=gen).bfloat16()
+        normed = heads.clone()
+        native.kernels().head_norms_(normed, q_w, k_w, 4, 2, 1e-6)
+        assert torch.equal(normed[:, :4], native.rms_norm(heads[:, :4], q_w, 1e-6))
+        assert torch.equal(normed[:, 4:], native.rms_norm(heads[:, 4:], k_w, 1e-6))
 
     for head_dim in (64, 40):
         cos, sin = rope_tables(torch.rand(head_dim // 2, generator=gen), 50, torch.bfloat16)

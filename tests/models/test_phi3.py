@@ -151,6 +151,8 @@ def write_phi3_gguf(path, folder, qtype=None) -> None:
     partial = cfg.rope_parameters.get("partial_rotary_factor", 1.0)
     writer.add_rope_dimension_count(int(cfg.hidden_size // cfg.num_attention_heads * partial))
     writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+    if cfg.sliding_window:
+        writer.add_sliding_window(cfg.sliding_window)
     add_weights(writer, model, names, qtype)
     rope = cfg.rope_parameters
     for kind in ("short", "long"):

@@ -39,8 +39,12 @@ void attention_into(const torch::Tensor& q, const torch::Tensor& keys, const tor
                     const c10::optional<torch::Tensor>& tree, bool amx, torch::Tensor& out, int64_t window = 0,
                     double softcap = 0);
 
-// layer_ops.cpp: RMSNorm (alone or after a residual sum), rotary embedding in place, silu(gate) · up.
+// layer_ops.cpp: RMSNorm (alone, after a residual sum, or of each q and k head in place), rotary embedding in
+// place, silu(gate) · up and gelu_tanh(gate) · up.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+void rms_norm_into(const torch::Tensor& x, const torch::Tensor& weight, double eps, torch::Tensor& out);
+void head_norms_(torch::Tensor x, const torch::Tensor& q_weight, const torch::Tensor& k_weight, int64_t n_q,
+                 int64_t n_k, double eps);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor y, torch::Tensor weight,
                                                       double eps);
 void add_rms_norm_into(const torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& weight, double eps,
@@ -48,6 +52,8 @@ void add_rms_norm_into(const torch::Tensor& x, const torch::Tensor& y, const tor
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t n_heads);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 void silu_mul_into(const torch::Tensor& gate_up, torch::Tensor& out);
+torch::Tensor gelu_tanh_mul(torch::Tensor gate_up);
+void gelu_tanh_mul_into(const torch::Tensor& gate_up, torch::Tensor& out);
 
 // argmax.cpp: x [..., V] bf16 or fp32 → each row's first maximum (a NaN the largest), int64 [...].
 torch::Tensor argmax_rows(torch::Tensor x);

@@ -1,5 +1,5 @@
-// The small per-layer operations of a bf16 decoder on CPU, one call each: RMSNorm, rotary embedding (in
-// place), SwiGLU's silu(gate)·up.
+// The small per-layer operations of a bf16 decoder on CPU, one call each: RMSNorm (of rows, or in place of
+// each q and k head), rotary embedding (in place), SwiGLU's silu(gate)·up and GeGLU's gelu_tanh(gate)·up.
 //
 // At decode time a row is 576 numbers and PyTorch spends more time dispatching these operations than
 // computing them: its RMSNorm alone runs as about ten operations (upcast, square, mean, rsqrt, products,
@@ -45,21 +45,49 @@ void norm_row(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t D, doub
 
 }  // namespace
 
-// x [..., D], weight [D] → x / rms(x) · weight, [..., D].
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+// x [..., D], weight [D] → out = x / rms(x) · weight, [..., D] contiguous (out may be x itself: a row is read
+// before it is written).
+void rms_norm_into(const torch::Tensor& x, const torch::Tensor& weight, double eps, torch::Tensor& out) {
   check_bf16(x, "x");
   check_bf16(weight, "weight");
   const int64_t D = x.size(-1);
   TORCH_CHECK(weight.numel() == D, "weight size");
   auto xc = x.contiguous();
   auto wc = weight.contiguous();
-  auto out = torch::empty_like(xc);
+  check_output(out, xc.numel());
   const uint16_t *X = bf16_data(xc), *W = bf16_data(wc);
   uint16_t* Y = bf16_data_mut(out);
   speculant::Team::parallel_for(0, xc.numel() / D, ROWS_PER_TASK, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++) norm_row(X + r * D, W, Y + r * D, D, eps);
   });
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  auto out = torch::empty_like(x, at::MemoryFormat::Contiguous);
+  rms_norm_into(x, weight, eps, out);
   return out;
+}
+
+// x [R, H, Dh] (contiguous): heads 0 .. n_q − 1 of every row normed in place by q_weight [Dh], the next n_k
+// heads by k_weight (Qwen3's and Gemma 3's q/k norms): each head as rms_norm normalises a row of Dh.
+void head_norms_(torch::Tensor x, const torch::Tensor& q_weight, const torch::Tensor& k_weight, int64_t n_q,
+                 int64_t n_k, double eps) {
+  check_bf16(x, "x");
+  check_bf16(q_weight, "q_weight");
+  check_bf16(k_weight, "k_weight");
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous(), "x must be a contiguous [rows, heads, head_dim] tensor");
+  const int64_t R = x.size(0), H = x.size(1), Dh = x.size(2);
+  TORCH_CHECK(n_q + n_k <= H && q_weight.numel() == Dh && k_weight.numel() == Dh, "shapes");
+  auto qw = q_weight.contiguous(), kw = k_weight.contiguous();
+  const uint16_t *Wq = bf16_data(qw), *Wk = bf16_data(kw);
+  uint16_t* X = bf16_data_mut(x);
+  speculant::Team::parallel_for(0, R, ROWS_PER_TASK, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++)
+      for (int64_t h = 0; h < n_q + n_k; h++) {
+        uint16_t* head = X + (r * H + h) * Dh;
+        norm_row(head, h < n_q ? Wq : Wk, head, Dh, eps);
+      }
+  });
 }
 
 // The residual sum and the next norm in one call (a decoder layer's two ATen additions each cost about as
@@ -123,8 +151,11 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t n_head
   });
 }
 
-// gate_up [..., 2n] (gate, then up) → out = silu(gate) · up, [..., n].
-void silu_mul_into(const torch::Tensor& gate_up, torch::Tensor& out) {
+namespace {
+
+// gate_up [..., 2n] (gate, then up) → out = act(gate) · up, [..., n], act(g) computed 16 lanes at a time.
+template <typename Act>
+void gated_into(const torch::Tensor& gate_up, torch::Tensor& out, Act act) {
   check_bf16(gate_up, "gate_up");
   const int64_t n = gate_up.size(-1) / 2;
   auto gu = gate_up.contiguous();
@@ -135,19 +166,33 @@ void silu_mul_into(const torch::Tensor& gate_up, torch::Tensor& out) {
   speculant::Team::parallel_for(0, R, ROWS_PER_TASK, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++) {
       const uint16_t *g = G + r * 2 * n, *u = g + n;
-      for (int64_t i = 0; i < n; i += 16) {
-        const vec::F gv = load(g + i, n - i);
-        const vec::F sig = vec::set(1.f) / (vec::set(1.f) + vec::exp(vec::zero() - gv));
-        store(Y + r * n + i, gv * sig * load(u + i, n - i), n - i);
-      }
+      for (int64_t i = 0; i < n; i += 16) store(Y + r * n + i, act(load(g + i, n - i)) * load(u + i, n - i), n - i);
     }
   });
 }
 
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+torch::Tensor gated(const torch::Tensor& gate_up, void (*into)(const torch::Tensor&, torch::Tensor&)) {
   std::vector<int64_t> shape(gate_up.sizes().begin(), gate_up.sizes().end());
   shape.back() /= 2;
   auto out = torch::empty(shape, gate_up.options());
-  silu_mul_into(gate_up, out);
+  into(gate_up, out);
   return out;
 }
+
+}  // namespace
+
+void silu_mul_into(const torch::Tensor& gate_up, torch::Tensor& out) {
+  gated_into(gate_up, out, [](vec::F g) { return g * (vec::set(1.f) / (vec::set(1.f) + vec::exp(vec::zero() - g))); });
+}
+
+// GELU's tanh form, 0.5·g·(1 + tanh(u)) with u = √(2/π)·(g + 0.044715·g³), as g·sigmoid(2u): one exp, rounded
+// once with the product (PyTorch rounds the GELU to bf16 before it).
+void gelu_tanh_mul_into(const torch::Tensor& gate_up, torch::Tensor& out) {
+  gated_into(gate_up, out, [](vec::F g) {
+    const vec::F u2 = g * vec::fmadd(g * g, vec::set(2 * 0.7978845608f * 0.044715f), vec::set(2 * 0.7978845608f));
+    return g / (vec::set(1.f) + vec::exp(vec::zero() - u2));
+  });
+}
+
+torch::Tensor silu_mul(torch::Tensor gate_up) { return gated(gate_up, silu_mul_into); }
+torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) { return gated(gate_up, gelu_tanh_mul_into); }
