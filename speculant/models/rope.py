@@ -74,7 +74,7 @@ def scaled_frequencies(inv_freq: torch.Tensor, s: dict | None) -> torch.Tensor:
     if s.get("rope_type") == "linear":
         return (inv_freq / s["factor"]).float()
     if s.get("rope_type") == "longrope":  # each frequency divided by its own factor
-        return (inv_freq / torch.tensor(s["short_factor"], dtype=torch.float64)).float()
+        return (inv_freq / torch.tensor(s["short_factor"], dtype=torch.float64, device=inv_freq.device)).float()
     # llama3: long wavelengths are slowed by `factor`, short ones kept, a smooth blend between.
     factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
     old_len = s["original_max_position_embeddings"]
