@@ -1,6 +1,7 @@
 """Each kernel level this CPU supports builds, loads and is the level in use when asked for: a build that
 fails must fail here, not read as missing hardware in every test that skips without the kernels."""
 
+import logging
 import os
 import shutil
 import signal
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from speculant.models import native
+from speculant.models import native, notice
 
 LEVEL_PROBE = "from speculant.models import native; print(native.level())"
 
@@ -68,6 +69,7 @@ def fake_build(tmp_path, monkeypatch):
     from torch.utils import cpp_extension
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(notice.log, "level", logging.INFO)  # an earlier test's --quiet may have raised it
     monkeypatch.setattr(native, "_allowed_level", lambda: "avx2")
     monkeypatch.setattr(native, "source_digest", lambda: "test")
     monkeypatch.setattr(native, "_built", lambda name: True)

@@ -59,6 +59,17 @@ def live_server(app):
         yield base
 
 
+@contextmanager
+def openai_client(engine, name: str = "smollm"):
+    """The OpenAI client against a live server of `engine` under `name`, as a user's code would hold it."""
+    import openai
+
+    from speculant.server.app import create_app
+
+    with live_server(create_app(engine, [name])) as base:
+        yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+
+
 def slow_steps(monkeypatch, engine, seconds: float = 0.05) -> None:
     """Every engine step takes at least `seconds`: a request of N tokens then outlasts N / (k + 1) × seconds on
     any machine, which lets a test race it against a timeout without racing the machine's speed."""

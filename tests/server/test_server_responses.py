@@ -8,7 +8,7 @@ import json
 
 import pytest
 from conftest import server_engine
-from test_server import live_server
+from test_server import openai_client
 
 from speculant.server.store import ResponseStore
 
@@ -30,10 +30,8 @@ def engine(smollm_path):
 
 @pytest.fixture(scope="module")
 def client(engine):
-    from speculant.server.app import create_app
-
-    with live_server(create_app(engine, ["smollm"])) as base:
-        yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    with openai_client(engine) as c:
+        yield c
 
 
 def test_a_response_is_the_chat_completions_answer(client):
