@@ -69,7 +69,8 @@ def fake_build(tmp_path, monkeypatch):
     from torch.utils import cpp_extension
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.setattr(notice.log, "level", logging.INFO)  # an earlier test's --quiet may have raised it
+    quiet = notice.log.level  # an earlier test's --quiet may have raised it; setLevel also empties its cache
+    notice.log.setLevel(logging.INFO)
     monkeypatch.setattr(native, "_allowed_level", lambda: "avx2")
     monkeypatch.setattr(native, "source_digest", lambda: "test")
     monkeypatch.setattr(native, "_built", lambda name: True)
@@ -82,7 +83,8 @@ def fake_build(tmp_path, monkeypatch):
         return types.SimpleNamespace(set_amx=lambda on: None)
 
     monkeypatch.setattr(cpp_extension, "load", load)
-    return name, build_dir, batons
+    yield name, build_dir, batons
+    notice.log.setLevel(quiet)
 
 
 def holder(name: str, build_dir: Path, mode: str) -> subprocess.Popen:
