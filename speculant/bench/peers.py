@@ -294,6 +294,27 @@ class LlamaServerRunner(Runner):
 LLAMA_SERVER_DRAFTS = ((8, 0.6), (16, 0.8))
 
 
+HEADROOM = 2 * 2**30  # left to the rest of the machine (our own engine's passes, the OS)
+
+
+def available_memory() -> int | None:
+    """MemAvailable in bytes (Linux), None elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def server_bytes(model_path: Path, draft_path: Path | None) -> int:
+    """What one llama-server holds: its CPU backend repacks the weights into anonymous memory beside the
+    file's mapping, so about twice the files, all servers alive at once for the interleaved rounds."""
+    return 2 * (model_path.stat().st_size + (draft_path.stat().st_size if draft_path else 0))
+
+
 def llama_server_peers(model_path: Path, n_ctx: int, threads: int | None = None, binary: Path | None = None,
                        draft_path: Path | None = None) -> tuple[list[Runner], list[str]]:
     """llama.cpp's server on the GGUF file itself with `threads` threads: plain greedy decoding, and with
@@ -316,6 +337,12 @@ def llama_server_peers(model_path: Path, n_ctx: int, threads: int | None = None,
         notes.append(f"llama-server -md skipped: it needs a .gguf draft, got {draft_path}")
     runners = []
     for name, method, k, extra in setups:
+        need = server_bytes(model_path, draft_path if method else None)
+        if (free := available_memory()) is not None and free < need + HEADROOM:
+            notes.append(f"{'llama-server peer' if method is None else name} skipped: it needs about "
+                         f"{need / 2**30:.1f} GiB and {free / 2**30:.1f} GiB are free with the servers "
+                         f"already started")
+            continue
         try:
             server = LlamaServer(binary, model_path, threads or torch.get_num_threads(), n_ctx, extra)
         except (OSError, RuntimeError) as e:

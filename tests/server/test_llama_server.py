@@ -47,6 +47,17 @@ def test_a_gguf_draft_adds_llama_servers_draft_model_setups(tmp_path, smollm_pat
     assert notes == [f"llama-server -md skipped: it needs a .gguf draft, got {tmp_path}"]
 
 
+def test_a_server_that_would_not_fit_in_memory_is_left_out(tmp_path, smollm_path, monkeypatch):
+    started = []
+    monkeypatch.setattr(peers, "LlamaServer", lambda *a, **kw: started.append(a))
+    need = peers.server_bytes(smollm_path, smollm_path)
+    # Room for the plain server only: the draft setups are notes, none started.
+    monkeypatch.setattr(peers, "available_memory", lambda: need + peers.HEADROOM - 1)
+    runners, notes = llama_server_peers(smollm_path, 256, 2, binary=tmp_path / "llama-server", draft_path=smollm_path)
+    assert [r.name for r in runners] == ["llama-server plain"] and len(started) == 1
+    assert len(notes) == len(peers.LLAMA_SERVER_DRAFTS) and all("GiB are free" in n for n in notes)
+
+
 @pytest.fixture(scope="module")
 def server_runner(smollm_path):
     if llama_server_binary() is None:
