@@ -61,6 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None,
                    help="a draft model path or name: also consider method draft_model")
     p.add_argument("--eagle", default=None, help="an EAGLE head path: also consider method eagle")
+    p.add_argument("--draft-acceptance", type=acceptance_arg, default=None, metavar="ALPHA",
+                   help="predict the draft model's gain with this per-token acceptance (0 ≤ ALPHA < 1) "
+                        "instead of the one measured here; its cost and the target's cost curve are still "
+                        "measured. For a target whose weights cannot show it (a random-weight stand-in of "
+                        "the real shape) or a pair whose acceptance you measured elsewhere")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--device", default="cpu", help=DEVICE_HELP)
     p.add_argument("--quantization", "-q", default="auto", choices=list(QUANTIZATIONS),
@@ -82,6 +87,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--price-per-hour", type=float, default=None, help=PRICE_HELP)
     p.add_argument("--json", default=None, help="also write the measurements and advice to this JSON file")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def acceptance_arg(text: str) -> float:
+    try:
+        alpha = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= alpha < 1:
+        raise argparse.ArgumentTypeError(f"a per-token acceptance is at least 0 and below 1, got {alpha:g}")
+    return alpha
+
+
+def assume_draft_acceptance(fits: dict[str, AcceptanceFit], alpha: float) -> dict[str, AcceptanceFit]:
+    """The draft models' fits with their acceptance replaced; their measured cost per drafted token and
+    coverage kept. Other proposers' acceptance depends on the text, not on a pair: left as measured."""
+    return {m: replace(f, alpha=alpha) if m.startswith("draft_model") else f for m, f in fits.items()}
 
 
 def advised_proposers(draft: str | None) -> list[str]:
@@ -148,7 +169,13 @@ def run(args: argparse.Namespace) -> None:
     summary = summarize(measurements, [r.descriptor() for r in runners], curve, by_class=False)
     rows = [r for r in summary if r.prompt_class == ALL and r.method and r.fit]
     plain = next(r for r in summary if r.prompt_class == ALL and r.method is None)
-    fits = {r.method: AcceptanceFit(**r.fit) for r in rows}
+    measured_fits = {r.method: AcceptanceFit(**r.fit) for r in rows}
+    fits = measured_fits
+    if args.draft_acceptance is not None:
+        fits = assume_draft_acceptance(measured_fits, args.draft_acceptance)
+        notes += [f"{m}: predicted with the acceptance α={fits[m].alpha:.2f} given by --draft-acceptance "
+                  f"(measured here: {f.alpha:.2f}); its cost as measured" for m, f in measured_fits.items()
+                  if fits[m] is not f]
     advice = advise(curve, fits, args.batch_sizes)
     by_name = {c.proposer: c for c in configs}
 
@@ -157,12 +184,13 @@ def run(args: argparse.Namespace) -> None:
                          f"thread{'s' if facts['torch_threads'] != 1 else ''}), {args.device}, "
                          f"{str(target.model.dtype).removeprefix('torch.')}, weights {target.quantization or 'none'}: "
                          f"measured in {time.perf_counter() - started:.0f} s",
-                         curve, rows, fits, plain, price, notes, advice, by_name, args.batch_size)
+                         curve, rows, measured_fits, plain, price, notes, advice, by_name, args.batch_size)
     print("\n".join(lines))
     if args.json:
         Path(args.json).write_text(json.dumps({
             "machine": facts, "model": str(model_path), "cost_curve": curve.as_dict(),
             "regime": regime_verdict(curve), "fits": {m: f.as_dict() for m, f in fits.items()},
+            "measured_fits": {m: f.as_dict() for m, f in measured_fits.items()},
             "measured": [r.as_dict() for r in [plain, *rows]], "advice": [a.__dict__ for a in advice],
             "price_per_hour": price, "cost": advice_costs(advice, curve, price), "notes": notes,
         }, indent=1) + "\n")
@@ -178,7 +206,9 @@ def advice_lines(header: str, curve: CostCurve, rows: list, fits: dict[str, Acce
         fit = fits[r.method]
         lines.append(f"{r.method}: at batch 1, k={r.k}: measured {r.speedup or 0:.2f}×, model "
                      f"{r.predicted_speedup or 0:.2f}×; per-token acceptance α={fit.alpha:.2f}, drafts on "
-                     f"{100 * fit.coverage:.0f}% of steps")
+                     f"{100 * fit.coverage:.0f}% of steps"
+                     + (f", a drafted token costs {100 * fit.draft_cost_ratio:.1f}% of a target pass"
+                        if fit.draft_cost_ratio else ""))
     measured = [(f"{r.method} k={r.k}", r.e2e_tokens_per_s) for r in rows if r.e2e_tokens_per_s]
     if plain.e2e_tokens_per_s:
         lines.append(cost_line(price, plain.e2e_tokens_per_s, measured, "batch 1, measured, whole requests"))

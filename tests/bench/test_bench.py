@@ -110,6 +110,28 @@ def test_advise_switches_speculation_off_where_it_loses():
     assert advice[2].method is None and advice[2].k == 0 and advice[2].speedup == 1.0
 
 
+def test_an_assumed_draft_acceptance_predicts_from_the_measured_costs():
+    import argparse
+
+    from speculant.bench.advise import acceptance_arg, assume_draft_acceptance
+
+    # A random-weight stand-in: its draft is never accepted, so measured, no speculation pays.
+    draft = AcceptanceFit(alpha=0.01, coverage=0.94, k_mean=4.0, k=4, draft_cost_ratio=0.05)
+    ngram = AcceptanceFit(alpha=0.02, coverage=0.3, k_mean=4.0, k=4, draft_cost_ratio=0.0)
+    measured = {"draft_model+vocab65536": draft, "ngram": ngram}
+    assert all(a.method is None for a in advise(_curve(), measured, [1, 4]))
+    assumed = assume_draft_acceptance(measured, 0.8)
+    assert assumed["ngram"] is ngram  # prompt lookup's acceptance is the text's, not the pair's
+    d = assumed["draft_model+vocab65536"]
+    assert (d.alpha, d.coverage, d.draft_cost_ratio) == (0.8, 0.94, 0.05)
+    best = advise(_curve(), assumed, [1])[0]
+    assert best.method == "draft_model+vocab65536" and best.speedup > 1.5
+    assert acceptance_arg("0.7") == 0.7
+    for bad in ("1", "-0.1", "high"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            acceptance_arg(bad)
+
+
 # -- prompts -----------------------------------------------------------------------------------
 
 
