@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -40,7 +42,7 @@ from speculant.models.gguf import (
     write_json,
     write_tokenizer,
 )
-from speculant.models.hugepages import read_into_huge_pages
+from speculant.models.hugepages import start_reading
 from speculant.models.kernels import PackedLinear
 from speculant.models.llama import Transformer
 from speculant.models.model_config import ModelConfig
@@ -136,10 +138,11 @@ def usable(t) -> bool:
     return ggml.usable(t.tensor_type, int(t.shape[1]), int(t.shape[0]))
 
 
-def load_gguf_native(src: Path, dtype: torch.dtype = torch.bfloat16,
-                     requantize: bool = False) -> tuple[Transformer, Path, dict]:
+def load_gguf_native(src: Path, dtype: torch.dtype = torch.bfloat16, requantize: bool = False,
+                     meanwhile: Callable[[Path], Any] | None = None) -> tuple[Transformer, Path, dict, Any]:
     """→ (the model, the folder with its config and tokenizer, load facts: whether the packed cache was
-    there, the bytes read into huge pages); `requantize`: the WIDER matrices as REQUANTIZED (drafts only)."""
+    there, the bytes read into huge pages, what `meanwhile(folder)` returned: work done while the weights
+    are read, e.g. the tokenizer); `requantize`: the WIDER matrices as REQUANTIZED (drafts only)."""
     folder = cache_folder(src, requantize)
     cached = (folder / "packed.json").is_file()
     if not cached:
@@ -147,7 +150,10 @@ def load_gguf_native(src: Path, dtype: torch.dtype = torch.bfloat16,
     config = json.loads((folder / "config.json").read_text())
     cfg = ModelConfig.from_hf(config, source=str(src))
     packed = read_packed(folder)
-    return assemble(src, cfg, packed, dtype), folder, {"gguf_cached": cached, "huge_pages_bytes": packed["huge"]}
+    model = assemble(src, cfg, packed, dtype)
+    extra = meanwhile(folder) if meanwhile else None
+    packed["wait"]()
+    return model, folder, {"gguf_cached": cached, "huge_pages_bytes": packed["huge"]}, extra
 
 
 # --- the packed cache ---------------------------------------------------------------------------------------
@@ -260,19 +266,23 @@ def unpermute_rows(n_out: int, n_heads: int) -> np.ndarray:
 
 
 def read_packed(folder: Path) -> dict:
-    """The packed tensors, read into huge pages (a pass reads every weight once: in 4 KB pages, one page walk
-    each 4 KB; mapped from disk copy-on-write where huge pages are not available), the norms and biases,
-    and where the token embedding's blocks lie in the GGUF file."""
+    """The packed tensors, being read into huge pages (a pass reads every weight once: in 4 KB pages, one page
+    walk each 4 KB; mapped from disk copy-on-write where huge pages are not available): `wait` returns once
+    they are there. The norms and biases, read now from the file's mapping, and where the token embedding's
+    blocks lie in the GGUF file."""
     index = json.loads((folder / "packed.json").read_text())
-    huge = read_into_huge_pages(folder / "packed.bin")
-    data = np.memmap(folder / "packed.bin", np.uint8, "c") if huge is None else huge.numpy()
+    mapped = np.memmap(folder / "packed.bin", np.uint8, "c")
+    reading = start_reading(folder / "packed.bin")
+    data = mapped if reading is None else reading.region.numpy()
 
-    def view(p: dict) -> torch.Tensor:
-        return torch.from_numpy(np.ndarray(p["shape"], np.dtype(p["dtype"]), data, p["offset"]))
+    def view(p: dict, of: np.ndarray = data) -> torch.Tensor:
+        return torch.from_numpy(np.ndarray(p["shape"], np.dtype(p["dtype"]), of, p["offset"]))
 
     return {"matrices": {name: ([view(p) for p in m["parts"]], m["rows"]) for name, m in index["tensors"].items()},
-            "vectors": {name: view(p) for name, p in index["vectors"].items()}, "embedding": index["embedding"],
-            "huge": 0 if huge is None else huge.numel()}
+            # Copied as the model is built: from the mapping, so that they need not wait for the copy.
+            "vectors": {name: view(p, mapped) for name, p in index["vectors"].items()},
+            "embedding": index["embedding"], "huge": 0 if reading is None else reading.region.numel(),
+            "wait": (lambda: None) if reading is None else reading.wait}
 
 
 # --- the model --------------------------------------------------------------------------------------------

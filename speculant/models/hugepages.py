@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -86,17 +87,37 @@ def huge_page_region(nbytes: int) -> torch.Tensor:
     return region[start:start + nbytes]
 
 
-def read_into_huge_pages(path: Path) -> torch.Tensor | None:
-    """A file's bytes copied into a fresh mapping advised for huge pages, as uint8, or None where huge
-    pages are not available. A mapping of the file itself stays in the page cache's 4 KB pages."""
-    if not huge_pages_available():
-        return None
-    region = huge_page_region(path.stat().st_size)
-    view, done = memoryview(region.numpy()), 0
-    with open(path, "rb", buffering=0) as f:
-        while done < len(view):
-            n = f.readinto(view[done:])
-            if not n:
-                raise OSError(f"{path}: ended after {done} of {len(view)} bytes")
-            done += n
-    return region
+class Reading:
+    """A file being copied into huge pages by a thread: the region is there at once (views of it can be
+    made), its bytes once wait() returns. The copy releases the GIL, so building the model overlaps it."""
+
+    def __init__(self, path: Path):
+        self.path, self.error = path, None
+        self.region = huge_page_region(path.stat().st_size)
+        self.thread = threading.Thread(target=self._copy, name=f"read {path.name}", daemon=True)
+        self.thread.start()
+
+    def _copy(self) -> None:
+        try:
+            view, done = memoryview(self.region.numpy()), 0
+            with open(self.path, "rb", buffering=0) as f:
+                while done < len(view):
+                    n = f.readinto(view[done:])
+                    if not n:
+                        raise OSError(f"{self.path}: ended after {done} of {len(view)} bytes")
+                    done += n
+        except BaseException as e:  # handed to whoever waits
+            self.error = e
+
+    def wait(self) -> torch.Tensor:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.region
+
+
+def start_reading(path: Path) -> Reading | None:
+    """A copy of the file into a fresh mapping advised for huge pages, begun in the background, or None where
+    huge pages are not available (a mapping of the file itself stays in the page cache's 4 KB pages)."""
+    return Reading(path) if huge_pages_available() else None
+

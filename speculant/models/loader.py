@@ -172,9 +172,11 @@ def _native_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> bool:
 def _load_gguf_native(path: Path, dtype: torch.dtype, t0: float, requantize: bool = False) -> LoadedModel:
     from speculant.models.gguf_native import load_gguf_native
 
-    model, folder, facts = load_gguf_native(path, dtype, requantize)
-    eos_ids = _eos_ids(folder, _read_json(folder / "config.json"))
-    tokenizer = _tokenizer(folder, eos_ids)
+    def tokenizer_of(folder: Path):
+        eos_ids = _eos_ids(folder, _read_json(folder / "config.json"))
+        return _tokenizer(folder, eos_ids), eos_ids
+
+    model, folder, facts, (tokenizer, eos_ids) = load_gguf_native(path, dtype, requantize, meanwhile=tokenizer_of)
     info = {**facts, "weights": "gguf blocks", "params": stored_params(model), "load_s": time.perf_counter() - t0}
     return LoadedModel(model, tokenizer, eos_ids, str(path), info, NATIVE_GGUF)
 

@@ -4,7 +4,11 @@
 from __future__ import annotations
 
 import copy
+import hashlib
+import importlib.metadata
+import json
 import math
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -166,7 +170,34 @@ class ModelConfig:
 
 def with_family_defaults(cfg: dict, family: Family, source: str) -> dict:
     """`cfg` with each key it leaves out at the family's own default, as transformers' config class for the
-    family resolves it (publishers write only what differs: Gemma 3's text_config), in that class's names."""
+    family resolves it (publishers write only what differs: Gemma 3's text_config), in that class's names.
+    Kept on disk by the config, the class and transformers' version: importing transformers costs a second
+    of every load."""
+    from speculant.models.gguf import cache_dir
+
+    try:
+        version = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        version = "none"
+    key = json.dumps({"class": family.config_class, "transformers": version, "config": cfg}, sort_keys=True,
+                     default=repr)
+    kept = cache_dir(None) / "configs" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+    try:
+        return json.loads(kept.read_text())
+    except (OSError, ValueError):
+        pass
+    resolved = resolve_with_transformers(cfg, family, source)
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        tmp = kept.with_name(f"{kept.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(resolved))
+        os.replace(tmp, kept)
+    except (OSError, TypeError, ValueError):  # a read-only cache, a value JSON cannot hold: resolved each load
+        pass
+    return resolved
+
+
+def resolve_with_transformers(cfg: dict, family: Family, source: str) -> dict:
     import transformers
 
     config_class = getattr(transformers, family.config_class, None)

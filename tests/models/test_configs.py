@@ -146,3 +146,24 @@ def test_reading_a_config_leaves_it_as_it_was():
     raw = copy.deepcopy(PUBLISHED["gemma-3-4b-it"])
     ModelConfig.from_hf(raw)
     assert raw == PUBLISHED["gemma-3-4b-it"]
+
+
+def test_resolved_configs_are_kept_on_disk_and_read_back_the_same(tmp_path, monkeypatch):
+    """A load reads the family's defaults from the disk cache (transformers' import costs a second); what it
+    reads back gives the same ModelConfig as transformers' own resolution."""
+    from speculant.models import model_config
+
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    fresh = {name: ModelConfig.from_hf(copy.deepcopy(raw)) for name, raw in PUBLISHED.items()}
+    assert len(list((tmp_path / "configs").iterdir())) == len(PUBLISHED)
+
+    def no_transformers(*args):
+        raise AssertionError("resolved again")
+
+    monkeypatch.setattr(model_config, "resolve_with_transformers", no_transformers)
+    for name, raw in PUBLISHED.items():
+        assert ModelConfig.from_hf(copy.deepcopy(raw)) == fresh[name], name
+    changed = copy.deepcopy(PUBLISHED["gemma-3-4b-it"])
+    changed["text_config"]["num_hidden_layers"] = 2  # another config: not the kept one
+    with pytest.raises(AssertionError, match="resolved again"):
+        ModelConfig.from_hf(changed)

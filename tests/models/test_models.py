@@ -472,3 +472,21 @@ def test_cache_lengths_set_alike_through_numpy_and_torch():
         cache.set_lengths([2, 0], [5, 3])
         cache.rollback(2, 1)
     assert host.lengths.tolist() == indexed.lengths.tolist() == [3, 0, 1, 0]
+
+
+def test_a_file_read_into_huge_pages_in_the_background(tmp_path, monkeypatch):
+    """The packed cache is copied by a thread while the model is built: wait() gives the file's bytes, or the
+    copy's error (a file cut short) where it failed."""
+    from speculant.models import hugepages
+
+    if not hugepages.huge_pages_available():
+        pytest.skip("no transparent huge pages here (not Linux, or THP set to never)")
+    data = torch.randint(0, 256, (3 * 2**20 + 17,), dtype=torch.uint8)
+    path = tmp_path / "packed.bin"
+    path.write_bytes(data.numpy().tobytes())
+    reading = hugepages.start_reading(path)
+    assert torch.equal(reading.wait(), data)
+    region = hugepages.huge_page_region
+    monkeypatch.setattr(hugepages, "huge_page_region", lambda n: region(n + 100))  # more than the file holds
+    with pytest.raises(OSError, match="ended after"):
+        hugepages.start_reading(path).wait()
