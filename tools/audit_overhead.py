@@ -36,8 +36,8 @@ def concurrent_calls(url: str, questions: list[str], clients: int = 4, per_clien
 
 def audit_counts(url: str) -> dict[str, float]:
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    found = re.findall(r'speculant:audit_requests_total\{[^}]*result="(\w+)"\} ([0-9.e+]+)', text)
-    return {result: float(v) for result, v in found}
+    found = re.findall(r'speculant:audit_(requests|skipped)_total\{[^}]*(?:result|reason)="(\w+)"\} ([0-9.e+]+)', text)
+    return {(key if n == "requests" else f"skipped:{key}"): float(v) for n, key, v in found}
 
 
 def one_run(model: str, threads: int, ctx: int, audit: bool) -> dict:
@@ -54,7 +54,7 @@ def one_run(model: str, threads: int, ctx: int, audit: bool) -> dict:
         deadline = time.monotonic() + 300
         while audit and time.monotonic() < deadline:
             counts = audit_counts(server.url)
-            if sum(counts.values()) >= calls:
+            if sum(counts.get(r, 0) for r in ("match", "mismatch", "skipped")) >= calls:
                 break
             time.sleep(1)
         return {"audit": audit, "ttft_s": ttft, "audit_counts": counts}

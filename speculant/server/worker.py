@@ -38,6 +38,9 @@ from speculant.server.recorder import Recorder
 
 log = logging.getLogger("speculant.server")
 
+# The share of the engine thread's time that steps serving only background work (the audit's re-decodes) may take.
+BACKGROUND_DUTY = 0.5
+
 
 class ShuttingDown(Exception):
     """The server is stopping: the request was refused or cut short."""
@@ -227,7 +230,13 @@ class EngineWorker:
             if running and self.auditor is not None:
                 self.auditor.admit()
             if running and self.engine.has_unfinished():
+                t0 = time.perf_counter()
                 self._step()
+                self.observe_load()
+                if not self._entries and self.engine.has_unfinished():
+                    # Only the audit's re-decodes run: leave the cores to the HTTP side (a request's template and
+                    # tokens) for a while; a command ends the wait at once.
+                    self._wake.wait((time.perf_counter() - t0) * (1 - BACKGROUND_DUTY) / BACKGROUND_DUTY)
             self.observe_load()
         for stream in self._live_streams():
             self._abort(stream, ShuttingDown("the server shut down before the request finished"))
