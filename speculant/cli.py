@@ -1,4 +1,4 @@
-"""The `speculant` command: generate | serve | bench | advise | train-draft | models."""
+"""The `speculant` command: generate | serve | bench | advise | train-draft | audit | models."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ FEATURE_COMMANDS = {
     "bench": ("speculant.bench.cli", "side-by-side benchmark: speed-up per k, batch size, proposer"),
     "advise": ("speculant.bench.advise", "short run that says whether speculation pays on this setup"),
     "train-draft": ("speculant.training.cli", "train an EAGLE-style head or a distilled draft model"),
+    "audit": ("speculant.audit.cli", "replay a `serve --record` file without speculation and compare: the lossless "
+                                     "audit offline (exit 3 on a mismatch)"),
     "models": ("speculant.models.registry", "list the named models --model NAME accepts (fetched with pip on "
                                             "first use), installed or not"),
 }
@@ -149,13 +151,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        args.run(args)
+        code = args.run(args)
     except SpeculantError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
-    return 0
+    return code if isinstance(code, int) else 0  # a command's own status (audit: 3 on a mismatch)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ class Drafter:
         # The first token is what a caller waits on: it comes from a pass over the prompt's last token alone,
         # before the proposer has caught up on the prompt. A step yields accepted + 1 tokens: never draft past
         # max_tokens.
-        if self.first_token_alone and seq.num_generated == 0:
+        if not seq.speculate or (self.first_token_alone and seq.num_generated == 0):
             return 0
         return max(0, min(self.k, seq.max_tokens - seq.num_generated - 1))
 

@@ -79,7 +79,8 @@ class Engine:
         self._ids = itertools.count()
         self.spec_log = SpecMetricsLog(self.log_interval_s)
         self._batch: list[Sequence] = []  # the rows _batch_tensors last built for
-        # Sequences whose prefill raised, or that finished with it (max_tokens 0), reported by the next step.
+        # Sequences that ended outside a step's commit (a prefill that raised, max_tokens 0, background work given
+        # up for live requests), reported by the next step.
         self._failed: list[StepOutput] = []
         self._grammars = None  # the structured-output compiler, built at the first constrained request
 
@@ -96,8 +97,10 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> Sequence:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    speculate: bool = True, background: bool = False) -> Sequence:
+        """`speculate` False: this sequence is decoded plainly (k = 0) beside the others; `background`: it takes
+        only rows live sequences leave (the audit's re-decodes, scheduler.py)."""
         check_prompt(prompt_ids, self.model.cfg.vocab_size, self.max_model_len)
         # The request's own copy, validated again: changing the caller's object later changes nothing here.
         params = replace(params)
@@ -110,6 +113,7 @@ class Engine:
             max_tokens=max_tokens,
             key=None if params.greedy else request_key(params.seed),
             detokenizer=Detokenizer(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None,
+            speculate=speculate, background=background,
         )
         if params.structured_outputs is not None:
             seq.grammar = self.grammars.state(params.structured_outputs)
@@ -161,7 +165,7 @@ class Engine:
         StepOutput carries the exception); the others go on as if it had never been in the batch."""
         riders = self.schedule()
         failed, self._failed = self._failed, []
-        batch = list(self.scheduler.running)
+        batch = self.scheduler.serving()
         if not batch:
             return failed
         t0 = time.perf_counter()
@@ -229,7 +233,7 @@ class Engine:
         return outputs, scored
 
     def propose(self, batch: list[Sequence], sb: SamplingBatch) -> Proposal:
-        return self.drafter.propose(batch, sb, bool(self.scheduler.waiting))
+        return self.drafter.propose(batch, sb, bool(self.scheduler.foreground_waiting()))
 
     def _batch_tensors(self, batch: list[Sequence]) -> tuple[SamplingBatch, torch.Tensor]:
         """The batch's sampling transforms and cache slots [B], built again only when its rows change."""
@@ -275,6 +279,10 @@ class Engine:
     def schedule(self) -> list[tuple[Prefill, int]]:
         """Admit waiting sequences, feed the prompt chunks that go in passes of their own, move the sequences
         whose prompt is in to the running batch → the chunks that ride this step's pass."""
+        given_up = self.scheduler.preempt_background()
+        if given_up:  # live sequences wait for these rows
+            self._failed += [StepOutput(seq, [], "") for seq in given_up]
+            self._release_finished()
         for seq in self.scheduler.admit():
             if self.proposer is not None:
                 self.proposer.add(seq)

@@ -118,6 +118,10 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     grammar: GrammarState | None = None  # structured output: the grammar after the committed tokens
+    speculate: bool = True  # False: decoded plainly (k = 0) whatever the engine's proposer, as the audit's re-decode
+    # Background work (the audit's): a row only live traffic does not need, paused while a live prompt is fed,
+    # given up when live requests wait for its row (scheduler.py).
+    background: bool = False
 
     def __post_init__(self):
         self.tokens = list(self.prompt_ids)

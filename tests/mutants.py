@@ -242,3 +242,27 @@ def patch_routing(name: str, monkeypatch) -> None:
 
 # mutant → the family whose exactness test must catch it
 ROUTING_MUTANTS = {"softmax_after_topk": "qwen3_moe", "weights_not_renormalised": "mixtral"}
+
+
+def flip_verified_token(monkeypatch, position: int) -> None:
+    """A verifier that gets one token wrong: in each speculating row, the token it verifies at output `position`
+    (an accepted draft or the token after them) becomes the next token id, and the drafts accepted after it are
+    dropped. The output then differs from plain decoding from `position` on; rows decoded without speculation
+    (the audit's) are left alone."""
+    from speculant.engine import Engine
+
+    real = Engine.verify
+
+    def verify(self, proposal, logits, sb):
+        accepted, next_tokens = real(self, proposal, logits, sb)
+        drafts = proposal.tokens.tolist()
+        for b, seq in enumerate(self._batch):
+            j = position - seq.num_generated
+            if not seq.speculate or not 0 <= j <= len(accepted[b]):
+                continue
+            token = drafts[b][accepted[b][j]] if j < len(accepted[b]) else next_tokens[b]
+            accepted[b] = list(accepted[b][:j])
+            next_tokens[b] = (token + 1) % self.model.cfg.vocab_size
+        return accepted, next_tokens
+
+    monkeypatch.setattr(Engine, "verify", verify)

@@ -1,7 +1,12 @@
 """The scheduler owns the requests' queues and the KV cache's rows: sequences waiting for a row, those whose
 prompts are being fed (Prefill groups), the running batch; admission in the policy's order, each admitted
 prompt starting from the longest prefix the prefix cache holds; each step's prompt chunks (chunks.py); and the
-rows finished sequences leave, their keys kept for later requests. The engine runs the passes it plans."""
+rows finished sequences leave, their keys kept for later requests. The engine runs the passes it plans.
+
+Background sequences (the audit's re-decodes, Sequence.background) take only rows live traffic leaves: they are
+admitted after every waiting live sequence, sit out the steps that feed a live prompt (a running row would
+make that prompt ride decode passes in small chunks instead of passes of its own), and are given up
+(finished as "abort") when live sequences wait for the rows they hold."""
 
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ class Scheduler:
         self.prefilling: list[Prefill] = []  # admitted, their prompts fed chunk by chunk
         self.running: list[Sequence] = []
         self.free_slots = list(range(cache.max_batch))
+        self.background_paused = False  # this step serves no background row (plan)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -58,12 +64,35 @@ class Scheduler:
             if seq.request_id == request_id:
                 finish(seq, "abort")
 
+    def foreground_waiting(self) -> list[Sequence]:
+        return [s for s in self.waiting if not s.background]
+
+    def spare_rows(self) -> int:
+        """Rows free after every waiting sequence has one: what background work may take."""
+        return len(self.free_slots) - len(self.waiting)
+
+    def preempt_background(self) -> list[Sequence]:
+        """Live sequences wait for rows that background ones hold: finish as many of those as it takes as
+        "abort", those with the least work done first → them (their rows are freed by release_finished)."""
+        need = len(self.foreground_waiting()) - len(self.free_slots)
+        if need <= 0:
+            return []
+        held = [s for s in self.running + [s for g in self.prefilling for s in g.seqs]
+                if s.background and not s.finished]
+        given_up = sorted(held, key=lambda s: s.num_generated)[:need]
+        for seq in given_up:
+            finish(seq, "abort")
+        return given_up
+
     def admit(self) -> list[Sequence]:
-        """Give waiting sequences free cache rows, in the policy's order → those admitted. Each starts from the
-        longest prefix of its prompt the prefix cache holds; the rest is fed in chunks."""
+        """Give waiting sequences free cache rows, in the policy's order, live ones before background ones →
+        those admitted. Each starts from the longest prefix of its prompt the prefix cache holds; the rest is fed
+        in chunks."""
         if not (self.waiting and self.free_slots):  # a full batch with a long queue: no ordering every step
             return []
-        admitted = self.policy(self.waiting)[:len(self.free_slots)]
+        live = [s for s in self.waiting if not s.background]
+        background = [s for s in self.waiting if s.background]
+        admitted = (self.policy(live) + self.policy(background))[:len(self.free_slots)]
         taken = {id(s) for s in admitted}
         self.waiting = deque(s for s in self.waiting if id(s) not in taken)
         for seq in admitted:
@@ -91,17 +120,21 @@ class Scheduler:
         fed by its first decode step (Prefill.tail): the pass that gives the first token feeds it too, one pass
         less before that token. Rows of other widths are padded where passes are not packed: there only a
         prompt alone does it."""
-        decoding = bool(self.running)
+        self.background_paused = any(not g.lead.background for g in self.prefilling) or bool(
+            self.foreground_waiting())
+        serving = self.serving()
+        decoding = bool(serving)
         if self.prefill_chunk == 0:  # no chunks: each prompt in one pass while the running streams wait
             chunk, decoding = self.max_model_len, False
         elif decoding:
-            chunk = self.chunk_sizer.size(len(self.running), self.prefill_chunk)
+            chunk = self.chunk_sizer.size(len(serving), self.prefill_chunk)
         else:
             chunk = self.prefill_chunk
         plan = ChunkPlan()
-        to_first_step = self.last_chunk_decodes and not self.running and (self.packed or len(self.prefilling) == 1)
+        prefilling = [g for g in self.prefilling if not (self.background_paused and g.lead.background)]
+        to_first_step = self.last_chunk_decodes and not serving and (self.packed or len(prefilling) == 1)
         planned: dict[int, int] = {}  # tokens of each group's prompt planned before this chunk
-        for group, n in plan_chunks(self.prefilling, chunk, decoding):
+        for group, n in plan_chunks(prefilling, chunk, decoding):
             before = planned.get(id(group), 0)
             planned[id(group)] = before + n
             if decoding and n:
@@ -113,6 +146,13 @@ class Scheduler:
             else:
                 plan.apart.append((group, n))
         return plan
+
+    def serving(self) -> list[Sequence]:
+        """The rows this step decodes: the running batch, but its background rows while a live prompt is fed or
+        a live sequence waits (decided by plan)."""
+        if not self.background_paused:
+            return list(self.running)
+        return [s for s in self.running if not s.background]
 
     def join_ready(self) -> list[Prefill]:
         """Groups whose prompt is in join the running batch (the others of a group copy its first row's)."""

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from speculant.engine import Engine
 from speculant.server import completions, info, responses, tokens
+from speculant.server.auditor import AuditSettings
 from speculant.server.core import OpenAIServer, default_model_name
 from speculant.server.guard import RequestGuard, ServerLimits, allowed_host_names, header_timeout_protocol
 from speculant.server.http import APIError, error_response, internal_error
@@ -49,11 +50,13 @@ def add_request_bodies(schema: dict) -> dict:
 
 
 def create_app(engine: Engine, served_model_names: list[str] | None = None, api_key: str | None = None,
-               limits: ServerLimits | None = None, bind_host: str | None = None) -> FastAPI:
+               limits: ServerLimits | None = None, bind_host: str | None = None,
+               audit: AuditSettings | None = None) -> FastAPI:
     """The FastAPI app behind its guard (the returned app's `.state.server` is the OpenAIServer). The engine
-    thread starts and stops with the app's lifespan."""
+    thread starts and stops with the app's lifespan. `audit`: the lossless audit and the record file
+    (auditor.py; default off)."""
     limits = limits or ServerLimits()
-    server = OpenAIServer(engine, served_model_names or [default_model_name(engine)], limits)
+    server = OpenAIServer(engine, served_model_names or [default_model_name(engine)], limits, audit)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -10,6 +10,7 @@ import socket
 
 from speculant.arguments import add_model_arguments, engine_from_args, speculative_config_from_args
 from speculant.errors import SpeculantError
+from speculant.server.auditor import audit_rate, audit_settings_from_args
 from speculant.server.guard import ServerLimits, limits_from_args
 from speculant.server.replicas import check_replicas, cpu_count
 
@@ -39,6 +40,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(docs/scale-out.md; default 1: this process serves alone)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default 30)")
+    g = p.add_argument_group("the lossless audit (docs/scale-out.md)")
+    g.add_argument("--audit", type=audit_rate, default=0.0, metavar="RATE",
+                   help="decode this share (0 to 1) of greedy and seeded requests again without speculation, in "
+                        "batch rows live requests leave, and compare the tokens: /metrics counts the results, a "
+                        "mismatch is logged (default 0: off)")
+    g.add_argument("--record", default=None, metavar="PATH",
+                   help="append each completed request (endpoint, body, prompt and returned token ids, sampling "
+                        "parameters, proposer) to PATH as a JSON line, for `speculant audit PATH` (default: none)")
     d = ServerLimits()
     g = p.add_argument_group("limits (docs/server-limits.md)")
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
@@ -79,6 +88,7 @@ def run(args: argparse.Namespace) -> None:
         args.model = args.model_tag
     speculative_config_from_args(args)  # a bad config fails here, before anything touches the port
     limits = limits_from_args(args)
+    audit = audit_settings_from_args(args)
     threads = check_replicas(args.replicas, args.threads, None if os.environ.get("RAY_ADDRESS") else cpu_count())
     check_port_free(args.host, args.port)
     if args.replicas > 1:
@@ -95,7 +105,7 @@ def run(args: argparse.Namespace) -> None:
         # the first batch, where every stream would wait for it.
         engine.adaptive.costs  # noqa: B018
     names = args.served_model_name or ([args.model] if args.model else None)
-    app = create_app(engine, names, args.api_key, limits, bind_host=args.host)
+    app = create_app(engine, names, args.api_key, limits, bind_host=args.host, audit=audit)
     server_name = app.state.server.model_name
     how = f"{engine.proposer.name}, k={engine.k}" if engine.k else "no speculation"
     precision = f"{str(engine.model.dtype).removeprefix('torch.')}, weights {engine.target.quantization or 'none'}"

@@ -5,6 +5,7 @@ speculative statistics. The endpoints' handlers (completions.py, info.py, respon
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -16,9 +17,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from speculant.audit.rules import describe_path
 from speculant.config import StructuredOutputsParams
 from speculant.engine import Engine
 from speculant.sequence import Sequence, SpecStats
+from speculant.server.auditor import Auditor, AuditSettings
 from speculant.server.formats import ChatFormat, CompletionFormat
 from speculant.server.guard import ServerLimits
 from speculant.server.http import APIError, api_error, sse, wait_for_disconnect
@@ -30,6 +33,7 @@ from speculant.server.protocol import (
     SpeculativeStats,
     UsageInfo,
 )
+from speculant.server.recorder import Recorder
 from speculant.server.store import ResponseStore
 from speculant.server.worker import (
     Delta,
@@ -51,7 +55,8 @@ def default_model_name(engine: Engine) -> str:
 
 
 class OpenAIServer:
-    def __init__(self, engine: Engine, served_model_names: list[str], limits: ServerLimits | None = None):
+    def __init__(self, engine: Engine, served_model_names: list[str], limits: ServerLimits | None = None,
+                 audit: AuditSettings | None = None):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_names = served_model_names
@@ -59,11 +64,21 @@ class OpenAIServer:
         self.limits = limits or ServerLimits()
         self.max_request_tokens = self.limits.max_request_tokens or engine.max_batch_size * engine.max_model_len
         self.metrics = ServerMetrics(self.model_name, engine.k)
+        self.audit = audit or AuditSettings()
+        auditor = Auditor(engine, self.metrics, self.audit) if self.audit.rate > 0 else None
+        recorder = Recorder(self.audit.record) if self.audit.record else None
         self.worker = EngineWorker(engine, self.metrics, self.limits.request_timeout_s,
-                                   self.limits.max_waiting_requests)
+                                   self.limits.max_waiting_requests, auditor, recorder, self.described())
         # Tokenization and template rendering: off the event loop, two at a time (the engine needs the rest).
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="speculant-tokenize")
         self.responses = ResponseStore()  # POST /v1/responses' stored answers (responses.py)
+
+    def described(self) -> dict:
+        """The engine as the record file names it."""
+        proposer = self.engine.proposer.name if self.engine.proposer is not None and self.engine.k else None
+        return {"model": self.model_name, "source": self.engine.target.source, "proposer": proposer,
+                "k": self.engine.k, "speculative_config": self.audit.speculative_config,
+                "path": describe_path(self.engine)}
 
     async def off_loop(self, fn: Callable, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, partial(fn, *args))
@@ -133,7 +148,7 @@ class OpenAIServer:
     async def generate(self, request: Request, req: SamplingRequest, prompts: list[list[int]],
                        fmt: CompletionFormat | ChatFormat,
                        structured: StructuredOutputsParams | None = None) -> Response:
-        stream = await self.start(f"{fmt.id_prefix}-{uuid.uuid4().hex}", req, prompts, structured)
+        stream = await self.start(f"{fmt.id_prefix}-{uuid.uuid4().hex}", req, prompts, structured, request)
         usage_prompt = sum(len(ids) for ids in prompts)
         if req.stream:
             # The background close covers a client gone before the first chunk: the generator, never
@@ -143,12 +158,14 @@ class OpenAIServer:
         return await self.complete(request, stream, req, fmt, usage_prompt)
 
     async def start(self, rid: str, req: SamplingRequest, prompts: list[list[int]],
-                    structured: StructuredOutputsParams | None = None) -> RequestStream:
-        """The request handed to the engine thread, once the engine admitted it."""
+                    structured: StructuredOutputsParams | None = None, request: Request | None = None) -> RequestStream:
+        """The request handed to the engine thread, once the engine admitted it; `request`, the HTTP request,
+        for the record file."""
         # Choice index = prompt index × n + j, as the OpenAI API numbers them.
         seqs = [(ids, req.sampling_params(j, structured)) for ids in prompts for j in range(req.n)]
+        origin = await self.origin(request) if self.audit.record and request is not None else None
         try:
-            stream = self.worker.submit(rid, seqs)
+            stream = self.worker.submit(rid, seqs, origin)
         except (ShuttingDown, Overloaded) as e:
             raise api_error(e, rid) from None
         try:
@@ -159,6 +176,15 @@ class OpenAIServer:
                 raise api_error(e, rid) from None
             raise
         return stream
+
+    @staticmethod
+    async def origin(request: Request) -> tuple[str, object]:
+        """(endpoint, body as received): the body was read and parsed already (Starlette keeps it)."""
+        body = await request.body()
+        try:
+            return request.url.path, json.loads(body)
+        except ValueError:
+            return request.url.path, body.decode("utf-8", "replace")
 
     async def complete(self, request: Request, stream: RequestStream, req: SamplingRequest,
                        fmt: CompletionFormat | ChatFormat, prompt_tokens: int) -> Response:

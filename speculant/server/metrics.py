@@ -21,6 +21,8 @@ from speculant.prefix_cache import PrefixCache
 from speculant.sequence import SpecStats
 
 FINISH_REASONS = ("stop", "length", "abort")
+AUDIT_RESULTS = ("match", "mismatch", "skipped")
+AUDIT_SKIPS = ("unseeded", "lossy", "preempted", "backlog", "failed")
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0)
@@ -76,6 +78,24 @@ class ServerMetrics:
         for reason in FINISH_REASONS:
             self.request_success.labels(model_name, reason)
         self._seen = SpecStats()
+
+    def enable_audit(self) -> None:
+        """The lossless audit's series (server/auditor.py), zero-valued from the start."""
+        label = ["model_name"]
+        self.audit = Counter("speculant:audit_requests", "Sequences decoded again without speculation, by result: "
+                             "match, mismatch, skipped (not compared).", label + ["result"], registry=self.registry)
+        self.audit_skipped = Counter("speculant:audit_skipped", "Sampled sequences the audit did not compare, by "
+                                     "reason: unseeded, lossy, preempted, backlog, failed.", label + ["reason"],
+                                     registry=self.registry)
+        for result in AUDIT_RESULTS:
+            self.audit.labels(self.model_name, result)
+        for reason in AUDIT_SKIPS:
+            self.audit_skipped.labels(self.model_name, reason)
+
+    def observe_audit(self, result: str, reason: str | None = None) -> None:
+        self.audit.labels(self.model_name, result).inc()
+        if reason is not None:
+            self.audit_skipped.labels(self.model_name, reason).inc()
 
     def observe_spec(self, stats: SpecStats) -> None:
         """Advance the speculation counters to the engine's running totals."""

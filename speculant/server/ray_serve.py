@@ -83,13 +83,15 @@ class EngineReplica:
     def __init__(self, args: argparse.Namespace, threads: int):
         from speculant.arguments import engine_from_args
         from speculant.server.app import create_app
+        from speculant.server.auditor import audit_settings_from_args
         from speculant.server.guard import limits_from_args
 
         torch.set_num_threads(threads)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         engine = engine_from_args(args)
         names = args.served_model_name or ([args.model] if args.model else None)
-        self.openai_app = create_app(engine, names, args.api_key, limits_from_args(args), bind_host=args.host)
+        self.openai_app = create_app(engine, names, args.api_key, limits_from_args(args), bind_host=args.host,
+                                     audit=audit_settings_from_args(args))
         self.openai_app.add_middleware(NameReplica, replica=self.replica_id)
         self.server = self.openai_app.state.server
         self.draining = False

@@ -206,7 +206,7 @@ async def create_response(request: Request) -> Response:
     server.check_context(ids, req.max_new_tokens(), "input")
     server.check_work([ids], req)
     run = Run(new_id("resp"), req, messages, fmt if mode else None, len(ids))
-    stream = await server.start(run.rid, req, [ids], structured)
+    stream = await server.start(run.rid, req, [ids], structured, request)
     if req.stream:
         return StreamingResponse(stream_events(server, run, stream), media_type="text/event-stream",
                                  background=BackgroundTask(stream.close))

@@ -10,6 +10,9 @@ Requests are isolated from each other: a sequence whose serving raises fails its
 retries the rest of the batch without it), waiting sequences are admitted round-robin across requests
 (one request's many sequences cannot hold every free slot), and an optional time limit ends a request
 that runs too long.
+
+With the audit on (auditor.py), a finished request's sequences may be decoded again in rows live traffic leaves;
+with a record file (recorder.py), each request that completes is appended to it.
 """
 
 from __future__ import annotations
@@ -23,14 +26,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from speculant.audit.log import record
 from speculant.config import SamplingParams
 from speculant.engine import Engine
 from speculant.errors import SpeculantError
 from speculant.scheduler import RoundRobin
 from speculant.sequence import Sequence, TokenLogprob
+from speculant.server.auditor import Auditor
 from speculant.server.metrics import ServerMetrics
+from speculant.server.recorder import Recorder
 
 log = logging.getLogger("speculant.server")
+
+# The share of the engine thread's time that steps serving only background work (the audit's re-decodes) may take.
+BACKGROUND_DUTY = 0.5
 
 
 class ShuttingDown(Exception):
@@ -77,10 +86,11 @@ class RequestStream:
     whatever is still generating (a client that left frees its batch slots at once)."""
 
     def __init__(self, worker: EngineWorker, request_id: str,
-                 prompts: list[tuple[list[int], SamplingParams]]):
+                 prompts: list[tuple[list[int], SamplingParams]], origin: tuple[str, object] | None = None):
         self.worker = worker
         self.request_id = request_id
         self.prompts = prompts
+        self.origin = origin  # (endpoint, body as received), kept for the record file
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.arrival = time.perf_counter()
@@ -134,9 +144,13 @@ class _Entry:
 
 class EngineWorker:
     def __init__(self, engine: Engine, metrics: ServerMetrics, request_timeout_s: float | None = None,
-                 max_waiting: int | None = None):
+                 max_waiting: int | None = None, auditor: Auditor | None = None, recorder: Recorder | None = None,
+                 described: dict | None = None):
         self.engine = engine
         self.metrics = metrics
+        self.auditor = auditor
+        self.recorder = recorder
+        self.described = described or {}  # the engine as records name it
         self.request_timeout_s = request_timeout_s  # None: no limit
         self.max_waiting = max_waiting  # requests beyond the batch's rows; None: no bound
         self.mean_request_s = 10.0  # a running mean of requests' durations, for Retry-After
@@ -145,6 +159,7 @@ class EngineWorker:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._entries: dict[str, _Entry] = {}  # engine-thread side only: sequence id → its request
+        self._requests: dict[RequestStream, list[Sequence]] = {}  # engine-thread side: each request's sequences
         self._thread = threading.Thread(target=self._run, name="speculant-engine", daemon=True)
         engine.scheduler.policy = RoundRobin(self._owner)
 
@@ -162,7 +177,8 @@ class EngineWorker:
         self._send("stop", None)
         self._thread.join(timeout_s)
 
-    def submit(self, request_id: str, prompts: list[tuple[list[int], SamplingParams]]) -> RequestStream:
+    def submit(self, request_id: str, prompts: list[tuple[list[int], SamplingParams]],
+               origin: tuple[str, object] | None = None) -> RequestStream:
         if not self.accepting:
             raise ShuttingDown("the server is shutting down")
         waiting = len(self.in_flight) - self.engine.max_batch_size
@@ -172,7 +188,7 @@ class EngineWorker:
             raise Overloaded(f"the server is busy: {len(self.in_flight)} requests in flight, {waiting} of them "
                              f"waiting (the queue holds {self.max_waiting}); retry later",
                              max(1, math.ceil(turns * self.mean_request_s)))
-        stream = RequestStream(self, request_id, prompts)
+        stream = RequestStream(self, request_id, prompts, origin)
         self.in_flight.add(stream)
         self._send("add", stream)
         return stream
@@ -204,18 +220,34 @@ class EngineWorker:
     def _run(self) -> None:
         running = True
         while running:
-            if not self.engine.has_unfinished():
+            if not self.engine.has_unfinished() and not (self.auditor is not None and self.auditor.backlog):
                 self._wake.wait()
             # Cleared before draining: a command sent after this point sets it again.
             self._wake.clear()
             running = self._apply_commands()
             if running and self.request_timeout_s is not None:
                 self._end_overdue()
+            if running and self.auditor is not None:
+                self.auditor.admit()
             if running and self.engine.has_unfinished():
+                t0 = time.perf_counter()
                 self._step()
-            self.metrics.observe_load(len(self.engine.scheduler.running), len(self.engine.scheduler.waiting))
+                self.observe_load()
+                if not self._entries and self.engine.has_unfinished():
+                    # Only the audit's re-decodes run: leave the cores to the HTTP side (a request's template and
+                    # tokens) for a while; a command ends the wait at once.
+                    self._wake.wait((time.perf_counter() - t0) * (1 - BACKGROUND_DUTY) / BACKGROUND_DUTY)
+            self.observe_load()
         for stream in self._live_streams():
             self._abort(stream, ShuttingDown("the server shut down before the request finished"))
+        if self.recorder is not None:
+            self.recorder.close()
+
+    def observe_load(self) -> None:
+        """Live sequences running and waiting: the audit's rows are not load."""
+        sched = self.engine.scheduler
+        audit_running, audit_waiting = self.auditor.background_rows() if self.auditor else (0, 0)
+        self.metrics.observe_load(len(sched.running) - audit_running, len(sched.waiting) - audit_waiting)
 
     def _live_streams(self) -> set[RequestStream]:
         return {entry.stream for entry in self._entries.values()}
@@ -266,9 +298,11 @@ class EngineWorker:
         for i, seq in enumerate(seqs):
             self._entries[seq.request_id] = _Entry(stream, i)
             self.metrics.observe_admitted(len(seq.prompt_ids))
+        self._requests[stream] = seqs
         stream.put(Admitted(seqs))
 
     def _abort(self, stream: RequestStream, error: Exception | None) -> None:
+        self._requests.pop(stream, None)
         for seq_id in [k for k, e in self._entries.items() if e.stream is stream]:
             del self._entries[seq_id]
             self.engine.abort(seq_id)
@@ -292,6 +326,9 @@ class EngineWorker:
         now = time.perf_counter()
         for out in outputs:
             seq = out.seq
+            if self.auditor is not None and self.auditor.owns(seq):
+                self.auditor.observe(out)
+                continue
             entry = self._entries.get(seq.request_id)
             if entry is None:  # its request already failed this step (another of its sequences)
                 continue
@@ -309,3 +346,16 @@ class EngineWorker:
                 del self._entries[seq.request_id]
                 self.metrics.observe_finished(seq.finish_reason, now - entry.stream.arrival)
                 self.mean_request_s += 0.1 * (now - entry.stream.arrival - self.mean_request_s)
+                self._finished(seq, entry.stream)
+
+    def _finished(self, seq: Sequence, stream: RequestStream) -> None:
+        """A live sequence is done: offer it to the audit; once its whole request is, record the request."""
+        if self.auditor is not None:
+            self.auditor.offer(seq, stream.request_id)
+        seqs = self._requests.get(stream)
+        if seqs is None or not all(s.finished for s in seqs):
+            return
+        del self._requests[stream]
+        if self.recorder is not None:
+            endpoint, body = stream.origin or (None, None)
+            self.recorder.write(record(stream.request_id, endpoint, body, seqs, self.described))
