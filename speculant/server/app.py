@@ -49,11 +49,12 @@ def add_request_bodies(schema: dict) -> dict:
 
 
 def create_app(engine: Engine, served_model_names: list[str] | None = None, api_key: str | None = None,
-               limits: ServerLimits | None = None, bind_host: str | None = None) -> FastAPI:
+               limits: ServerLimits | None = None, bind_host: str | None = None,
+               reasoning_parser: str = "auto") -> FastAPI:
     """The FastAPI app behind its guard (the returned app's `.state.server` is the OpenAIServer). The engine
-    thread starts and stops with the app's lifespan."""
+    thread starts and stops with the app's lifespan. `reasoning_parser`: reasoning.py's REASONING_PARSERS."""
     limits = limits or ServerLimits()
-    server = OpenAIServer(engine, served_model_names or [default_model_name(engine)], limits)
+    server = OpenAIServer(engine, served_model_names or [default_model_name(engine)], limits, reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -97,7 +97,10 @@ class ResponsesRequest(SamplingRequest):
     text: TextConfig | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     metadata: dict[str, str] | None = None
-    reasoning: dict | None = None  # accepted and ignored: this server runs no reasoning effort
+    reasoning: dict | None = None  # accepted and ignored: no effort levels here (a thinking model's thought is
+    # kept apart by --reasoning-parser; enable_thinking switches it where the template has the switch)
+    chat_template_kwargs: dict | None = None  # as chat's (vLLM's)
+    enable_thinking: bool | None = None
     store: bool = True
     previous_response_id: str | None = None
 
@@ -136,7 +139,22 @@ class OutputFunctionCall(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
-OutputItem = OutputMessage | OutputFunctionCall
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    """A thinking model's thought (reasoning.py), as OpenAI and vLLM write it: no summary, its text as content."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list = Field(default_factory=list)
+    content: list[ReasoningText]
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
+OutputItem = OutputReasoning | OutputMessage | OutputFunctionCall
 
 
 class InputTokensDetails(BaseModel):
