@@ -103,6 +103,9 @@ class ResponsesRequest(SamplingRequest):
     enable_thinking: bool | None = None
     store: bool = True
     previous_response_id: str | None = None
+    # Extra output the client asks for (the Agents SDK always sends the field): only what needs nothing is
+    # accepted, "reasoning.encrypted_content" (a reasoning item's text is already in the clear here).
+    include: list[str] | None = None
 
     def max_new_tokens(self) -> int | None:
         return self.max_output_tokens
@@ -110,7 +113,12 @@ class ResponsesRequest(SamplingRequest):
     def unsupported(self) -> str | None:
         if self.n != 1:
             return "n"
+        if any(value not in INCLUDABLE for value in self.include or []):
+            return "include"
         return super().unsupported()
+
+
+INCLUDABLE = ("reasoning.encrypted_content",)
 
 
 # -- the Response object ----------------------------------------------------------------------
