@@ -101,9 +101,10 @@ class Tokenizer:
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
-            return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "", **(template_kwargs or {}))
+            # One dict, not keywords: a request's variable may have any name ("self" included).
+            return env.from_string(self.chat_template).render({
+                **(template_kwargs or {}), "messages": messages, "add_generation_prompt": add_generation_prompt,
+                "tools": tools, "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""})
         except TemplateError as e:
             raise SpeculantError(f"chat template error: {e}") from None
 

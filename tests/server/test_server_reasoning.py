@@ -149,6 +149,8 @@ def test_enable_thinking_reaches_the_template(client):
     assert out.usage.completion_tokens_details.reasoning_tokens == 0
     same = client.chat.completions.create(**ask(extra_body={"chat_template_kwargs": {"enable_thinking": False}}))
     assert same.choices[0].message.content == message.content
+    odd = client.chat.completions.create(**ask(extra_body={"chat_template_kwargs": {"self": 1, "a-b": 2}}))
+    assert odd.choices[0].message.model_extra["reasoning_content"] == " let me see "  # any name is a variable
     with pytest.raises(openai.BadRequestError, match="disagree"):
         client.chat.completions.create(**ask(extra_body={"enable_thinking": True,
                                                          "chat_template_kwargs": {"enable_thinking": False}}))
