@@ -23,6 +23,11 @@ def _token_text(value) -> str | None:
     return value
 
 
+# The variables the server gives a chat template: a request's chat_template_kwargs may not replace them.
+TEMPLATE_VARIABLES = {"messages", "add_generation_prompt", "tools", "bos_token", "eos_token", "raise_exception",
+                      "strftime_now"}
+
+
 def _raise_exception(message: str):
     raise TemplateError(message)
 
@@ -80,11 +85,15 @@ class Tokenizer:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
         """Render the chat template in a sandbox, with the variables transformers provides (`tools`: OpenAI
-        tool objects, for the templates that render them)."""
+        tool objects, for the templates that render them) and `template_kwargs`, the request's own variables
+        (Qwen3's `enable_thinking`)."""
         if not self.chat_template:
             raise SpeculantError("this model has no chat template; use a raw prompt (--no-chat)")
+        taken = sorted(set(template_kwargs or {}) & TEMPLATE_VARIABLES)
+        if taken:
+            raise SpeculantError(f"chat_template_kwargs may not set {', '.join(taken)}: the server sets it")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
@@ -92,9 +101,10 @@ class Tokenizer:
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
-            return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            # One dict, not keywords: a request's variable may have any name ("self" included).
+            return env.from_string(self.chat_template).render({
+                **(template_kwargs or {}), "messages": messages, "add_generation_prompt": add_generation_prompt,
+                "tools": tools, "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""})
         except TemplateError as e:
             raise SpeculantError(f"chat template error: {e}") from None
 
@@ -105,7 +115,7 @@ class Tokenizer:
         return hf.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
-                    add_generation_prompt: bool = True) -> list[int]:
+                    add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> list[int]:
         """The chat template's prompt, with special tokens only where the template writes them: one typed
         in a message (its content, a tool call's arguments) or a tool's description is tokenized as its
         text, so a user cannot open a turn of their own."""
@@ -128,9 +138,9 @@ class Tokenizer:
             return value
 
         if pattern is not None:
-            messages, tools = hide(messages), hide(tools)
+            messages, tools, template_kwargs = hide(messages), hide(tools), hide(template_kwargs)
         # The template already writes the BOS token where the model wants one.
-        prompt = self.apply_chat_template(messages, add_generation_prompt, tools=tools)
+        prompt = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
         if not typed:
             return self._encode(self.hf, prompt, False)
         ids: list[int] = []

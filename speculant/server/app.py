@@ -51,12 +51,12 @@ def add_request_bodies(schema: dict) -> dict:
 
 def create_app(engine: Engine, served_model_names: list[str] | None = None, api_key: str | None = None,
                limits: ServerLimits | None = None, bind_host: str | None = None,
-               audit: AuditSettings | None = None) -> FastAPI:
+               audit: AuditSettings | None = None, reasoning_parser: str = "auto") -> FastAPI:
     """The FastAPI app behind its guard (the returned app's `.state.server` is the OpenAIServer). The engine
     thread starts and stops with the app's lifespan. `audit`: the lossless audit and the record file
-    (auditor.py; default off)."""
+    (auditor.py; default off); `reasoning_parser`: reasoning.py's REASONING_PARSERS."""
     limits = limits or ServerLimits()
-    server = OpenAIServer(engine, served_model_names or [default_model_name(engine)], limits, audit)
+    server = OpenAIServer(engine, served_model_names or [default_model_name(engine)], limits, audit, reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

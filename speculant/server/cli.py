@@ -12,6 +12,7 @@ from speculant.arguments import add_model_arguments, engine_from_args, speculati
 from speculant.errors import SpeculantError
 from speculant.server.auditor import audit_rate, audit_settings_from_args
 from speculant.server.guard import ServerLimits, limits_from_args
+from speculant.server.reasoning import REASONING_PARSERS
 from speculant.server.replicas import check_replicas, cpu_count
 
 log = logging.getLogger("speculant.server")
@@ -40,6 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(docs/scale-out.md; default 1: this process serves alone)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default 30)")
+    g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default="auto",
+                   help="keep a thinking model's <think>…</think> apart from its answer (chat: reasoning_content, "
+                        "responses: a reasoning item): 'think' always, 'none' never, 'auto' where the tokenizer has "
+                        "both tags as tokens or the chat template writes </think> (default auto)")
     g = p.add_argument_group("the lossless audit (docs/scale-out.md)")
     g.add_argument("--audit", type=audit_rate, default=0.0, metavar="RATE",
                    help="decode this share (0 to 1) of greedy and seeded requests again without speculation, in "
@@ -66,6 +71,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"seconds a connection gets to send a request's headers (default {d.header_timeout_s:g})")
     g.add_argument("--body-timeout", type=float, default=d.body_timeout_s,
                    help=f"seconds a request gets to send its body (default {d.body_timeout_s:g})")
+    g.add_argument("--responses-store-size", type=int, default=d.responses_store_size,
+                   help="responses /v1/responses keeps for previous_response_id and GET; past it the oldest go "
+                        f"(default {d.responses_store_size})")
+    g.add_argument("--responses-store-age", type=float, default=d.responses_store_age_s,
+                   help=f"seconds a stored response is kept (default {d.responses_store_age_s:g})")
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -105,7 +115,8 @@ def run(args: argparse.Namespace) -> None:
         # the first batch, where every stream would wait for it.
         engine.adaptive.costs  # noqa: B018
     names = args.served_model_name or ([args.model] if args.model else None)
-    app = create_app(engine, names, args.api_key, limits, bind_host=args.host, audit=audit)
+    app = create_app(engine, names, args.api_key, limits, bind_host=args.host, audit=audit,
+                     reasoning_parser=args.reasoning_parser)
     server_name = app.state.server.model_name
     how = f"{engine.proposer.name}, k={engine.k}" if engine.k else "no speculation"
     precision = f"{str(engine.model.dtype).removeprefix('torch.')}, weights {engine.target.quantization or 'none'}"

@@ -16,6 +16,7 @@ from speculant.server.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    template_kwargs,
 )
 from speculant.structured.tools import ToolFormat, tool_format
 
@@ -69,21 +70,34 @@ async def chat_completions(request: Request) -> Response:
     structured = await structured_output(server, wanted, mode, req.functions(), req.parallel_tool_calls, tools,
                                          "response_format")
     specs = [t.model_dump(exclude_none=True) for t in req.tools or []]
-    ids = await chat_prompt(server, [m.for_template() for m in req.messages], mode, specs, tools, "messages")
+    kwargs = request_template_kwargs(req.chat_template_kwargs, req.enable_thinking)
+    ids = await chat_prompt(server, [m.for_template() for m in req.messages], mode, specs, tools, "messages",
+                            template_kwargs=kwargs)
     server.check_context(ids, req.max_new_tokens(), "messages")
     server.check_work([ids], req)
-    fmt = ChatFormat(server.token_text, tools if mode else None, ids, req.prompt_logprobs)
+    fmt = ChatFormat(server.token_text, tools if mode else None, ids, req.prompt_logprobs,
+                     server.reasoning_for(ids, structured), server.tokenizer.decode)
     return await server.generate(request, req, [ids], fmt, structured)
 
 
+def request_template_kwargs(kwargs: dict | None, enable_thinking: bool | None) -> dict | None:
+    try:
+        return template_kwargs(kwargs, enable_thinking)
+    except ValueError as e:
+        raise APIError(400, str(e), param="chat_template_kwargs") from None
+
+
 async def chat_prompt(server: OpenAIServer, messages: list[dict], mode: str | None, tool_specs: list[dict],
-                      tools: ToolFormat, param: str, add_generation_prompt: bool = True) -> list[int]:
-    """The conversation through the chat template, the tools (OpenAI tool objects) in play when `mode` is."""
+                      tools: ToolFormat, param: str, add_generation_prompt: bool = True,
+                      template_kwargs: dict | None = None) -> list[int]:
+    """The conversation through the chat template, the tools (OpenAI tool objects) in play when `mode` is, and
+    the request's own template variables (chat_template_kwargs)."""
     functions = [t["function"] for t in tool_specs] if mode else None
     messages = tools.messages_for_template(messages, functions, auto=mode == "auto")
     rendered = tool_specs if mode and tools.template_renders_tools else None
     try:
-        return await server.off_loop(server.tokenizer.encode_chat, messages, rendered, add_generation_prompt)
+        return await server.off_loop(server.tokenizer.encode_chat, messages, rendered, add_generation_prompt,
+                                     template_kwargs)
     except SpeculantError as e:
         raise APIError(400, str(e), param=param) from None
 

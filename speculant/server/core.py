@@ -33,6 +33,7 @@ from speculant.server.protocol import (
     SpeculativeStats,
     UsageInfo,
 )
+from speculant.server.reasoning import ReasoningParser, opens_thought, reasoning_tags
 from speculant.server.recorder import Recorder
 from speculant.server.store import ResponseStore
 from speculant.server.worker import (
@@ -56,7 +57,7 @@ def default_model_name(engine: Engine) -> str:
 
 class OpenAIServer:
     def __init__(self, engine: Engine, served_model_names: list[str], limits: ServerLimits | None = None,
-                 audit: AuditSettings | None = None):
+                 audit: AuditSettings | None = None, reasoning_parser: str = "auto"):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_names = served_model_names
@@ -71,7 +72,10 @@ class OpenAIServer:
                                    self.limits.max_waiting_requests, auditor, recorder, self.described())
         # Tokenization and template rendering: off the event loop, two at a time (the engine needs the rest).
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="speculant-tokenize")
-        self.responses = ResponseStore()  # POST /v1/responses' stored answers (responses.py)
+        # POST /v1/responses' stored answers (responses.py)
+        self.responses = ResponseStore(self.limits.responses_store_size, self.limits.responses_store_age_s)
+        tok = self.tokenizer
+        self.think_tags = None if tok is None else reasoning_tags(reasoning_parser, tok.vocab, tok.chat_template)
 
     def described(self) -> dict:
         """The engine as the record file names it."""
@@ -108,6 +112,14 @@ class OpenAIServer:
         if not self.tokenizer.chat_template:
             raise APIError(400, "this model has no chat template (a base model): send its prompt raw to "
                                 "/v1/completions", param=param)
+
+    def reasoning_for(self, prompt: list[int], structured: StructuredOutputsParams | None) -> ReasoningParser | None:
+        """The parser that keeps a chat answer's thought apart, where the model thinks. A grammar (response_format,
+        a required call) constrains the whole answer, so a constrained answer is all answer: no parser."""
+        if self.think_tags is None or structured is not None:
+            return None
+        tail = self.tokenizer.decode(prompt[-16:], skip_special_tokens=False)
+        return ReasoningParser(self.think_tags, opens_thought(self.think_tags, tail))
 
     async def tokenize(self, text: str) -> list[int]:
         return await self.off_loop(self.tokenizer.encode, text)
@@ -243,7 +255,7 @@ class OpenAIServer:
                 yield sse(fmt.chunk(rid, created, self.model_name, [d], req.return_token_ids,
                                     speculative_stats=self.speculative_stats(stream.seqs) if last else None))
             if req.include_usage:
-                yield sse(fmt.chunk(rid, created, self.model_name, [], False,
+                yield sse(fmt.chunk(rid, created, self.model_name, [], False, choice_ids=ids,
                                     usage=self.usage(prompt_tokens, ids, stream.seqs[::req.n]),
                                     speculative_stats=self.speculative_stats(stream.seqs)))
         except (ShuttingDown, EngineFailure, RequestTimedOut) as e:

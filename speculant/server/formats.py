@@ -18,6 +18,7 @@ from speculant.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    CompletionTokensDetails,
     DeltaMessage,
     FunctionCallDelta,
     PromptLogprob,
@@ -26,7 +27,9 @@ from speculant.server.protocol import (
     ToolCall,
     ToolCallDelta,
     TopLogprob,
+    UsageInfo,
 )
+from speculant.server.reasoning import ReasoningParser, ThoughtSplitter, reasoning_tokens, thought_end
 from speculant.server.worker import Delta
 from speculant.structured.tools import ToolCallStream, ToolFormat
 
@@ -95,7 +98,7 @@ class CompletionFormat:
         return []
 
     def chunk(self, rid: str, created: int, model: str, deltas: list[Delta], with_ids: bool,
-              **extra) -> BaseModel:
+              choice_ids: list[list[int]] | None = None, **extra) -> BaseModel:
         return CompletionResponse(id=rid, created=created, model=model, choices=self.choices(deltas, with_ids),
                                   **extra)
 
@@ -116,16 +119,29 @@ class CompletionFormat:
 
 class ChatFormat:
     """Chat's shapes. With `tools` (the tool format of a request whose tools are in play) an answer's calls
-    leave as tool_calls, finish_reason "tool_calls"; a stream holds the text from where a call may begin."""
+    leave as tool_calls, finish_reason "tool_calls"; a stream holds the text from where a call may begin. With
+    `reasoning` (reasoning.py) a thought leaves as reasoning_content, and the tools are looked for after it."""
 
     id_prefix = "chatcmpl"
 
     def __init__(self, token_text: Callable[[int], str], tools: ToolFormat | None = None,
-                 prompt: list[int] | None = None, prompt_top: int | None = None):
+                 prompt: list[int] | None = None, prompt_top: int | None = None,
+                 reasoning: ReasoningParser | None = None, decode: Callable[[list[int]], str] | None = None):
         self.token_text = token_text
         self.tools = tools
         self.streams: dict[int, ToolCallStream] = {}
         self.prompt, self.prompt_top = prompt or [], prompt_top  # vLLM's prompt_logprobs: None, or the top n
+        self.reasoning, self.decode = reasoning, decode  # decode: ids → the text the engine wrote for them
+        self.splitters: dict[int, ThoughtSplitter] = {}
+
+    def reasoning_tokens(self, ids: list[int], end: int) -> int:
+        return reasoning_tokens(ids, end, self.decode)
+
+    def with_reasoning_tokens(self, usage: UsageInfo | None, counts: list[int]) -> UsageInfo | None:
+        if usage is None or self.reasoning is None:
+            return usage
+        return usage.model_copy(update={"completion_tokens_details": CompletionTokensDetails(
+            reasoning_tokens=sum(counts))})
 
     def prompt_logprobs(self, deltas: list[Delta]) -> PromptLogprobs | None:
         first = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
@@ -143,19 +159,27 @@ class ChatFormat:
             TokenLogprobInfo(**top(t, lp.logprob).model_dump(), top_logprobs=[top(a, v) for a, v in lp.top])
             for t, lp in zip(d.token_ids, d.logprobs, strict=True)])
 
-    def response(self, rid: str, model: str, choices: list[Delta], with_ids: bool, **extra) -> BaseModel:
-        out = []
+    def response(self, rid: str, model: str, choices: list[Delta], with_ids: bool, usage: UsageInfo | None = None,
+                 **extra) -> BaseModel:
+        out, counts = [], []
         for d in choices:
-            message, finish = AssistantMessage(content=d.text), d.finish_reason
-            parsed = self.tools.parse(d.text) if self.tools is not None else None
+            thought, text = None, d.text
+            if self.reasoning is not None:
+                thought, text, end = self.reasoning.split(d.text)
+                counts.append(self.reasoning_tokens(d.token_ids, end))
+            message, finish = AssistantMessage(content=text, reasoning_content=thought), d.finish_reason
+            if thought is not None and not text:
+                message.content = None  # all thought (vLLM's null)
+            parsed = self.tools.parse(text) if self.tools is not None else None
             if parsed is not None:
                 content, calls = parsed
-                message = AssistantMessage(content=content, tool_calls=[ToolCall(**c) for c in calls])
+                message = AssistantMessage(content=content, reasoning_content=thought,
+                                           tool_calls=[ToolCall(**c) for c in calls])
                 finish = calls_finish(finish)
             out.append(ChatChoice(index=d.index, message=message, finish_reason=finish, logprobs=self.logprobs(d),
                                   token_ids=d.token_ids if with_ids else None))
         return ChatCompletionResponse(id=rid, model=model, choices=out, prompt_logprobs=self.prompt_logprobs(choices),
-                                      **extra)
+                                      usage=self.with_reasoning_tokens(usage, counts), **extra)
 
     def opening(self, rid: str, created: int, model: str, n: int) -> list[BaseModel]:
         # As OpenAI does: each choice's first chunk names the role, with empty content.
@@ -163,25 +187,42 @@ class ChatFormat:
             ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]) for i in range(n)]
 
     def chunk(self, rid: str, created: int, model: str, deltas: list[Delta], with_ids: bool,
-              **extra) -> BaseModel:
+              usage: UsageInfo | None = None, choice_ids: list[list[int]] | None = None, **extra) -> BaseModel:
+        """`choice_ids`, with the usage chunk: each choice's tokens (for its reasoning tokens)."""
         choices = [ChatStreamChoice(index=d.index, delta=delta, finish_reason=finish, logprobs=self.logprobs(d),
                                     token_ids=d.token_ids if with_ids else None)
                    for d in deltas for delta, finish in [self.delta(d)]]
+        if usage is not None and choice_ids is not None:  # the usage chunk: every choice has finished
+            usage = self.with_reasoning_tokens(usage, [self.reasoning_tokens(choice_ids[i], thought_end(s))
+                                                       for i, s in self.splitters.items()])
         return ChatCompletionChunk(id=rid, created=created, model=model, choices=choices,
-                                   prompt_logprobs=self.prompt_logprobs(deltas), **extra)
+                                   prompt_logprobs=self.prompt_logprobs(deltas), usage=usage, **extra)
+
+    def split(self, d: Delta) -> tuple[str, str]:
+        """A streamed piece → (its thought's part, its answer's part), held back where a tag may be starting."""
+        if self.reasoning is None:
+            return "", d.text
+        splitter = self.splitters.setdefault(d.index, self.reasoning.splitter())
+        thought, text = splitter.push(d.text)
+        if d.finish_reason is not None:
+            more_thought, more_text = splitter.finish()
+            thought, text = thought + more_thought, text + more_text
+        return thought, text
 
     def delta(self, d: Delta) -> tuple[DeltaMessage, str | None]:
+        thought, text = self.split(d)
         if self.tools is None:
-            return DeltaMessage(content=d.text or None), d.finish_reason
+            return DeltaMessage(content=text or None, reasoning_content=thought or None), d.finish_reason
         stream = self.streams.setdefault(d.index, ToolCallStream(self.tools))
-        content, calls = stream.push(d.text), []
+        content, calls = stream.push(text), []
         if d.finish_reason is not None:
             rest, calls = stream.finish()
             content += rest
         tool_calls = [ToolCallDelta(index=i, id=c["id"], type="function",
                                     function=FunctionCallDelta(**c["function"])) for i, c in enumerate(calls)]
         finish = calls_finish(d.finish_reason) if calls else d.finish_reason
-        return DeltaMessage(content=content or None, tool_calls=tool_calls or None), finish
+        return DeltaMessage(content=content or None, reasoning_content=thought or None,
+                            tool_calls=tool_calls or None), finish
 
 
 def calls_finish(reason: str | None) -> str | None:

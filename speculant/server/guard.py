@@ -41,6 +41,9 @@ class ServerLimits:
     public_metrics: bool = False  # /metrics without the API key, for a scraper
     # Requests beyond the batch's rows that may wait for one; more get a 429 with Retry-After. None: no bound.
     max_waiting_requests: int | None = 256
+    # The Responses API's stored responses (store.py): at most this many, none older; the oldest go first.
+    responses_store_size: int = 1000
+    responses_store_age_s: float = 3600.0
 
 
 def host_name(value: str) -> str:
@@ -214,7 +217,9 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
     positive = {"--max-body-bytes": args.max_body_bytes, "--max-request-sequences": args.max_request_sequences,
                 "--max-request-tokens": args.max_request_tokens, "--request-timeout": args.request_timeout,
                 "--header-timeout": args.header_timeout, "--body-timeout": args.body_timeout,
-                "--max-waiting-requests": args.max_waiting_requests}
+                "--max-waiting-requests": args.max_waiting_requests,
+                "--responses-store-size": args.responses_store_size,
+                "--responses-store-age": args.responses_store_age}
     for flag, value in positive.items():
         if value is not None and not value > 0:
             raise SpeculantError(f"{flag} must be > 0, got {value:g}")
@@ -222,4 +227,6 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
                         max_request_tokens=args.max_request_tokens, request_timeout_s=args.request_timeout,
                         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
                         allowed_hosts=args.allowed_hosts, public_metrics=args.public_metrics,
-                        max_waiting_requests=args.max_waiting_requests)
+                        max_waiting_requests=args.max_waiting_requests,
+                        responses_store_size=args.responses_store_size,
+                        responses_store_age_s=args.responses_store_age)

@@ -242,6 +242,8 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict | None = None  # vLLM's and llama.cpp's: more variables for the chat template
+    enable_thinking: bool | None = None  # the same as chat_template_kwargs' (Qwen3's switch), at the top level
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -259,6 +261,17 @@ class ChatCompletionRequest(SamplingRequest):
         choice = self.tool_choice
         named = choice.function.name if isinstance(choice, NamedToolChoice) else None
         return tool_mode([t.function.name for t in self.tools or []], named or choice)
+
+
+def template_kwargs(kwargs: dict | None, enable_thinking: bool | None) -> dict | None:
+    """A request's chat_template_kwargs, with its top-level enable_thinking where it gives one (the two must
+    agree); raises ValueError where they do not."""
+    out = dict(kwargs or {})
+    if enable_thinking is not None:
+        if out.get("enable_thinking", enable_thinking) != enable_thinking:
+            raise ValueError("enable_thinking and chat_template_kwargs.enable_thinking disagree")
+        out["enable_thinking"] = enable_thinking
+    return out or None
 
 
 def tool_mode(names: list[str], choice: str | None) -> str | None:
@@ -288,6 +301,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     add_special_tokens: bool = True  # for a prompt: the BOS token where the model wants one
     tools: list[ToolSpec] | None = None
+    chat_template_kwargs: dict | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -313,11 +327,20 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # read from the prefix cache rather than computed
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # the thought's, tags included (a reasoning parser is on)
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
+
+    @model_serializer(mode="wrap")
+    def _details_if_any(self, handler) -> dict:
+        return without_none(handler(self), "completion_tokens_details")
 
 
 class SpeculativeStats(BaseModel):
@@ -403,14 +426,12 @@ class CompletionResponse(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # the thought, where a reasoning parser found one
     tool_calls: list[ToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _calls_if_any(self, handler) -> dict:
-        out = handler(self)
-        if out.get("tool_calls") is None:
-            out.pop("tool_calls", None)
-        return out
+        return without_none(handler(self), "tool_calls", "reasoning_content")
 
 
 class ChatChoice(BaseModel):
@@ -451,6 +472,7 @@ class ToolCallDelta(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")

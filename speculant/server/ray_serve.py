@@ -91,7 +91,7 @@ class EngineReplica:
         engine = engine_from_args(args)
         names = args.served_model_name or ([args.model] if args.model else None)
         self.openai_app = create_app(engine, names, args.api_key, limits_from_args(args), bind_host=args.host,
-                                     audit=audit_settings_from_args(args))
+                                     audit=audit_settings_from_args(args), reasoning_parser=args.reasoning_parser)
         self.openai_app.add_middleware(NameReplica, replica=self.replica_id)
         self.server = self.openai_app.state.server
         self.draining = False

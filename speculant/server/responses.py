@@ -19,10 +19,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
-from speculant.server.completions import chat_prompt, structured_output
+from speculant.server.completions import chat_prompt, request_template_kwargs, structured_output
 from speculant.server.core import OpenAIServer
 from speculant.server.http import ERROR_RESPONSES, APIError, api_error, parse_body
 from speculant.server.protocol import tool_mode
+from speculant.server.reasoning import ReasoningParser, reasoning_tokens
 from speculant.server.responses_protocol import (
     DeletedResponse,
     FunctionCallItem,
@@ -34,7 +35,10 @@ from speculant.server.responses_protocol import (
     NamedFunctionChoice,
     OutputFunctionCall,
     OutputMessage,
+    OutputReasoning,
     OutputText,
+    OutputTokensDetails,
+    ReasoningText,
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
@@ -63,6 +67,8 @@ def input_items(value: str | list[dict]) -> list[MessageItem | FunctionCallItem 
     items = []
     for i, raw in enumerate(value):
         kind = raw.get("type", "message" if "role" in raw else None)
+        if kind == "reasoning":
+            continue  # an earlier answer's thought sent back: chat templates leave past thoughts out too
         model = {"message": MessageItem, "function_call": FunctionCallItem,
                  "function_call_output": FunctionCallOutputItem}.get(kind)
         if model is None:
@@ -121,12 +127,14 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def output_items(text: str, tools: ToolFormat | None) -> tuple[list, list[dict]]:
-    """An answer → (its output items: a message where it wrote text, a function_call per call; its calls as
-    chat tool_calls)."""
+def output_items(text: str, tools: ToolFormat | None, thought: str | None = None) -> tuple[list, list[dict]]:
+    """An answer (its thought apart, where it had one) → (its output items: a reasoning item where it thought, a
+    message where it wrote text, a function_call per call; its calls as chat tool_calls)."""
     parsed = tools.parse(text) if tools is not None else None
     content, calls = parsed if parsed is not None else (text, [])
     items: list = []
+    if thought is not None:
+        items.append(OutputReasoning(id=new_id("rs"), content=[ReasoningText(text=thought)]))
     if content:
         items.append(OutputMessage(id=new_id("msg"), content=[OutputText(text=content)]))
     items += [OutputFunctionCall(id=new_id("fc"), call_id=c["id"], name=c["function"]["name"],
@@ -143,6 +151,7 @@ class Run:
     messages: list[dict]  # the conversation before the answer
     tools: ToolFormat | None  # the tool format, where tools are in play
     prompt_tokens: int
+    reasoning: ReasoningParser | None  # where the model's thought is kept apart
 
     def response(self, server: OpenAIServer, status: str = "completed", output: list | None = None,
                  usage: ResponseUsage | None = None, finish: str | None = None) -> ResponseObject:
@@ -160,15 +169,18 @@ class Run:
             text={"format": text_format}, metadata=req.metadata or {}, store=req.store, usage=usage,
             incomplete_details=IncompleteDetails(reason="max_output_tokens") if incomplete else None)
 
-    def usage(self, stream: RequestStream, output_tokens: int) -> ResponseUsage:
+    def usage(self, stream: RequestStream, output_tokens: int, reasoning_tokens: int) -> ResponseUsage:
         cached = stream.seqs[0].cached_tokens
         return ResponseUsage(input_tokens=self.prompt_tokens, output_tokens=output_tokens,
                              input_tokens_details=InputTokensDetails(cached_tokens=cached),
+                             output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens),
                              total_tokens=self.prompt_tokens + output_tokens)
 
     def finish(self, server: OpenAIServer, stream: RequestStream, answer: Delta) -> ResponseObject:
-        items, calls = output_items(answer.text, self.tools)
-        response = self.response(server, output=items, usage=self.usage(stream, len(answer.token_ids)),
+        thought, text, end = self.reasoning.split(answer.text) if self.reasoning is not None else (None, answer.text, 0)
+        items, calls = output_items(text, self.tools, thought)
+        thought_tokens = reasoning_tokens(answer.token_ids, end, server.tokenizer.decode)
+        response = self.response(server, output=items, usage=self.usage(stream, len(answer.token_ids), thought_tokens),
                                  finish=answer.finish_reason)
         response.speculative_stats = server.speculative_stats(stream.seqs).model_dump()
         if self.req.store:
@@ -202,10 +214,11 @@ async def create_response(request: Request) -> Response:
     structured = await structured_output(server, wanted, mode, [s["function"] for s in specs], req.parallel_tool_calls,
                                          fmt, "text.format")
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    ids = await chat_prompt(server, system + messages, mode, specs, fmt, "input")
+    kwargs = request_template_kwargs(req.chat_template_kwargs, req.enable_thinking)
+    ids = await chat_prompt(server, system + messages, mode, specs, fmt, "input", template_kwargs=kwargs)
     server.check_context(ids, req.max_new_tokens(), "input")
     server.check_work([ids], req)
-    run = Run(new_id("resp"), req, messages, fmt if mode else None, len(ids))
+    run = Run(new_id("resp"), req, messages, fmt if mode else None, len(ids), server.reasoning_for(ids, structured))
     stream = await server.start(run.rid, req, [ids], structured, request)
     if req.stream:
         return StreamingResponse(stream_events(server, run, stream), media_type="text/event-stream",
@@ -246,37 +259,33 @@ class Events:
 
 
 async def stream_events(server: OpenAIServer, run: Run, stream: RequestStream) -> AsyncIterator[str]:
-    """response.created, .in_progress; the text as one message item (its deltas streamed while no call may be
+    """response.created, .in_progress; a thought as a reasoning item (its deltas streamed, held back where a
+    tag may be starting: reasoning.py); the text as one message item (its deltas streamed while no call may be
     starting: ToolCallStream); then a function_call item per call; response.completed."""
-    event, index = Events(), 0
+    event, out = Events(), StreamedItems()
     yield event("response.created", response=run.response(server, "in_progress"))
     yield event("response.in_progress", response=run.response(server, "in_progress"))
+    splitter = run.reasoning.splitter() if run.reasoning is not None else None
     text_stream = ToolCallStream(run.tools) if run.tools is not None else None
-    message = OutputMessage(id=new_id("msg"), status="in_progress", content=[])
     answer = Delta(0, [], "", None)
-    sent = ""
-
-    def open_message() -> list[str]:
-        return [event("response.output_item.added", output_index=0, item=message),
-                event("response.content_part.added", item_id=message.id, output_index=0, content_index=0,
-                      part=OutputText(text=""))]
-
     try:
         async for d in stream:
             answer.text += d.text
             answer.token_ids += d.token_ids
             answer.finish_reason = d.finish_reason
-            piece = text_stream.push(d.text) if text_stream is not None else d.text
+            thought, text = splitter.push(d.text) if splitter is not None else ("", d.text)
+            if d.finish_reason is not None and splitter is not None:
+                more_thought, more_text = splitter.finish()
+                thought, text = thought + more_thought, text + more_text
+            if splitter is not None and splitter.thought:
+                for e in out.think(event, thought):
+                    yield e
+            piece = text_stream.push(text) if text_stream is not None else text
             if d.finish_reason is not None and text_stream is not None:
                 piece += text_stream.finish()[0]
-            if not piece:
-                continue
-            if not sent:
-                for e in open_message():
+            if piece:
+                for e in out.say(event, piece):
                     yield e
-            sent += piece
-            yield event("response.output_text.delta", item_id=message.id, output_index=0, content_index=0,
-                        delta=piece, logprobs=[])
     except (ShuttingDown, EngineFailure, RequestTimedOut) as e:
         error = api_error(e, run.rid).info
         yield event("error", code=error.code, message=error.message, param=error.param)
@@ -285,18 +294,14 @@ async def stream_events(server: OpenAIServer, run: Run, stream: RequestStream) -
     finally:
         stream.close()
     final = run.finish(server, stream, answer)
-    # The final items, with the streamed message's id: what was streamed is what response.completed holds.
-    items = [i for i in final.output if not isinstance(i, OutputMessage)]
-    if sent:
-        done = OutputText(text=sent.strip() if run.tools is not None else sent)
-        message.content, message.status = [done], "completed"
-        yield event("response.output_text.done", item_id=message.id, output_index=0, content_index=0,
-                    text=done.text, logprobs=[])
-        yield event("response.content_part.done", item_id=message.id, output_index=0, content_index=0, part=done)
-        yield event("response.output_item.done", output_index=0, item=message)
-        items.insert(0, message)
-        index = 1
-    for call in items[index:]:
+    for e in out.close_thought(event):
+        yield e
+    for e in out.close_message(event, run.tools is not None):
+        yield e
+    # The final items, with the streamed items' ids: what was streamed is what response.completed holds.
+    items = out.items()
+    for call in [i for i in final.output if isinstance(i, OutputFunctionCall)]:
+        index = len(items)
         yield event("response.output_item.added", output_index=index,
                     item=call.model_copy(update={"arguments": "", "status": "in_progress"}))
         yield event("response.function_call_arguments.delta", item_id=call.id, output_index=index,
@@ -304,9 +309,71 @@ async def stream_events(server: OpenAIServer, run: Run, stream: RequestStream) -
         yield event("response.function_call_arguments.done", item_id=call.id, output_index=index,
                     name=call.name, arguments=call.arguments)
         yield event("response.output_item.done", output_index=index, item=call)
-        index += 1
+        items.append(call)
     final.output = items
-    if run.req.store:  # the stored copy holds the streamed ids
-        server.responses.entries[run.rid].response = final.model_dump()
+    entry = server.responses.entries.get(run.rid) if run.req.store else None
+    if entry is not None:  # the stored copy holds the streamed ids (unless a full store has dropped it already)
+        entry.response = final.model_dump()
     yield event("response.completed", response=final)
 
+
+class StreamedItems:
+    """A streamed response's reasoning and message items: opened at their first text, the thought closed before
+    the message opens, numbered in the order they opened."""
+
+    def __init__(self):
+        self.thought = OutputReasoning(id=new_id("rs"), status="in_progress", content=[])
+        self.message = OutputMessage(id=new_id("msg"), status="in_progress", content=[])
+        self.index: dict[str, int] = {}  # item id → output_index, once opened
+        self.texts: dict[str, str] = {}  # item id → its text so far
+        self.closed: set[str] = set()
+
+    def open(self, event: Events, item: OutputReasoning | OutputMessage, part: BaseModel) -> list[str]:
+        if item.id in self.index:
+            return []
+        self.index[item.id], self.texts[item.id] = len(self.index), ""
+        at = dict(output_index=self.index[item.id])
+        return [event("response.output_item.added", item=item, **at),
+                event("response.content_part.added", item_id=item.id, content_index=0, part=part, **at)]
+
+    def think(self, event: Events, piece: str) -> list[str]:
+        """A piece of the thought (the item opens with the thought, even an empty one)."""
+        out = self.open(event, self.thought, ReasoningText(text=""))
+        if piece:
+            self.texts[self.thought.id] += piece
+            out.append(event("response.reasoning_text.delta", item_id=self.thought.id,
+                             output_index=self.index[self.thought.id], content_index=0, delta=piece))
+        return out
+
+    def say(self, event: Events, piece: str) -> list[str]:
+        out = self.close_thought(event) + self.open(event, self.message, OutputText(text=""))
+        self.texts[self.message.id] += piece
+        out.append(event("response.output_text.delta", item_id=self.message.id,
+                         output_index=self.index[self.message.id], content_index=0, delta=piece, logprobs=[]))
+        return out
+
+    def close_thought(self, event: Events) -> list[str]:
+        item = self.thought
+        if item.id not in self.index or item.id in self.closed:
+            return []
+        self.closed.add(item.id)
+        done, at = ReasoningText(text=self.texts[item.id]), dict(item_id=item.id, output_index=self.index[item.id])
+        item.content, item.status = [done], "completed"
+        return [event("response.reasoning_text.done", content_index=0, text=done.text, **at),
+                event("response.content_part.done", content_index=0, part=done, **at),
+                event("response.output_item.done", output_index=at["output_index"], item=item)]
+
+    def close_message(self, event: Events, with_tools: bool) -> list[str]:
+        item = self.message
+        if item.id not in self.index:
+            return []
+        text = self.texts[item.id]
+        done, at = OutputText(text=text.strip() if with_tools else text), dict(item_id=item.id,
+                                                                                output_index=self.index[item.id])
+        item.content, item.status = [done], "completed"
+        return [event("response.output_text.done", content_index=0, text=done.text, logprobs=[], **at),
+                event("response.content_part.done", content_index=0, part=done, **at),
+                event("response.output_item.done", output_index=at["output_index"], item=item)]
+
+    def items(self) -> list:
+        return sorted((i for i in (self.thought, self.message) if i.id in self.index), key=lambda i: self.index[i.id])

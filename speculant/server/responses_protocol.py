@@ -97,9 +97,15 @@ class ResponsesRequest(SamplingRequest):
     text: TextConfig | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     metadata: dict[str, str] | None = None
-    reasoning: dict | None = None  # accepted and ignored: this server runs no reasoning effort
+    reasoning: dict | None = None  # accepted and ignored: no effort levels here (a thinking model's thought is
+    # kept apart by --reasoning-parser; enable_thinking switches it where the template has the switch)
+    chat_template_kwargs: dict | None = None  # as chat's (vLLM's)
+    enable_thinking: bool | None = None
     store: bool = True
     previous_response_id: str | None = None
+    # Extra output the client asks for (the Agents SDK always sends the field): only what needs nothing is
+    # accepted, "reasoning.encrypted_content" (a reasoning item's text is already in the clear here).
+    include: list[str] | None = None
 
     def max_new_tokens(self) -> int | None:
         return self.max_output_tokens
@@ -107,7 +113,12 @@ class ResponsesRequest(SamplingRequest):
     def unsupported(self) -> str | None:
         if self.n != 1:
             return "n"
+        if any(value not in INCLUDABLE for value in self.include or []):
+            return "include"
         return super().unsupported()
+
+
+INCLUDABLE = ("reasoning.encrypted_content",)
 
 
 # -- the Response object ----------------------------------------------------------------------
@@ -136,7 +147,22 @@ class OutputFunctionCall(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
-OutputItem = OutputMessage | OutputFunctionCall
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    """A thinking model's thought (reasoning.py), as OpenAI and vLLM write it: no summary, its text as content."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list = Field(default_factory=list)
+    content: list[ReasoningText]
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
+OutputItem = OutputReasoning | OutputMessage | OutputFunctionCall
 
 
 class InputTokensDetails(BaseModel):

@@ -28,7 +28,8 @@ async def tokenize(request: Request) -> TokenizeResponse:
     else:
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
         ids = await chat_prompt(server, [m.for_template() for m in req.messages], "auto" if tools else None, tools,
-                                tool_format(server.tokenizer.chat_template), "messages", req.add_generation_prompt)
+                                tool_format(server.tokenizer.chat_template), "messages", req.add_generation_prompt,
+                                req.chat_template_kwargs)
     return TokenizeResponse(count=len(ids), max_model_len=server.engine.max_model_len, tokens=ids)
 
 

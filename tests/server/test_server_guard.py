@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+import torch
 
 from speculant.errors import SpeculantError
 from speculant.server.guard import ServerLimits, allowed_host_names, host_name
@@ -20,7 +21,8 @@ def app_for(limits: ServerLimits, api_key: str | None = KEY, bind_host: str | No
 
     engine = SimpleNamespace(tokenizer=None, k=0, max_batch_size=2, max_model_len=16, proposer=None,
                              scheduler=SimpleNamespace(policy=None),
-                             target=SimpleNamespace(source="/secret/place/model.gguf"))
+                             target=SimpleNamespace(source="/secret/place/model.gguf", quantization=None),
+                             model=SimpleNamespace(dtype=torch.float32), device=torch.device("cpu"))
     return create_app(engine, ["m"], api_key=api_key, limits=limits, bind_host=bind_host)
 
 
@@ -74,9 +76,14 @@ def test_limit_flags():
     assert (limits.max_body_bytes, limits.max_sequences, limits.max_request_tokens) == (1000, 8, 4096)
     assert limits.request_timeout_s == 30 and limits.allowed_hosts == ["a.lan", "b.lan"] and limits.public_metrics
     assert limits_from_args(serve_args()) == ServerLimits()
-    for flag in ("--max-body-bytes", "--request-timeout", "--header-timeout"):
-        with pytest.raises(SpeculantError, match=flag):
+    for flag in ("--max-body-bytes", "--request-timeout", "--header-timeout", "--responses-store-size",
+                 "--responses-store-age"):
+        with pytest.raises(SpeculantError, match=f"{flag} must be > 0, got 0"):
             limits_from_args(serve_args(flag, "0"))
+    with pytest.raises(SpeculantError, match="--responses-store-age must be > 0, got nan"):
+        limits_from_args(serve_args("--responses-store-age", "nan"))
+    limits = limits_from_args(serve_args("--responses-store-size", "3", "--responses-store-age", "60"))
+    assert (limits.responses_store_size, limits.responses_store_age_s) == (3, 60)
 
 
 @pytest.mark.parametrize("temperature", [1e-300, 1e-40, 1e-6])

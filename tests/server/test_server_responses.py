@@ -48,7 +48,7 @@ def test_a_response_is_the_chat_completions_answer(client):
 
 def test_a_continued_response_reads_its_conversation_from_the_prefix_cache(client):
     first = client.responses.create(model="smollm", input="Tell me about Paris.", max_output_tokens=16,
-                                    metadata={"run": "1"}, reasoning={"effort": "low"}, **GREEDY)
+                                    metadata={"run": "1"}, reasoning={"effort": "low"}, include=[], **GREEDY)
     second = client.responses.create(model="smollm", previous_response_id=first.id, input="And London?",
                                      max_output_tokens=8, **GREEDY)
     assert second.previous_response_id == first.id
@@ -120,6 +120,9 @@ def test_a_streamed_call(client):
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert [i.arguments for i in final.output if i.type == "function_call"] == [e.arguments for e in done]
     assert json.loads(done[0].arguments)["city"]
+    for call in done:  # each call's deltas reassemble its arguments
+        assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta"
+                       and e.item_id == call.item_id) == call.arguments
 
 
 def test_bad_requests_get_openai_errors(client):
@@ -133,6 +136,16 @@ def test_bad_requests_get_openai_errors(client):
     refused("no function_call before it", input=[{"type": "function_call_output", "call_id": "c1", "output": "1"}])
     refused("not in tools", input="Hi", tools=[WEATHER], tool_choice={"type": "function", "name": "nope"})
     refused("'top_logprobs'", input="Hi", extra_body={"top_logprobs": 3})
+    refused("'include'", input="Hi", include=["message.output_text.logprobs"])
+
+
+def test_the_store_takes_its_bounds_from_the_serve_flags(engine):
+    from speculant.server.core import OpenAIServer
+    from speculant.server.guard import ServerLimits
+
+    server = OpenAIServer(engine, ["smollm"], ServerLimits(responses_store_size=2, responses_store_age_s=60))
+    assert (server.responses.size, server.responses.max_age_s) == (2, 60)
+    server.executor.shutdown()
 
 
 def test_the_store_drops_the_oldest_and_the_expired():
