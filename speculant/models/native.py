@@ -39,6 +39,7 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,7 +148,7 @@ def kernels() -> ModuleType | None:
         return None
     build = build_of(allowed)
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
         # The name carries the sources' hash: checkouts of other sources never share (or race on) one build.
         name = f"speculant_native_{build}_{source_digest()}"
@@ -155,7 +156,8 @@ def kernels() -> ModuleType | None:
             if not _built(name):
                 notice.announce(f"compiling the native CPU kernels ({build}), cached for later runs", build_seconds())
             sources = sorted(SOURCES, key=lambda s: s != BINDING)
-            module = load(name, [str(CSRC / s) for s in sources], extra_cflags=CFLAGS[build],
+            staged = stage_sources(Path(_get_build_directory(name, verbose=False)).with_name(f"{name}.src"))
+            module = load(name, [str(staged / s) for s in sources], extra_cflags=CFLAGS[build],
                           extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler, no ninja, a compiler without these flags: all mean the fallback
         BUILD_ERRORS.append(str(e))
@@ -163,6 +165,19 @@ def kernels() -> ModuleType | None:
         return None
     module.set_amx(allowed == "amx")  # the C++ side asks CPUID; a lower level forced must reach it
     return module
+
+
+def stage_sources(folder: Path) -> Path:
+    """The sources copied beside their build, once: PyTorch's build file names each source's path, so two
+    checkouts of the same sources (worktrees, virtual environments) would rebuild it for each other in turn."""
+    if not all((folder / f).is_file() for f in SOURCES + HEADERS):
+        tmp = folder.with_name(f"{folder.name}.{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        for f in SOURCES + HEADERS:
+            shutil.copyfile(CSRC / f, tmp / f)
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
+    return folder
 
 
 @contextlib.contextmanager

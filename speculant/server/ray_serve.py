@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import logging
 import os
+import pickle
+import random
 import signal
 import threading
 import time
@@ -32,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter
 from ray import serve
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter  # Ray's default
 from ray.serve.config import RequestRouterConfig
-from ray.serve.request_router import PendingRequest, RunningReplica
+from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
 
 from speculant.server.guard import RequestGuard, allowed_host_names, error_body
 from speculant.server.replicas import REPLICA_HEADER, merge_metrics, session_replica
@@ -57,38 +60,59 @@ ROUTING_STATS_PERIOD_S = 1.0  # how often each replica tells the routers what it
 ROUTED_HOLD_S = 30.0
 
 
+def session_ranks(candidate_replicas: list[RunningReplica],
+                  pending_request: PendingRequest | None) -> list[list[RunningReplica]] | None:
+    """A request with a session id: its session's replica first, then the others; None without one."""
+    session = pending_request.metadata.session_id if pending_request is not None else ""
+    if not session or len(candidate_replicas) < 2:
+        return None
+    by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+    home = by_id[session_replica(session, sorted(by_id))]
+    return [[home], [r for r in candidate_replicas if r is not home]]
+
+
 class SessionAffinityRouter(PowerOfTwoChoicesRequestRouter):
     """Power of two choices, except that a request with a session id tries its session's replica first
     (history and lookup drafts are warm there), then the least loaded of the others."""
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        session = pending_request.metadata.session_id if pending_request is not None else ""
-        if not session or len(candidate_replicas) < 2:
-            return await super().choose_replicas(candidate_replicas, pending_request)
-        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        home = by_id[session_replica(session, sorted(by_id))]
-        return [[home], [r for r in candidate_replicas if r is not home]]
+        ranks = session_ranks(candidate_replicas, pending_request)
+        return ranks or await super().choose_replicas(candidate_replicas, pending_request)
 
 
 def request_chain(pending_request: PendingRequest | None) -> list[int]:
     """The prompt's chain that the proxy's AddPrefixHint put in the request's headers (the router sees
     the ASGI scope, not the body)."""
     args = pending_request.args if pending_request is not None else ()
-    scope = getattr(args[0], "asgi_scope", None) if args else None
+    arg = args[0] if args else None
+    if isinstance(arg, bytes):  # Ray's proxy pickles its StreamingHTTPRequest for the replica, in this process
+        try:
+            arg = pickle.loads(arg)
+        except Exception:  # not the proxy's request: nothing to route by
+            return []
+    scope = getattr(arg, "asgi_scope", None)
     return header_chain(scope.get("headers", [])) if isinstance(scope, dict) else []
 
 
-class PrefixAffinityRouter(SessionAffinityRouter):
+class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     """The replica holding the longest prefix of the prompt, as it reports through record_routing_stats
-    and as this router sent it requests since; load decides (the session's replica, then power of two
-    choices) where no replica holds a block of it, or where the best one's queue is longer than the
-    least loaded one's by more than `imbalance` requests."""
+    and as this router sent it requests since; load decides (the session's replica, else the least
+    loaded) where no replica holds a block of it, or where the best one's queue is longer than the least
+    loaded one's by more than `imbalance` requests.
+
+    Not FIFOMixin, as Ray's own PrefixCacheAffinityRouter: with it, the replica chosen for one request goes
+    to whichever request has waited longest, and a conversation's turn lands on another's replica."""
 
     def initialize_state(self, imbalance: int = DEFAULT_IMBALANCE, hold_s: float = ROUTED_HOLD_S) -> None:
         self.imbalance, self.hold_s = imbalance, hold_s
         self.routed: dict[str, PrefixLedger] = {}
         self.reported: dict[str, tuple[int, set[int]]] = {}  # replica → (id of its stats list, as a set)
+        # This router's requests not yet completed, by replica: counted from the moment of the choice, so a
+        # burst of requests routed at once spreads (Ray's queue lengths arrive after the requests do).
+        self.outstanding: dict[str, tuple[str, float | None]] = {}  # request id → (replica, chosen at; None: sent)
+        self.load: collections.Counter[str] = collections.Counter()
+        self.chains: dict[str, list[int]] = {}
 
     def held(self, replica: RunningReplica) -> set[int]:
         rid = replica.replica_id.unique_id
@@ -101,34 +125,70 @@ class PrefixAffinityRouter(SessionAffinityRouter):
         routed.expire(time.monotonic() - self.hold_s)
         return self.reported[rid][1] | routed.hashes()
 
-    async def queue_lengths(self, replicas: list[RunningReplica]) -> dict[str, int | None]:
-        """Ongoing requests per replica: Ray's cache, else a probe (as Ray's PrefixCacheAffinityRouter)."""
+    async def queue_lengths(self, replicas: list[RunningReplica]) -> dict[str, int]:
+        """Requests in flight per replica: Ray's cache, else a probe (as Ray's PrefixCacheAffinityRouter),
+        or this router's own count where that is higher."""
         queue = {r.replica_id.unique_id: self.replica_queue_len_cache.get(r.replica_id) for r in replicas}
         missing = [r for r in replicas if queue[r.replica_id.unique_id] is None]
         for r, n in await self._probe_queue_lens(missing, 0) if missing else []:
             queue[r.replica_id.unique_id] = n
-        return queue
+        return {rid: max(n or 0, self.load[rid]) for rid, n in queue.items()}
+
+    def assign(self, request_id: str, replica: str, sent: bool = False) -> None:
+        self.forget(request_id)
+        self.outstanding[request_id] = (replica, None if sent else time.monotonic())
+        self.load[replica] += 1
+
+    def forget(self, request_id: str, done: bool = False) -> None:
+        if done:
+            self.chains.pop(request_id, None)
+        replica, _ = self.outstanding.pop(request_id, (None, None))
+        if replica is not None:
+            self.load[replica] -= 1
+
+    def forget_unsent(self, before: float) -> None:
+        """Choices never sent (the client left while Ray waited for a free slot) stop counting; a request
+        still waiting is chosen again, and counted again, at each of Ray's tries."""
+        for request_id in [q for q, (_, at) in self.outstanding.items() if at is not None and at < before]:
+            self.forget(request_id, done=True)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        chain = request_chain(pending_request)
-        if not chain or len(candidate_replicas) < 2:
-            return await super().choose_replicas(candidate_replicas, pending_request)
+        if pending_request is None or len(candidate_replicas) < 2:
+            return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        queue = await self.queue_lengths(candidate_replicas)
+        self.forget_unsent(time.monotonic() - self.hold_s)
+        queue = await self.queue_lengths(candidate_replicas)  # the last await: the rest decides at once
+        chain = self.chain(pending_request)
         choice = choose_by_prefix(chain, {rid: self.held(r) for rid, r in by_id.items()}, queue, self.imbalance)
-        if choice.replica is None:
-            return await super().choose_replicas(candidate_replicas, pending_request)
-        home = by_id[choice.replica]
+        log.debug("route: %s, %d of %d blocks, queues %s", choice.reason, choice.matched, len(chain), queue)
+        if choice.replica is not None:
+            home = by_id[choice.replica]
+        else:
+            ranks = session_ranks(candidate_replicas, pending_request)
+            home = ranks[0][0] if ranks else min(candidate_replicas,
+                                                 key=lambda r: (queue[r.replica_id.unique_id], random.random()))
+        self.assign(pending_request.metadata.internal_request_id, home.replica_id.unique_id)
         # Ray takes the second rank only when the first is full (max_ongoing_requests).
         return [[home], [r for r in candidate_replicas if r is not home]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
-        chain = request_chain(pending_request)
+        self.assign(pending_request.metadata.internal_request_id, replica_id.unique_id, sent=True)
+        chain = self.chain(pending_request)
         if chain:
             ledger = self.routed.setdefault(replica_id.unique_id, PrefixLedger())
             ledger.record(chain, time.monotonic())
             ledger.keep_newest(1024)
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        self.forget(internal_request_id, done=True)
+
+    def chain(self, pending_request: PendingRequest) -> list[int]:
+        """request_chain, read once per request (Ray may choose several times for one)."""
+        request_id = pending_request.metadata.internal_request_id
+        if request_id not in self.chains:
+            self.chains[request_id] = request_chain(pending_request)
+        return self.chains[request_id]
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)

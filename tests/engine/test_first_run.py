@@ -95,3 +95,18 @@ def test_kernel_units_include_the_light_tensor_header():
             assert "<torch/csrc/" not in text and "<pybind11/" not in text, path.name
     assert set(native.SOURCES) == {p.name for p in native.CSRC.glob("*.cpp")}
     assert set(native.HEADERS) == {p.name for p in native.CSRC.glob("*.h")}
+
+
+def test_sources_are_staged_once_beside_their_build(tmp_path):
+    """Every checkout of the same sources builds from one path: PyTorch's build file names the sources, and
+    a path that changed would rebuild the module."""
+    staged = native.stage_sources(tmp_path / "speculant_native_x.src")
+    names = native.SOURCES + native.HEADERS
+    assert sorted(p.name for p in staged.iterdir()) == sorted(names)
+    assert all((staged / f).read_bytes() == (native.CSRC / f).read_bytes() for f in names)
+    (staged / native.BINDING).write_text("// a later checkout's copy must not overwrite a staged build\n")
+    assert native.stage_sources(staged) == staged
+    assert (staged / native.BINDING).read_text().startswith("// a later")
+    (staged / native.HEADERS[0]).unlink()  # a partial copy is staged again, whole
+    native.stage_sources(staged)
+    assert (staged / native.BINDING).read_bytes() == (native.CSRC / native.BINDING).read_bytes()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pickle
 from types import SimpleNamespace
 
 import pytest
@@ -290,23 +291,55 @@ def stub_replica(uid: str, hashes: list[int]):
                            max_ongoing_requests=8)
 
 
-def test_the_ray_router_ranks_the_holder_first():
+def stub_router(imbalance: int = 4, queues: dict | None = None):
     pytest.importorskip("ray.serve", reason="ray is not installed")
-    from speculant.server.ray_serve import PrefixAffinityRouter, request_chain
+    from speculant.server.ray_serve import PrefixAffinityRouter
+
+    router = object.__new__(PrefixAffinityRouter)
+    router.initialize_state(imbalance=imbalance)
+    queues = queues or {}
+    router._replica_queue_len_cache = SimpleNamespace(get=lambda rid: queues.get(rid.unique_id, 0))
+    return router
+
+
+def pending(request_id: str, chain: list[int] = (), session: str = ""):
+    headers = [(PREFIX_HEADER.encode(), encode_chain(chain).encode())] if chain else []
+    return SimpleNamespace(args=[SimpleNamespace(asgi_scope={"headers": headers})],
+                           metadata=SimpleNamespace(internal_request_id=request_id, session_id=session))
+
+
+def test_the_ray_router_ranks_the_holder_first():
+    from speculant.server.ray_serve import request_chain
 
     held, _, a2 = ledgers()
     r1, r2 = stub_replica("r1", sorted(held["r1"])), stub_replica("r2", sorted(held["r2"]))
-    router = object.__new__(PrefixAffinityRouter)
-    router.initialize_state(imbalance=4)
-    queues = {"r1": 1, "r2": 0}
-    router._replica_queue_len_cache = SimpleNamespace(get=lambda rid: queues[rid.unique_id])
-    pending = SimpleNamespace(args=[SimpleNamespace(asgi_scope={"headers": [(PREFIX_HEADER.encode(),
-                                                                            encode_chain(a2).encode())]})])
-    assert request_chain(pending) == a2
-    ranks = asyncio.run(router.choose_replicas([r2, r1], pending))
-    assert ranks == [[r1], [r2]]
+    router = stub_router(queues={"r1": 1, "r2": 0})
+    assert request_chain(pending("q", a2)) == a2
+    # As Ray's proxy sends it: its StreamingHTTPRequest, pickled for the replica.
+    from ray.serve._private.common import StreamingHTTPRequest
+
+    scope = {"headers": [(PREFIX_HEADER.encode(), encode_chain(a2).encode())]}
+    as_sent = pickle.dumps(StreamingHTTPRequest(asgi_scope=scope, proxy_actor_name="proxy"))
+    assert request_chain(SimpleNamespace(args=[as_sent])) == a2
+    assert request_chain(SimpleNamespace(args=[b"not a pickle"])) == []
+    assert asyncio.run(router.choose_replicas([r2, r1], pending("q", a2))) == [[r1], [r2]]
     # What it routed counts as held before the replica reports it.
     b = chat_chain("Brand new prompt. " * 10, "Question.")
-    router.on_request_routed(SimpleNamespace(args=[SimpleNamespace(asgi_scope={"headers": [
-        (PREFIX_HEADER.encode(), encode_chain(b).encode())]})]), r2.replica_id, None)
+    router.on_request_routed(pending("q2", b), r2.replica_id, None)
     assert router.held(r2) >= set(b) and not router.held(r1) & set(b)
+
+
+def test_a_burst_of_new_prompts_spreads_and_completions_free_their_replica():
+    r1, r2 = stub_replica("r1", []), stub_replica("r2", [])
+    router = stub_router()  # Ray's queue lengths say 0 throughout: they lag a burst
+
+    async def burst():
+        return await asyncio.gather(*(router.choose_replicas(
+            [r1, r2], pending(f"q{i}", prefix_chain(f"conversation {i} " * 20))) for i in range(8)))
+
+    firsts = [ranks[0][0].replica_id.unique_id for ranks in asyncio.run(burst())]
+    assert sorted(firsts) == ["r1"] * 4 + ["r2"] * 4
+    for i, replica in enumerate(firsts):
+        router.on_request_routed(pending(f"q{i}"), SimpleNamespace(unique_id=replica), None)
+        router.on_request_completed(None, f"q{i}")
+    assert router.load["r1"] == router.load["r2"] == 0 and not router.outstanding
