@@ -309,6 +309,7 @@ def pending(request_id: str, chain: list[int] = (), session: str = ""):
 
 
 def test_the_ray_router_ranks_the_holder_first():
+    pytest.importorskip("ray.serve", reason="ray is not installed")
     from speculant.server.ray_serve import request_chain
 
     held, _, a2 = ledgers()
@@ -343,3 +344,13 @@ def test_a_burst_of_new_prompts_spreads_and_completions_free_their_replica():
         router.on_request_routed(pending(f"q{i}"), SimpleNamespace(unique_id=replica), None)
         router.on_request_completed(None, f"q{i}")
     assert router.load["r1"] == router.load["r2"] == 0 and not router.outstanding
+
+
+def test_a_negative_imbalance_fails_with_one_line_before_loading():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "speculant.cli", "serve", "--replicas", "2", "--routing-imbalance",
+                           "-1"], capture_output=True, text=True, timeout=60)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1 and lines == ["error: --routing-imbalance must be at least 0, got -1"], proc.stderr
