@@ -11,6 +11,11 @@ server after the other for each workload:
   (llama-server with -np 4), beside the engine's own batch-4 throughput on the same requests (`LLM.chat`);
 - long-prompt: 3 streams decode while a 4,000-token prompt arrives: the gaps between their steps while it is
   prefilled, against their gaps before it arrived (chunked prefill, and one pass for the whole prompt).
+
+With `--clients N` (N > 1) the conversation and system workloads run N clients at once against speculant
+alone (a fleet: `--serve-args "--replicas 2 --routing load"`), each its own conversation or its own order
+of questions, and report the later calls' prefix-cache hit rate (the usage's cached prompt tokens) and first
+tokens, and how often a later call reached the replica that served the call before it (docs/scale-out.md).
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ class Call:
     tokens: int  # completion tokens as the usage says, else the streamed content chunks
     text: str
     times: list[float] = field(default_factory=list)  # perf_counter() at each chunk
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache (usage.prompt_tokens_details)
+    replica: str | None = None  # the x-speculant-replica that answered, behind `serve --replicas`
 
 
 def chat(url: str, messages: list[dict], max_tokens: int, model: str = "m", **extra) -> Call:
@@ -55,6 +63,7 @@ def chat(url: str, messages: list[dict], max_tokens: int, model: str = "m", **ex
     t0 = time.perf_counter()
     first, text, times, n, usage = None, [], [], 0, None
     with urllib.request.urlopen(req, timeout=1200) as r:
+        replica = r.headers.get("x-speculant-replica")
         for line in r:
             line = line.strip()
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -72,7 +81,10 @@ def chat(url: str, messages: list[dict], max_tokens: int, model: str = "m", **ex
             n += 1
     end = time.perf_counter()
     n = usage["completion_tokens"] if usage and usage.get("completion_tokens") else n
-    return Call((first or end) - t0, end - t0, n, "".join(text), times)
+    usage = usage or {}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return Call((first or end) - t0, end - t0, n, "".join(text), times, usage.get("prompt_tokens") or 0, cached,
+                replica)
 
 
 class SpeculantServer:
@@ -124,6 +136,58 @@ def conversation(url: str, turns: list[str], max_tokens: int) -> list[Call]:
 def shared_system(url: str, system: str, questions: list[str], max_tokens: int) -> list[Call]:
     return [chat(url, [{"role": "system", "content": system}, {"role": "user", "content": q}], max_tokens)
             for q in questions]
+
+
+def at_once(clients: int, work) -> tuple[list[list[Call]], float]:
+    """`work(c)` for each client c in its own thread → each client's calls, and the wall time."""
+    results: list[list[Call]] = [[] for _ in range(clients)]
+
+    def client(c: int) -> None:
+        results[c] = work(c)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, time.perf_counter() - t0
+
+
+def fleet_conversations(url: str, turns: list[str], clients: int, max_tokens: int) -> tuple[list[list[Call]], float]:
+    """`clients` conversations at once, each its own (its first message names it, so no two share a prefix
+    beyond the chat template's)."""
+    def one(c: int) -> list[Call]:
+        return conversation(url, [f"(Project {c + 1}.) {turns[0]}", *turns[1:]], max_tokens)
+
+    return at_once(clients, one)
+
+
+def fleet_system(url: str, system: str, questions: list[str], clients: int,
+                 max_tokens: int) -> tuple[list[list[Call]], float]:
+    """`clients` agents sharing one system prompt, each asking the questions in its own order."""
+    def one(c: int) -> list[Call]:
+        return shared_system(url, system, questions[c % len(questions):] + questions[:c % len(questions)],
+                             max_tokens)
+
+    return at_once(clients, one)
+
+
+def fleet_summary(name: str, clients: list[list[Call]], wall_s: float) -> dict:
+    """Later calls (each client's second on): prefix-cache hit rate over their prompt tokens, first-token
+    times, and the share that reached the replica of the client's call before."""
+    first = [calls[0] for calls in clients]
+    later = [c for calls in clients for c in calls[1:]]
+    same = [b.replica == a.replica for calls in clients for a, b in zip(calls, calls[1:]) if a.replica]
+    return {"workload": name, "clients": len(clients), "calls": len(first) + len(later), "wall_s": wall_s,
+            "later_hit_rate": sum(c.cached_tokens for c in later) / max(sum(c.prompt_tokens for c in later), 1),
+            "first_hit_rate": sum(c.cached_tokens for c in first) / max(sum(c.prompt_tokens for c in first), 1),
+            "later_ttft_median_s": statistics.median(c.ttft_s for c in later),
+            "later_ttft_mean_s": statistics.fmean(c.ttft_s for c in later),
+            "first_ttft_median_s": statistics.median(c.ttft_s for c in first),
+            "later_same_replica": sum(same) / len(same) if same else None,
+            "replicas": sorted({c.replica for calls in clients for c in calls if c.replica}),
+            "tokens": sum(c.tokens for calls in clients for c in calls)}
 
 
 def concurrent(url: str, questions: list[str], clients: int, per_client: int, max_tokens: int) -> dict:
@@ -272,6 +336,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx", type=int, default=8192)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--serve-args", default="", help="more `speculant serve` flags, one string")
+    p.add_argument("--clients", type=int, default=1,
+                   help="conversation and system: this many clients at once, speculant alone (default 1)")
     p.add_argument("--no-peer", action="store_true", help="speculant alone")
     p.add_argument("--out", "-o", default=None, help="write report.json and report.md here")
 
@@ -283,7 +349,7 @@ def run(args: argparse.Namespace) -> dict:
     data = agent_prompts()
     binary = None if args.no_peer else llama_server_binary()
     report: dict = {"cpu": cpu_name(), "threads": args.threads, "model": str(model_file), "date": time.strftime("%F"),
-                    "workloads": []}
+                    "serve_args": args.serve_args, "workloads": []}
     ours_cmd = tuple(args.serve_args.split())
 
     def with_ours(fn, extra=(), env=None):
@@ -312,10 +378,17 @@ def run(args: argparse.Namespace) -> dict:
         "concurrent": lambda url: concurrent(url, concurrent_questions, 4, 3, 128),
         "long-prompt": lambda url: long_prompt(url, data["questions"], filler, 2048),
     }
+    clients = getattr(args, "clients", 1)
+    fleet = {
+        "conversation": lambda url: fleet_conversations(url, data["conversation"], clients, args.max_tokens),
+        "system": lambda url: fleet_system(url, data["system"], data["questions"], clients, args.max_tokens),
+    }
     for w in args.workloads:
         print(f"workload {w} …", file=sys.stderr, flush=True)
         fn = workloads[w]
-        if w in ("conversation", "system"):
+        if w in fleet and clients > 1:
+            entry = fleet_summary(w, *with_ours(fleet[w]))
+        elif w in ("conversation", "system"):
             ours, theirs = with_ours(fn), with_theirs(fn)
             entry = summarize(w, ours, theirs) if theirs else {"workload": w, "ours": [asdict(c) for c in ours]}
         elif w == "concurrent":
@@ -349,10 +422,20 @@ def write_report(report: dict, out: Path) -> None:
 
 def markdown(report: dict) -> str:
     lines = [f"# Agent workloads ({report['date']}, {report['cpu']}, {report['threads']} threads)", "",
-             f"Model: `{Path(report['model']).name}`; streaming chat completions, greedy.", ""]
+             f"Model: `{Path(report['model']).name}`; streaming chat completions, greedy; serve flags: "
+             f"`{report.get('serve_args') or 'none'}`.", ""]
     for w in report["workloads"]:
         name = w["workload"]
-        if "ttft_ratio_later_calls_geomean" in w:
+        if "later_hit_rate" in w:
+            same = w["later_same_replica"]
+            lines += [f"## {name}: {w['clients']} clients at once ({w['calls']} calls)", "",
+                      f"- later calls' prefix-cache hit rate **{w['later_hit_rate']:.1%}** (first calls "
+                      f"{w['first_hit_rate']:.1%})",
+                      f"- first token: later calls median {w['later_ttft_median_s']:.2f} s (mean "
+                      f"{w['later_ttft_mean_s']:.2f} s), first calls median {w['first_ttft_median_s']:.2f} s",
+                      f"- wall {w['wall_s']:.1f} s, {w['tokens']} tokens; replicas {len(w['replicas'])}"
+                      + (f", later calls on the previous call's replica {same:.0%}" if same is not None else ""), ""]
+        elif "ttft_ratio_later_calls_geomean" in w:
             lines += [f"## {name}", "", "| call | time to first token, speculant | llama-server |", "|---|---|---|"]
             lines += [f"| {i + 1} | {a:.2f} s | {b:.2f} s |"
                       for i, (a, b) in enumerate(zip(w["ours_ttft_s"], w["theirs_ttft_s"]))]

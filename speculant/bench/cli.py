@@ -111,6 +111,9 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
                    help="agent and chat workloads through `speculant serve` beside llama-server instead (all of "
                         f"{', '.join(AGENT_WORKLOADS)} by default): time to first token per call, wall time")
     w.add_argument("--serve-args", default="", help="with --agents: more `speculant serve` flags, one string")
+    w.add_argument("--clients", type=int, default=1,
+                   help="with --agents: the conversation and system workloads run this many clients at once, "
+                        "speculant alone: prefix-cache hit rate and first tokens of the later calls (default 1)")
     w.add_argument("--prompts", nargs="+", default=list(PROMPT_CLASSES),
                    help=f"shipped classes ({', '.join(PROMPT_CLASSES)}) and/or JSONL files with \"prompt\", "
                         "\"messages\" or \"prompt_token_ids\" per line (optional \"class\", \"id\")")
@@ -179,12 +182,15 @@ def run(args: argparse.Namespace) -> None:
 
         if not args.model:
             raise SpeculantError("--agents needs --model: a GGUF file or a name from `speculant models`")
+        if args.clients < 1:
+            raise SpeculantError(f"--clients must be at least 1, got {args.clients}")
         bad = [w for w in args.agents if w not in AGENT_WORKLOADS]
         if bad:
             raise SpeculantError(f"unknown agent workload {bad[0]!r}; choose from {', '.join(AGENT_WORKLOADS)}")
         agents.run(argparse.Namespace(model=args.model, workloads=args.agents or list(AGENT_WORKLOADS),
                                       threads=args.threads or os.cpu_count(), ctx=8192, max_tokens=96,
-                                      serve_args=args.serve_args, no_peer="llama-server" not in args.peers,
+                                      serve_args=args.serve_args, clients=args.clients,
+                                      no_peer="llama-server" not in args.peers,
                                       out=args.out or "speculant-bench-agents"))
         return
     if args.render:

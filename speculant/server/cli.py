@@ -14,6 +14,7 @@ from speculant.server.auditor import audit_rate, audit_settings_from_args
 from speculant.server.guard import ServerLimits, limits_from_args
 from speculant.server.reasoning import REASONING_PARSERS
 from speculant.server.replicas import check_replicas, cpu_count
+from speculant.server.routing import DEFAULT_IMBALANCE
 
 log = logging.getLogger("speculant.server")
 
@@ -39,6 +40,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="whole engines serving together behind Ray Serve's proxy, each on its share of the CPUs "
                         "(--threads, default: CPUs / N); above 1 needs `pip install 'speculant[ray]'` "
                         "(docs/scale-out.md; default 1: this process serves alone)")
+    g.add_argument("--routing", choices=("prefix", "load"), default="prefix",
+                   help="with --replicas: send a request to the replica whose prefix cache holds the longest "
+                        "prefix of its prompt (prefix), or to the less loaded of two (load: Ray's power of two "
+                        "choices) (default prefix)")
+    g.add_argument("--routing-imbalance", type=int, default=DEFAULT_IMBALANCE, metavar="N",
+                   help="with --routing prefix: load decides when the best-matching replica has more than N "
+                        f"requests more in flight than the least loaded one (default {DEFAULT_IMBALANCE})")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default 30)")
     g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default="auto",
@@ -99,6 +107,8 @@ def run(args: argparse.Namespace) -> None:
     speculative_config_from_args(args)  # a bad config fails here, before anything touches the port
     limits = limits_from_args(args)
     audit = audit_settings_from_args(args)
+    if args.routing_imbalance < 0:
+        raise SpeculantError(f"--routing-imbalance must be at least 0, got {args.routing_imbalance}")
     threads = check_replicas(args.replicas, args.threads, None if os.environ.get("RAY_ADDRESS") else cpu_count())
     check_port_free(args.host, args.port)
     if args.replicas > 1:

@@ -2,8 +2,10 @@
 
 Each replica is today's server (create_app over one engine) run by Ray: `num_cpus` its threads, at most
 `max_ongoing_requests` = its batch size, so Ray queues what the batch cannot take and each engine still
-does its own batching. Routing is Ray's power of two choices on queue length, except that a request
-carrying the `x-session-id` header goes to its session's replica first (SessionAffinityRouter).
+does its own batching. Routing (`--routing`) is prefix-aware by default (PrefixAffinityRouter: the replica
+holding the longest prefix of the prompt, unless it is much busier than the least loaded one), or Ray's
+power of two choices on queue length (`load`); either way a request carrying the `x-session-id` header
+that prefixes do not place goes to its session's replica first (SessionAffinityRouter).
 
 A second app at /metrics (MetricsHub, one replica, no CPU) serves every replica's series at once: each
 replica reports its metrics there twice a second, and the reply carries the drain order on shutdown,
@@ -14,25 +16,37 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import logging
 import os
+import pickle
+import random
 import signal
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from fastapi import FastAPI
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, Counter
 from ray import serve
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter  # Ray's default
 from ray.serve.config import RequestRouterConfig
-from ray.serve.request_router import PendingRequest, RunningReplica
+from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
 
 from speculant.server.guard import RequestGuard, allowed_host_names, error_body
 from speculant.server.replicas import REPLICA_HEADER, merge_metrics, session_replica
+from speculant.server.routing import (
+    DEFAULT_IMBALANCE,
+    PrefixLedger,
+    RecordPrefix,
+    choose_by_prefix,
+    header_chain,
+    matched_blocks,
+)
 
 log = logging.getLogger("speculant.server")
 
@@ -41,6 +55,20 @@ HUB_APP = "speculant-metrics"
 REPORT_PERIOD_S = 0.5
 STALE_AFTER_S = 10.0  # a replica silent this long is gone: its series leave /metrics
 HEALTH_PERIOD_S = 2.0
+ROUTING_STATS_PERIOD_S = 1.0  # how often each replica tells the routers what its prefix cache holds
+# What a router sent where counts as held this long: it bridges the wait for the replica's next report.
+ROUTED_HOLD_S = 30.0
+
+
+def session_ranks(candidate_replicas: list[RunningReplica],
+                  pending_request: PendingRequest | None) -> list[list[RunningReplica]] | None:
+    """A request with a session id: its session's replica first, then the others; None without one."""
+    session = pending_request.metadata.session_id if pending_request is not None else ""
+    if not session or len(candidate_replicas) < 2:
+        return None
+    by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+    home = by_id[session_replica(session, sorted(by_id))]
+    return [[home], [r for r in candidate_replicas if r is not home]]
 
 
 class SessionAffinityRouter(PowerOfTwoChoicesRequestRouter):
@@ -49,12 +77,126 @@ class SessionAffinityRouter(PowerOfTwoChoicesRequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        session = pending_request.metadata.session_id if pending_request is not None else ""
-        if not session or len(candidate_replicas) < 2:
-            return await super().choose_replicas(candidate_replicas, pending_request)
+        ranks = session_ranks(candidate_replicas, pending_request)
+        return ranks or await super().choose_replicas(candidate_replicas, pending_request)
+
+
+def request_chain(pending_request: PendingRequest | None) -> list[int]:
+    """The prompt's chain that the proxy's AddPrefixHint put in the request's headers (the router sees
+    the ASGI scope, not the body)."""
+    args = pending_request.args if pending_request is not None else ()
+    arg = args[0] if args else None
+    if isinstance(arg, bytes):  # Ray's proxy pickles its StreamingHTTPRequest for the replica, in this process
+        try:
+            arg = pickle.loads(arg)
+        except Exception:  # not the proxy's request: nothing to route by
+            return []
+    scope = getattr(arg, "asgi_scope", None)
+    return header_chain(scope.get("headers", [])) if isinstance(scope, dict) else []
+
+
+class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+    """The replica holding the longest prefix of the prompt, as it reports through record_routing_stats
+    and as this router sent it requests since; load decides (the session's replica, else the least
+    loaded) where no replica holds a block of it, or where the best one's queue is longer than the least
+    loaded one's by more than `imbalance` requests.
+
+    Not FIFOMixin, as Ray's own PrefixCacheAffinityRouter: with it, the replica chosen for one request goes
+    to whichever request has waited longest, and a conversation's turn lands on another's replica."""
+
+    def initialize_state(self, imbalance: int = DEFAULT_IMBALANCE, hold_s: float = ROUTED_HOLD_S) -> None:
+        self.imbalance, self.hold_s = imbalance, hold_s
+        self.routed: dict[str, PrefixLedger] = {}
+        self.reported: dict[str, tuple[int, set[int]]] = {}  # replica → (id of its stats list, as a set)
+        # This router's requests not yet completed, by replica: counted from the moment of the choice, so a
+        # burst of requests routed at once spreads (Ray's queue lengths arrive after the requests do).
+        self.outstanding: dict[str, tuple[str, float | None]] = {}  # request id → (replica, chosen at; None: sent)
+        self.load: collections.Counter[str] = collections.Counter()
+        self.chains: dict[str, list[int]] = {}
+
+    def held(self, replica: RunningReplica) -> set[int]:
+        rid = replica.replica_id.unique_id
+        hashes = (replica.routing_stats or {}).get("prefix_hashes") or []
+        if self.reported.get(rid, (None,))[0] != id(hashes):
+            self.reported[rid] = (id(hashes), set(hashes))
+        routed = self.routed.get(rid)
+        if routed is None:
+            return self.reported[rid][1]
+        routed.expire(time.monotonic() - self.hold_s)
+        return self.reported[rid][1] | routed.hashes()
+
+    async def queue_lengths(self, replicas: list[RunningReplica]) -> dict[str, int]:
+        """Requests in flight per replica: Ray's cache, else a probe (as Ray's PrefixCacheAffinityRouter),
+        or this router's own count where that is higher."""
+        queue = {r.replica_id.unique_id: self.replica_queue_len_cache.get(r.replica_id) for r in replicas}
+        missing = [r for r in replicas if queue[r.replica_id.unique_id] is None]
+        for r, n in await self._probe_queue_lens(missing, 0) if missing else []:
+            queue[r.replica_id.unique_id] = n
+        return {rid: max(n or 0, self.load[rid]) for rid, n in queue.items()}
+
+    def assign(self, request_id: str, replica: str, sent: bool = False) -> None:
+        self.forget(request_id)
+        self.outstanding[request_id] = (replica, None if sent else time.monotonic())
+        self.load[replica] += 1
+
+    def forget(self, request_id: str, done: bool = False) -> None:
+        if done:
+            self.chains.pop(request_id, None)
+        replica, _ = self.outstanding.pop(request_id, (None, None))
+        if replica is not None:
+            self.load[replica] -= 1
+
+    def forget_unsent(self, before: float) -> None:
+        """Choices never sent (the client left while Ray waited for a free slot) stop counting; a request
+        still waiting is chosen again, and counted again, at each of Ray's tries."""
+        for request_id in [q for q, (_, at) in self.outstanding.items() if at is not None and at < before]:
+            self.forget(request_id, done=True)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if pending_request is None or len(candidate_replicas) < 2:
+            return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        home = by_id[session_replica(session, sorted(by_id))]
+        self.forget_unsent(time.monotonic() - self.hold_s)
+        queue = await self.queue_lengths(candidate_replicas)  # the last await: the rest decides at once
+        chain = self.chain(pending_request)
+        choice = choose_by_prefix(chain, {rid: self.held(r) for rid, r in by_id.items()}, queue, self.imbalance)
+        log.debug("route: %s, %d of %d blocks, queues %s", choice.reason, choice.matched, len(chain), queue)
+        if choice.replica is not None:
+            home = by_id[choice.replica]
+        else:
+            ranks = session_ranks(candidate_replicas, pending_request)
+            home = ranks[0][0] if ranks else min(candidate_replicas,
+                                                 key=lambda r: (queue[r.replica_id.unique_id], random.random()))
+        self.assign(pending_request.metadata.internal_request_id, home.replica_id.unique_id)
+        # Ray takes the second rank only when the first is full (max_ongoing_requests).
         return [[home], [r for r in candidate_replicas if r is not home]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        self.assign(pending_request.metadata.internal_request_id, replica_id.unique_id, sent=True)
+        chain = self.chain(pending_request)
+        if chain:
+            ledger = self.routed.setdefault(replica_id.unique_id, PrefixLedger())
+            ledger.record(chain, time.monotonic())
+            ledger.keep_newest(1024)
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        self.forget(internal_request_id, done=True)
+
+    def chain(self, pending_request: PendingRequest) -> list[int]:
+        """request_chain, read once per request (Ray may choose several times for one)."""
+        request_id = pending_request.metadata.internal_request_id
+        if request_id not in self.chains:
+            self.chains[request_id] = request_chain(pending_request)
+        return self.chains[request_id]
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        live = {r.replica_id.unique_id for r in replicas}
+        for gone in set(self.routed) - live:  # a replaced replica starts with an empty cache
+            del self.routed[gone]
+        for gone in set(self.reported) - live:
+            del self.reported[gone]
 
 
 class NameReplica:
@@ -94,12 +236,34 @@ class EngineReplica:
                                      audit=audit_settings_from_args(args), reasoning_parser=args.reasoning_parser)
         self.openai_app.add_middleware(NameReplica, replica=self.replica_id)
         self.server = self.openai_app.state.server
+        self.ledger = PrefixLedger()
+        self.arrivals = Counter("speculant:routed_prefix_requests", "Requests that arrived with a prompt prefix "
+                                "chain, by whether this replica's prefix cache held its first block.",
+                                ["model_name", "held"], registry=self.server.metrics.registry)
+        self.openai_app.add_middleware(RecordPrefix, ledger=self.ledger, arrived=self.count_arrival)
         self.draining = False
         # Constructed on the replica's event loop, where its requests run too.
         self.reporter = asyncio.get_running_loop().create_task(self.report_forever())
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return self.openai_app
+
+    def held_chains(self) -> set[int]:
+        """The hashes of the prompts this replica's prefix cache holds: the ledger's newest entries, as many
+        as the cache has (both keep one entry per past sequence, least recently used first)."""
+        cache = self.server.engine.prefix_cache
+        if cache is None:
+            return set()
+        self.ledger.keep_newest(max(len(cache.entries), 64))  # bounded memory; the cache decides what counts
+        return self.ledger.hashes(newest=len(cache.entries))
+
+    def count_arrival(self, chain: list[int]) -> None:
+        held = matched_blocks(chain, self.held_chains()) > 0
+        self.arrivals.labels(self.server.metrics.model_name, "yes" if held else "no").inc()
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Ray calls this every ROUTING_STATS_PERIOD_S and hands the result to every router."""
+        return {"prefix_hashes": sorted(self.held_chains())}
 
     def check_health(self) -> None:
         """Ray restarts a replica whose check fails: one whose engine thread died would never answer."""
@@ -209,6 +373,15 @@ def start_ray(replicas: int, threads: int) -> None:
              logging_level=logging.WARNING, configure_logging=True)
 
 
+def router_config(routing: str, imbalance: int) -> RequestRouterConfig:
+    if routing == "load":
+        return RequestRouterConfig(request_router_class=SessionAffinityRouter)
+    return RequestRouterConfig(request_router_class=PrefixAffinityRouter,
+                               request_router_kwargs={"imbalance": imbalance},
+                               request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+                               request_routing_stats_timeout_s=10 * ROUTING_STATS_PERIOD_S)
+
+
 def engine_deployment(args: argparse.Namespace, replicas: int, threads: int):
     return serve.deployment(
         EngineReplica, name="EngineReplica", num_replicas=replicas,
@@ -219,7 +392,7 @@ def engine_deployment(args: argparse.Namespace, replicas: int, threads: int):
         health_check_period_s=HEALTH_PERIOD_S, health_check_timeout_s=30,
         # Ray's own drain, the backstop behind ours: it must outlast the drain's timeout.
         graceful_shutdown_timeout_s=args.shutdown_timeout + 10, graceful_shutdown_wait_loop_s=0.2,
-        request_router_config=RequestRouterConfig(request_router_class=SessionAffinityRouter),
+        request_router_config=router_config(args.routing, args.routing_imbalance),
     ).bind(args, threads)
 
 
@@ -257,8 +430,8 @@ def serve_replicas(args: argparse.Namespace, replicas: int, threads: int) -> Non
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(hub_deployment(args), name=HUB_APP, route_prefix="/metrics")
         serve.run(engine_deployment(args, replicas, threads), name=ENGINE_APP, route_prefix="/")
-        log.info("serving on http://%s:%d: %d replicas on Ray Serve, %d thread(s) each", args.host, args.port,
-                 replicas, threads)
+        log.info("serving on http://%s:%d: %d replicas on Ray Serve, %d thread(s) each, %s routing", args.host,
+                 args.port, replicas, threads, args.routing)
         stop.wait()
         log.info("shutting down: draining %d replicas for up to %.0fs", replicas, args.shutdown_timeout)
         drain(args.shutdown_timeout)

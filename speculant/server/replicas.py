@@ -164,7 +164,10 @@ class EndLostResponses:
 
 
 def proxy_middlewares() -> list:
-    """Ray's proxy calls this (RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH) for the middlewares it runs."""
+    """Ray's proxy calls this (RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH) for the middlewares it runs: clean
+    errors for lost replicas, and the prompt's prefix chain in a header for the router (routing.py)."""
     from starlette.middleware import Middleware
 
-    return [Middleware(EndLostResponses)]
+    from speculant.server.routing import AddPrefixHint
+
+    return [Middleware(EndLostResponses), Middleware(AddPrefixHint)]
