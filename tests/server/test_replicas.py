@@ -97,6 +97,11 @@ def test_bad_replica_counts_fail_with_one_line_before_loading(replicas, says):
 
 
 class EngineThatDies:
+    def __init__(self):
+        from types import SimpleNamespace
+
+        self.scheduler = SimpleNamespace(policy=None)  # the worker sets its round robin there
+
     def has_unfinished(self) -> bool:
         raise RuntimeError("the engine thread's bug")
 
