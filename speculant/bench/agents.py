@@ -192,23 +192,12 @@ def fleet_summary(name: str, clients: list[list[Call]], wall_s: float) -> dict:
 
 def concurrent(url: str, questions: list[str], clients: int, per_client: int, max_tokens: int) -> dict:
     """`clients` threads, each sending `per_client` requests one after the other → aggregate tokens/s."""
-    calls: list[Call] = []
-    lock = threading.Lock()
+    def one(c: int) -> list[Call]:
+        return [chat(url, [{"role": "user", "content": questions[(c * per_client + i) % len(questions)]}], max_tokens)
+                for i in range(per_client)]
 
-    def client(c: int) -> None:
-        for i in range(per_client):
-            q = questions[(c * per_client + i) % len(questions)]
-            call = chat(url, [{"role": "user", "content": q}], max_tokens)
-            with lock:
-                calls.append(call)
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    results, wall = at_once(clients, one)
+    calls = [call for calls in results for call in calls]
     tokens = sum(c.tokens for c in calls)
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
             "median_latency_s": statistics.median(c.total_s for c in calls)}
