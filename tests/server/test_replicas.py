@@ -12,13 +12,12 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
+from ray_cluster import AUTH, free_port, two_replicas, wait_until
 
 from speculant.errors import SpeculantError
 from speculant.server.replicas import (
@@ -34,10 +33,6 @@ from speculant.server.replicas import (
 )
 
 prom_parser = pytest.importorskip("prometheus_client.parser")
-
-API_KEY = "test-key"
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
-
 
 # -- before anything starts ---------------------------------------------------------------------
 
@@ -67,12 +62,6 @@ def test_one_replica_needs_no_ray(monkeypatch):
     assert check_replicas(1, None, 2) == 2
     with pytest.raises(SpeculantError, match=r"not installed: pip install 'speculant\[ray\]'"):
         check_replicas(2, None, 2)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def speculant(*args: str, **kwargs) -> subprocess.Popen:
@@ -231,46 +220,13 @@ def test_finished_responses_pass_untouched():
 # -- two real replicas on Ray Serve (slow) ------------------------------------------------------
 
 
-def loopback_only() -> bool:
-    return {name for _, name in socket.if_nameindex()} <= {"lo"}
-
-
 @pytest.fixture(scope="module")
 def cluster(smollm_path):
     """`speculant serve --replicas 2` on loopback; yields (base URL, process)."""
-    if importlib.util.find_spec("ray") is None:
-        pytest.skip("ray is not installed: pip install 'speculant[ray]'")
-    if not loopback_only() and not os.environ.get("SPECULANT_RAY_ANY_NETWORK"):
-        pytest.skip("Ray opens ports on every interface: run in a loopback-only namespace, "
-                    "unshare -n sh -c 'ip link set lo up && pytest -m slow tests/server/test_replicas.py' "
-                    "(or set SPECULANT_RAY_ANY_NETWORK=1)")
-    port = free_port()
-    log = open(os.environ.get("SPECULANT_RAY_TEST_LOG", os.devnull), "w")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "speculant.cli", "--log-level", "INFO", "serve", str(smollm_path),
-                             "--replicas", "2", "--port", str(port), "--api-key", API_KEY,
-                             "--served-model-name", "smollm", "--max-model-len", "512", "--shutdown-timeout", "20"],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": os.getcwd()})
-    url = f"http://127.0.0.1:{port}"
-    started = time.perf_counter()
-    try:
-        wait_until(lambda: proc.poll() is None and len(replicas_reporting(url)) == 2, 240, "2 replicas reporting")
-        print(f"2 replicas ready in {time.perf_counter() - started:.1f}s")
-        yield url, proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        log.close()
-
-
-def wait_until(ready, timeout_s: float, what: str) -> None:
-    deadline = time.perf_counter() + timeout_s
-    while not ready():
-        assert time.perf_counter() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.25)
+    with two_replicas(smollm_path, "tests/server/test_replicas.py",
+                  ["--max-model-len", "512", "--shutdown-timeout", "20"],
+                  lambda url: len(replicas_reporting(url)) == 2, 240) as running:
+        yield running
 
 
 def scrape(url: str) -> list:

@@ -9,38 +9,20 @@ Ray opens some ports on every interface, so these run only in a loopback-only ne
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
+from ray_cluster import AUTH, two_replicas, wait_until
 
 from speculant.server.replicas import REPLICA_HEADER
 
 prom_parser = pytest.importorskip("prometheus_client.parser")
 
-API_KEY = "test-key"
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 REQUEST_LIMIT_S = 120  # a request that has neither finished nor failed by then hangs
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(ready, timeout_s: float, what: str) -> None:
-    deadline = time.perf_counter() + timeout_s
-    while not ready():
-        assert time.perf_counter() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.25)
 
 
 def samples(url: str, name: str) -> list:
@@ -66,33 +48,12 @@ def replica_pids() -> list[int]:
 @pytest.fixture(scope="module")
 def cluster(smollm_path):
     """`speculant serve --replicas 2 --routing prefix` on loopback; yields the base URL."""
-    if importlib.util.find_spec("ray") is None:
-        pytest.skip("ray is not installed: pip install 'speculant[ray]'")
-    if not {name for _, name in socket.if_nameindex()} <= {"lo"} and not os.environ.get("SPECULANT_RAY_ANY_NETWORK"):
-        pytest.skip("Ray opens ports on every interface: run in a loopback-only namespace, "
-                    "unshare -n sh -c 'ip link set lo up && pytest -m slow tests/server/test_replicas_routing.py' "
-                    "(or set SPECULANT_RAY_ANY_NETWORK=1)")
-    port = free_port()
-    log = open(os.environ.get("SPECULANT_RAY_TEST_LOG", os.devnull), "w")  # noqa: SIM115
     # Imbalance 8: with 4 conversations on 2 replicas, load never overrides the prefix (the rule has its own
     # tests in test_routing.py).
-    proc = subprocess.Popen([sys.executable, "-m", "speculant.cli", "--log-level", "INFO", "serve", str(smollm_path),
-                             "--replicas", "2", "--routing", "prefix", "--routing-imbalance", "8", "--port", str(port),
-                             "--api-key", API_KEY, "--served-model-name", "smollm", "--max-model-len", "1024",
-                             "--shutdown-timeout", "10"],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": os.getcwd()})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: proc.poll() is None and len(replicas_reporting(url)) == 2, 300, "2 replicas reporting")
+    with two_replicas(smollm_path, "tests/server/test_replicas_routing.py",
+                  ["--routing", "prefix", "--routing-imbalance", "8", "--max-model-len", "1024", "--shutdown-timeout",
+                   "10"], lambda url: len(replicas_reporting(url)) == 2, 300) as (url, _):
         yield url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        log.close()
 
 
 TURNS = ["Write a Python function that adds two numbers.", "Now make it add three.", "Add a docstring.",
