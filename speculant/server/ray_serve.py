@@ -56,8 +56,12 @@ REPORT_PERIOD_S = 0.5
 STALE_AFTER_S = 10.0  # a replica silent this long is gone: its series leave /metrics
 HEALTH_PERIOD_S = 2.0
 ROUTING_STATS_PERIOD_S = 1.0  # how often each replica tells the routers what its prefix cache holds
-# What a router sent where counts as held this long: it bridges the wait for the replica's next report.
+# What a router sent where counts as held while it runs and this long after: it bridges the wait for the
+# replica's next report.
 ROUTED_HOLD_S = 30.0
+# Tries on a prefix's replica alone before the others are offered too: a busy replica may miss Ray's
+# queue-length probe (0.1 s, doubling at each try), which would otherwise send the turn elsewhere at once.
+HOME_TRIES = 4
 
 
 def session_ranks(candidate_replicas: list[RunningReplica],
@@ -113,6 +117,8 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self.outstanding: dict[str, tuple[str, float | None]] = {}  # request id → (replica, chosen at; None: sent)
         self.load: collections.Counter[str] = collections.Counter()
         self.chains: dict[str, list[int]] = {}
+        self.tries: collections.Counter[str] = collections.Counter()  # request id → choices made for it
+        self.clock = time.monotonic
 
     def held(self, replica: RunningReplica) -> set[int]:
         rid = replica.replica_id.unique_id
@@ -122,7 +128,7 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         routed = self.routed.get(rid)
         if routed is None:
             return self.reported[rid][1]
-        routed.expire(time.monotonic() - self.hold_s)
+        routed.expire(self.clock() - self.hold_s)
         return self.reported[rid][1] | routed.hashes()
 
     async def queue_lengths(self, replicas: list[RunningReplica]) -> dict[str, int]:
@@ -136,12 +142,13 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     def assign(self, request_id: str, replica: str, sent: bool = False) -> None:
         self.forget(request_id)
-        self.outstanding[request_id] = (replica, None if sent else time.monotonic())
+        self.outstanding[request_id] = (replica, None if sent else self.clock())
         self.load[replica] += 1
 
     def forget(self, request_id: str, done: bool = False) -> None:
         if done:
             self.chains.pop(request_id, None)
+            self.tries.pop(request_id, None)
         replica, _ = self.outstanding.pop(request_id, (None, None))
         if replica is not None:
             self.load[replica] -= 1
@@ -156,32 +163,47 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if pending_request is None or len(candidate_replicas) < 2:
             return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
+        request_id = pending_request.metadata.internal_request_id
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        self.forget_unsent(time.monotonic() - self.hold_s)
+        self.forget(request_id)  # a retry: its earlier choice no longer counts as load
+        self.forget_unsent(self.clock() - self.hold_s)
         queue = await self.queue_lengths(candidate_replicas)  # the last await: the rest decides at once
         chain = self.chain(pending_request)
         choice = choose_by_prefix(chain, {rid: self.held(r) for rid, r in by_id.items()}, queue, self.imbalance)
-        log.debug("route: %s, %d of %d blocks, queues %s", choice.reason, choice.matched, len(chain), queue)
         if choice.replica is not None:
             home = by_id[choice.replica]
         else:
             ranks = session_ranks(candidate_replicas, pending_request)
             home = ranks[0][0] if ranks else min(candidate_replicas,
                                                  key=lambda r: (queue[r.replica_id.unique_id], random.random()))
-        self.assign(pending_request.metadata.internal_request_id, home.replica_id.unique_id)
-        # Ray takes the second rank only when the first is full (max_ongoing_requests).
-        return [[home], [r for r in candidate_replicas if r is not home]]
+        self.assign(request_id, home.replica_id.unique_id)
+        self.tries[request_id] += 1
+        others = [r for r in candidate_replicas if r is not home]
+        # The prefix's replica alone while it has room (its probe may just be slow); the others too once it is
+        # full or has not answered. Ray backs off between rounds, so a full fleet does not spin the proxy.
+        alone = (choice.replica is not None and self.tries[request_id] <= HOME_TRIES
+                 and queue[choice.replica] < home.max_ongoing_requests)
+        pending_request.routing_context.should_backoff = True
+        log.debug("route %s: %s to %s, %d of %d blocks, queues %s, try %d", request_id, choice.reason,
+                  home.replica_id.unique_id, choice.matched, len(chain), queue, self.tries[request_id])
+        return [[home]] if alone else [[home], others]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         self.assign(pending_request.metadata.internal_request_id, replica_id.unique_id, sent=True)
-        chain = self.chain(pending_request)
-        if chain:
-            ledger = self.routed.setdefault(replica_id.unique_id, PrefixLedger())
-            ledger.record(chain, time.monotonic())
-            ledger.keep_newest(1024)
+        self.hold(replica_id.unique_id, self.chain(pending_request))
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        # Held from the answer on, not from the choice: a turn may run longer than hold_s, and the next one
+        # comes at once, before the replica's next report.
+        if replica_id is not None:
+            self.hold(replica_id.unique_id, self.chains.get(internal_request_id, []))
         self.forget(internal_request_id, done=True)
+
+    def hold(self, replica: str, chain: list[int]) -> None:
+        if chain:
+            ledger = self.routed.setdefault(replica, PrefixLedger())
+            ledger.record(chain, self.clock())
+            ledger.keep_newest(1024)
 
     def chain(self, pending_request: PendingRequest) -> list[int]:
         """request_chain, read once per request (Ray may choose several times for one)."""

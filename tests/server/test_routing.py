@@ -305,7 +305,8 @@ def stub_router(imbalance: int = 4, queues: dict | None = None):
 def pending(request_id: str, chain: list[int] = (), session: str = ""):
     headers = [(PREFIX_HEADER.encode(), encode_chain(chain).encode())] if chain else []
     return SimpleNamespace(args=[SimpleNamespace(asgi_scope={"headers": headers})],
-                           metadata=SimpleNamespace(internal_request_id=request_id, session_id=session))
+                           metadata=SimpleNamespace(internal_request_id=request_id, session_id=session),
+                           routing_context=SimpleNamespace(should_backoff=False))
 
 
 def test_the_ray_router_ranks_the_holder_first():
@@ -323,7 +324,7 @@ def test_the_ray_router_ranks_the_holder_first():
     as_sent = pickle.dumps(StreamingHTTPRequest(asgi_scope=scope, proxy_actor_name="proxy"))
     assert request_chain(SimpleNamespace(args=[as_sent])) == a2
     assert request_chain(SimpleNamespace(args=[b"not a pickle"])) == []
-    assert asyncio.run(router.choose_replicas([r2, r1], pending("q", a2))) == [[r1], [r2]]
+    assert asyncio.run(router.choose_replicas([r2, r1], pending("q", a2))) == [[r1]]
     # What it routed counts as held before the replica reports it.
     b = chat_chain("Brand new prompt. " * 10, "Question.")
     router.on_request_routed(pending("q2", b), r2.replica_id, None)
@@ -344,6 +345,39 @@ def test_a_burst_of_new_prompts_spreads_and_completions_free_their_replica():
         router.on_request_routed(pending(f"q{i}"), SimpleNamespace(unique_id=replica), None)
         router.on_request_completed(None, f"q{i}")
     assert router.load["r1"] == router.load["r2"] == 0 and not router.outstanding
+
+
+def test_a_turn_longer_than_the_hold_is_held_from_its_answer_until_the_replica_reports():
+    r1, r2 = stub_replica("r1", []), stub_replica("r2", [])  # neither has reported anything yet
+    router = stub_router()
+    now = [0.0]
+    router.clock = lambda: now[0]
+    first = chat_chain("You help with Python. " * 8, "Write a function.")
+    later = chat_chain("You help with Python. " * 8, "Write a function.", "def f(): pass", "Now test it.")
+    ranks = asyncio.run(router.choose_replicas([r1, r2], pending("t1", first)))
+    home = ranks[0][0]
+    router.on_request_routed(pending("t1"), home.replica_id, None)
+    now[0] = router.hold_s + 10  # the first turn ran past the hold
+    router.on_request_completed(home.replica_id, "t1")
+    now[0] += 0.5  # the next turn comes at once, before any report
+    assert asyncio.run(router.choose_replicas([r1, r2], pending("t2", later)))[0] == [home]
+
+
+def test_the_holder_is_tried_alone_while_it_has_room_then_with_the_others():
+    held, _, a2 = ledgers()
+    r1, r2 = stub_replica("r1", sorted(held["r1"])), stub_replica("r2", sorted(held["r2"]))
+    router = stub_router(queues={"r1": 1, "r2": 0})
+    from speculant.server.ray_serve import HOME_TRIES
+
+    request = pending("q", a2)
+    tries = [asyncio.run(router.choose_replicas([r1, r2], request)) for _ in range(HOME_TRIES + 1)]
+    assert tries[:HOME_TRIES] == [[[r1]]] * HOME_TRIES and tries[-1] == [[r1], [r2]]
+    assert request.routing_context.should_backoff  # a fleet with no room backs off, not spins
+    assert router.load["r1"] == 1  # its tries count once
+    full = stub_router(imbalance=8, queues={"r1": 8, "r2": 0})  # the holder is at max_ongoing_requests
+    assert asyncio.run(full.choose_replicas([r1, r2], pending("q", a2))) == [[r1], [r2]]
+    fresh = pending("new", prefix_chain("A prompt no replica holds. " * 10))
+    assert len(asyncio.run(router.choose_replicas([r1, r2], fresh))) == 2  # load's choice insists on nothing
 
 
 def test_a_negative_imbalance_fails_with_one_line_before_loading():
