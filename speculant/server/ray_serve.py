@@ -49,6 +49,8 @@ from speculant.server.routing import (
 )
 
 log = logging.getLogger("speculant.server")
+# The router runs in Ray's proxy: what it says goes to the proxy's own log file, beside its access lines.
+route_log = logging.getLogger("ray.serve")
 
 ENGINE_APP = "speculant"
 HUB_APP = "speculant-metrics"
@@ -118,6 +120,7 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self.load: collections.Counter[str] = collections.Counter()
         self.chains: dict[str, list[int]] = {}
         self.tries: collections.Counter[str] = collections.Counter()  # request id → choices made for it
+        self.chosen: dict[str, tuple[str, int]] = {}  # request id → (the prefix's replica, blocks it holds)
         self.clock = time.monotonic
 
     def held(self, replica: RunningReplica) -> set[int]:
@@ -149,6 +152,7 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if done:
             self.chains.pop(request_id, None)
             self.tries.pop(request_id, None)
+            self.chosen.pop(request_id, None)
         replica, _ = self.outstanding.pop(request_id, (None, None))
         if replica is not None:
             self.load[replica] -= 1
@@ -172,6 +176,7 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         choice = choose_by_prefix(chain, {rid: self.held(r) for rid, r in by_id.items()}, queue, self.imbalance)
         if choice.replica is not None:
             home = by_id[choice.replica]
+            self.chosen[request_id] = (choice.replica, choice.matched)
         else:
             ranks = session_ranks(candidate_replicas, pending_request)
             home = ranks[0][0] if ranks else min(candidate_replicas,
@@ -184,12 +189,18 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         alone = (choice.replica is not None and self.tries[request_id] <= HOME_TRIES
                  and queue[choice.replica] < home.max_ongoing_requests)
         pending_request.routing_context.should_backoff = True
-        log.debug("route %s: %s to %s, %d of %d blocks, queues %s, try %d", request_id, choice.reason,
-                  home.replica_id.unique_id, choice.matched, len(chain), queue, self.tries[request_id])
+        route_log.debug("route %s: %s to %s, %d of %d blocks, queues %s, try %d", request_id, choice.reason,
+                        home.replica_id.unique_id, choice.matched, len(chain), queue, self.tries[request_id])
         return [[home]] if alone else [[home], others]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
-        self.assign(pending_request.metadata.internal_request_id, replica_id.unique_id, sent=True)
+        request_id = pending_request.metadata.internal_request_id
+        held_on, matched = self.chosen.pop(request_id, (replica_id.unique_id, 0))
+        if held_on != replica_id.unique_id:  # a lost prefix hit: the one thing an operator needs to see here
+            route_log.info("route: request %s went to %s, not to %s which holds %d blocks of its prompt "
+                           "(full, or it did not answer Ray's probe in %d tries)", request_id,
+                           replica_id.unique_id, held_on, matched, self.tries[request_id])
+        self.assign(request_id, replica_id.unique_id, sent=True)
         self.hold(replica_id.unique_id, self.chain(pending_request))
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:

@@ -363,7 +363,7 @@ def test_a_turn_longer_than_the_hold_is_held_from_its_answer_until_the_replica_r
     assert asyncio.run(router.choose_replicas([r1, r2], pending("t2", later)))[0] == [home]
 
 
-def test_the_holder_is_tried_alone_while_it_has_room_then_with_the_others():
+def test_the_holder_is_tried_alone_while_it_has_room_then_with_the_others(caplog):
     held, _, a2 = ledgers()
     r1, r2 = stub_replica("r1", sorted(held["r1"])), stub_replica("r2", sorted(held["r2"]))
     router = stub_router(queues={"r1": 1, "r2": 0})
@@ -374,6 +374,17 @@ def test_the_holder_is_tried_alone_while_it_has_room_then_with_the_others():
     assert tries[:HOME_TRIES] == [[[r1]]] * HOME_TRIES and tries[-1] == [[r1], [r2]]
     assert request.routing_context.should_backoff  # a fleet with no room backs off, not spins
     assert router.load["r1"] == 1  # its tries count once
+    import logging
+
+    proxy_log = logging.getLogger("ray.serve")  # Ray's: it does not propagate to the root logger
+    proxy_log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("INFO", logger="ray.serve"):
+            router.on_request_routed(request, r2.replica_id, None)  # Ray took the second rank
+    finally:
+        proxy_log.removeHandler(caplog.handler)
+    assert f"request q went to r2, not to r1 which holds {len(a2)} blocks" in caplog.text, caplog.text
+    assert router.load == {"r1": 0, "r2": 1}
     full = stub_router(imbalance=8, queues={"r1": 8, "r2": 0})  # the holder is at max_ongoing_requests
     assert asyncio.run(full.choose_replicas([r1, r2], pending("q", a2))) == [[r1], [r2]]
     fresh = pending("new", prefix_chain("A prompt no replica holds. " * 10))
