@@ -37,6 +37,7 @@ from importlib import resources
 from pathlib import Path
 
 from speculant.bench.peers import LlamaServer, _free_port, _stop, llama_server_binary
+from speculant.server.replicas import wait_for_replicas
 
 WORKLOADS = ("conversation", "system", "concurrent", "long-prompt")
 START_S = 900  # a fresh machine builds the kernels and measures the cost curve before the server answers
@@ -87,6 +88,16 @@ def chat(url: str, messages: list[dict], max_tokens: int, model: str = "m", **ex
                 replica)
 
 
+def replica_count(serve_args: tuple[str, ...]) -> int:
+    """`--replicas N` (or `--replicas=N`) among serve's arguments; 1 without it."""
+    for i, arg in enumerate(serve_args):
+        if arg == "--replicas" and i + 1 < len(serve_args):
+            return int(serve_args[i + 1])
+        if arg.startswith("--replicas="):
+            return int(arg.split("=", 1)[1])
+    return 1
+
+
 class SpeculantServer:
     """`speculant serve` as a user starts it, on a free loopback port."""
 
@@ -108,11 +119,17 @@ class SpeculantServer:
                 raise RuntimeError(f"speculant serve exited: {self.log.read().decode()[-2000:]}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2):
-                    self.started_s = time.perf_counter() - self.started_s
-                    return
+                    break
             except OSError:
                 time.sleep(0.5)
-        raise RuntimeError(f"speculant serve did not answer /health within {START_S} s")
+        else:
+            raise RuntimeError(f"speculant serve did not answer /health within {START_S} s")
+        # A fleet answers as soon as one replica does; the workload starts once the proxy routes to all.
+        replicas = replica_count(extra)
+        seen = wait_for_replicas(self.url, replicas, max(deadline - time.monotonic(), 1.0)) if replicas > 1 else {""}
+        if len(seen) < replicas:
+            raise RuntimeError(f"the proxy routes to {len(seen)} of {replicas} replicas after {START_S} s")
+        self.started_s = time.perf_counter() - self.started_s
 
     def close(self) -> None:
         self._finalizer()

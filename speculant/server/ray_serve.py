@@ -37,8 +37,8 @@ from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequ
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
 
-from speculant.server.guard import RequestGuard, allowed_host_names, error_body
-from speculant.server.replicas import REPLICA_HEADER, merge_metrics, session_replica
+from speculant.server.guard import WILDCARD_ADDRESSES, RequestGuard, allowed_host_names, error_body
+from speculant.server.replicas import REPLICA_HEADER, merge_metrics, session_replica, wait_for_replicas
 from speculant.server.routing import (
     DEFAULT_IMBALANCE,
     PrefixLedger,
@@ -64,6 +64,7 @@ ROUTED_HOLD_S = 30.0
 # Tries on a prefix's replica alone before the others are offered too: a busy replica may miss Ray's
 # queue-length probe (0.1 s, doubling at each try), which would otherwise send the turn elsewhere at once.
 HOME_TRIES = 4
+ROUTABLE_WAIT_S = 60.0  # for the proxy to route to every replica before `serve` says it is serving
 
 
 def session_ranks(candidate_replicas: list[RunningReplica],
@@ -463,6 +464,12 @@ def serve_replicas(args: argparse.Namespace, replicas: int, threads: int) -> Non
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(hub_deployment(args), name=HUB_APP, route_prefix="/metrics")
         serve.run(engine_deployment(args, replicas, threads), name=ENGINE_APP, route_prefix="/")
+        host = "127.0.0.1" if args.host in WILDCARD_ADDRESSES else args.host
+        seen = wait_for_replicas(f"http://{f'[{host}]' if ':' in host else host}:{args.port}", replicas,
+                                 ROUTABLE_WAIT_S)
+        if len(seen) < replicas:
+            log.warning("the proxy routes to %d of %d replicas after %.0fs; the rest may follow", len(seen),
+                        replicas, ROUTABLE_WAIT_S)
         log.info("serving on http://%s:%d: %d replicas on Ray Serve, %d thread(s) each, %s routing", args.host,
                  args.port, replicas, threads, args.routing)
         stop.wait()

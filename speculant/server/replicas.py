@@ -11,12 +11,31 @@ import hashlib
 import importlib.util
 import json
 import os
+import time
+import urllib.request
 from collections.abc import Mapping, Sequence
 
 from speculant.errors import SpeculantError
 
 SESSION_HEADER = "x-session-id"  # Ray Serve's own session header: its proxy hands it to the router
 REPLICA_HEADER = "x-speculant-replica"  # which replica answered, for logs and tests
+
+
+def wait_for_replicas(url: str, replicas: int, timeout_s: float) -> set[str]:
+    """GET `url`/health through the proxy until `replicas` distinct replicas have answered; the ids seen
+    (fewer at the timeout). A proxy's router learns of each replica a moment after Ray reports it up: a
+    burst of new conversations sent before would all land on the first replica, and stay there."""
+    seen: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    while len(seen) < replicas and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                seen.add(r.headers.get(REPLICA_HEADER) or "")
+            seen.discard("")
+            time.sleep(0.05)
+        except OSError:  # not routed yet (404), draining (503), or not listening
+            time.sleep(0.2)
+    return seen
 
 
 def cpu_count() -> int:

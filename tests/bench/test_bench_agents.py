@@ -36,3 +36,9 @@ def test_a_fresh_server_sees_the_converted_models_but_no_cost_curve(tmp_path, mo
     fresh = env["SPECULANT_CACHE"]
     assert fresh != str(tmp_path) and sorted(os.listdir(fresh)) == ["gguf"]
     assert os.path.realpath(os.path.join(fresh, "gguf")) == str(tmp_path / "gguf")
+
+
+def test_the_fleet_size_is_read_from_serves_arguments():
+    assert agents.replica_count(("--replicas", "2", "--routing", "load")) == 2
+    assert agents.replica_count(("--routing", "prefix", "--replicas=3")) == 3
+    assert agents.replica_count(("--max-model-len", "2048")) == 1

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from speculant.server.replicas import wait_for_replicas
+
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -58,6 +60,8 @@ def two_replicas(model: Path, test_file: str, args: list[str], ready: Callable[[
     started = time.perf_counter()
     try:
         wait_until(lambda: proc.poll() is None and ready(url), timeout_s, "2 replicas reporting")
+        # and the proxy's router routing to both (it learns of each a moment after Ray reports it up)
+        assert len(wait_for_replicas(url, 2, 60)) == 2, "the proxy does not route to both replicas"
         print(f"2 replicas ready in {time.perf_counter() - started:.1f}s")
         yield url, proc
     finally:

@@ -30,6 +30,7 @@ from speculant.server.replicas import (
     label_sample,
     merge_metrics,
     session_replica,
+    wait_for_replicas,
 )
 
 prom_parser = pytest.importorskip("prometheus_client.parser")
@@ -139,6 +140,35 @@ def test_sessions_spread_and_only_a_leaving_replicas_sessions_move():
 
 
 # -- one /metrics -------------------------------------------------------------------------------
+
+
+def test_waiting_for_replicas_counts_the_replicas_the_proxy_routes_to():
+    """A stand-in proxy: 404 before its route exists, then replicas as its router knows them."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    answers = iter([None, None, "r1", "r1", "r1", "r2"])
+
+    class Proxy(BaseHTTPRequestHandler):
+        def do_GET(self):
+            replica = next(answers, "r1")
+            self.send_response(404 if replica is None else 200)
+            if replica:
+                self.send_header(REPLICA_HEADER, replica)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        assert wait_for_replicas(url, 2, 30) == {"r1", "r2"}
+        assert wait_for_replicas(url, 3, 0.5) == {"r1"}  # a replica never routed to: the timeout, not a hang
+    finally:
+        server.shutdown()
 
 
 def test_label_sample_puts_the_replica_first():
