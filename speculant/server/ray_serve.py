@@ -171,6 +171,7 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         request_id = pending_request.metadata.internal_request_id
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         self.forget(request_id)  # a retry: its earlier choice no longer counts as load
+        self.chosen.pop(request_id, None)
         self.forget_unsent(self.clock() - self.hold_s)
         queue = await self.queue_lengths(candidate_replicas)  # the last await: the rest decides at once
         chain = self.chain(pending_request)
