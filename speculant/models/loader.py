@@ -73,6 +73,17 @@ def resolve_model_path(model: str | Path | None) -> Path:
     return named_model_path(str(model)) or Path(model).expanduser()
 
 
+def check_model_path(model: str | Path | None) -> Path:
+    """--model resolved and checked as load_model checks it, without loading: a missing path, or a file
+    that is not GGUF, fails here."""
+    path = resolve_model_path(model)
+    if not path.exists():
+        raise SpeculantError(f"model path not found: {path}")
+    if path.is_file() and path.suffix.lower() != ".gguf":
+        raise SpeculantError(f"{path}: expected a Hugging Face model folder or a .gguf file")
+    return path
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device | None = None) -> torch.dtype:
     """`auto`: bfloat16 where it has fast kernels (CUDA, CPUs with AMX or AVX512-BF16), else float32."""
     if isinstance(dtype, torch.dtype):
@@ -117,11 +128,8 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float
     if quantization not in (None, *QUANTIZATIONS):
         raise SpeculantError(f"unknown quantization '{quantization}'; choose one of {', '.join(QUANTIZATIONS)}")
     info: dict = {}
-    if not path.exists():
-        raise SpeculantError(f"model path not found: {path}")
+    check_model_path(path)
     if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            raise SpeculantError(f"{path}: expected a Hugging Face model folder or a .gguf file")
         # The native kernels compute in bf16 at every level, AVX2 included: `auto` takes it for them.
         native_dtype = torch.bfloat16 if dtype == "auto" else torch_dtype
         if quantization == "auto" and _native_gguf(path, native_dtype, torch_device):

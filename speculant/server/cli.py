@@ -100,11 +100,16 @@ def check_port_free(host: str, port: int) -> None:
 def run(args: argparse.Namespace) -> None:
     import uvicorn
 
+    from speculant.models.loader import check_model_path
     from speculant.server.app import Server, create_app
 
     if args.model_tag:
         args.model = args.model_tag
-    speculative_config_from_args(args)  # a bad config fails here, before anything touches the port
+    spec = speculative_config_from_args(args)  # a bad config fails here, before anything touches the port
+    # Before Ray too: each replica loads its own model, and a wrong path would surface there as Ray's traceback.
+    check_model_path(args.model)
+    if spec is not None and spec.model is not None:
+        check_model_path(spec.model)
     limits = limits_from_args(args)
     audit = audit_settings_from_args(args)
     if args.routing_imbalance < 0:

@@ -21,6 +21,7 @@ import logging
 import os
 import pickle
 import random
+import re
 import signal
 import threading
 import time
@@ -37,6 +38,7 @@ from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequ
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
 
+from speculant.errors import SpeculantError
 from speculant.server.guard import WILDCARD_ADDRESSES, RequestGuard, allowed_host_names, error_body
 from speculant.server.replicas import REPLICA_HEADER, merge_metrics, session_replica, wait_for_replicas
 from speculant.server.routing import (
@@ -321,7 +323,9 @@ class EngineReplica:
             await asyncio.sleep(REPORT_PERIOD_S)
 
     def __del__(self) -> None:
-        self.reporter.cancel()
+        reporter = getattr(self, "reporter", None)  # absent when the constructor failed (a model that won't load)
+        if reporter is not None:
+            reporter.cancel()
 
 
 # -- the metrics hub --------------------------------------------------------------------------
@@ -455,6 +459,19 @@ def drain(timeout_s: float) -> None:
         time.sleep(0.1)
 
 
+def replica_error(app: str) -> str | None:
+    """What a failed deployment's replicas raised, from Ray Serve's status: the SpeculantError's message
+    where there is one, else the traceback's last line."""
+    try:
+        status = serve.status().applications[app]
+    except Exception:  # no status to read: the caller says what it has
+        return None
+    text = "\n".join([status.message or ""] + [d.message for d in status.deployments.values() if d.message])
+    ours = re.findall(r"SpeculantError: (.+)", text)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return ours[-1] if ours else (lines[-1] if lines else None)
+
+
 def serve_replicas(args: argparse.Namespace, replicas: int, threads: int) -> None:
     """Start Ray, deploy the metrics hub and N engine replicas, serve until SIGINT/SIGTERM, drain."""
     import ray
@@ -462,9 +479,17 @@ def serve_replicas(args: argparse.Namespace, replicas: int, threads: int) -> Non
     start_ray(replicas, threads)
     stop = stop_on_signal()
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        try:
+            serve.start(http_options={"host": args.host, "port": args.port})
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            raise SpeculantError(f"Ray Serve's HTTP proxy did not start on {args.host}:{args.port} "
+                                 f"({type(e).__name__}); Ray gives it 5 s per readiness check, which a machine "
+                                 "busy with other work can miss") from None
         serve.run(hub_deployment(args), name=HUB_APP, route_prefix="/metrics")
-        serve.run(engine_deployment(args, replicas, threads), name=ENGINE_APP, route_prefix="/")
+        try:
+            serve.run(engine_deployment(args, replicas, threads), name=ENGINE_APP, route_prefix="/")
+        except RuntimeError as e:
+            raise SpeculantError(f"the replicas did not start: {replica_error(ENGINE_APP) or e}") from None
         host = "127.0.0.1" if args.host in WILDCARD_ADDRESSES else args.host
         seen = wait_for_replicas(f"http://{f'[{host}]' if ':' in host else host}:{args.port}", replicas,
                                  ROUTABLE_WAIT_S)

@@ -39,17 +39,22 @@ def loopback_only() -> bool:
     return {name for _, name in socket.if_nameindex()} <= {"lo"}
 
 
-@contextlib.contextmanager
-def two_replicas(model: Path, test_file: str, args: list[str], ready: Callable[[str], bool],
-             timeout_s: float) -> Iterator[tuple[str, subprocess.Popen]]:
-    """(base URL, process) of `speculant serve MODEL --replicas 2 ARGS` once `ready(url)`; skipped where Ray is
-    missing or the network is not loopback only (Ray opens some ports on every interface)."""
+def need_ray_on_loopback(test_file: str) -> None:
+    """Skip, saying how to run it, where Ray is missing or the network is not loopback only."""
     if importlib.util.find_spec("ray") is None:
         pytest.skip("ray is not installed: pip install 'speculant[ray]'")
     if not loopback_only() and not os.environ.get("SPECULANT_RAY_ANY_NETWORK"):
         pytest.skip("Ray opens ports on every interface: run in a loopback-only namespace, "
                     f"unshare -n sh -c 'ip link set lo up && pytest -m slow {test_file}' "
                     "(or set SPECULANT_RAY_ANY_NETWORK=1)")
+
+
+@contextlib.contextmanager
+def two_replicas(model: Path, test_file: str, args: list[str], ready: Callable[[str], bool],
+             timeout_s: float) -> Iterator[tuple[str, subprocess.Popen]]:
+    """(base URL, process) of `speculant serve MODEL --replicas 2 ARGS` once `ready(url)`; skipped where Ray is
+    missing or the network is not loopback only (Ray opens some ports on every interface)."""
+    need_ray_on_loopback(test_file)
     port = free_port()
     log = open(os.environ.get("SPECULANT_RAY_TEST_LOG", os.devnull), "w")  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, "-m", "speculant.cli", "--log-level", "INFO", "serve", str(model),

@@ -17,7 +17,7 @@ import sys
 
 import httpx
 import pytest
-from ray_cluster import AUTH, free_port, two_replicas, wait_until
+from ray_cluster import AUTH, free_port, need_ray_on_loopback, two_replicas, wait_until
 
 from speculant.errors import SpeculantError
 from speculant.server.replicas import (
@@ -71,16 +71,53 @@ def speculant(*args: str, **kwargs) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env=env, **kwargs)
 
 
-@pytest.mark.parametrize("replicas, says", [
-    ("0", "--replicas must be at least 1, got 0"),
-    (str(cpu_count() + 1), f"this machine has {cpu_count()}"),
-], ids=["zero", "more than CPUs"])
-def test_bad_replica_counts_fail_with_one_line_before_loading(replicas, says):
-    proc = speculant("serve", "--replicas", replicas, "--port", str(free_port()))
+@pytest.mark.parametrize("replicas, extra, says", [
+    ("0", [], "--replicas must be at least 1, got 0"),
+    (str(cpu_count() + 1), [], f"this machine has {cpu_count()}"),
+    # Each replica loads its model inside Ray: a wrong path is caught before Ray starts, not as Ray's traceback.
+    ("2", ["/nonexistent/model.gguf"], "model path not found: /nonexistent/model.gguf"),
+    ("2", ["--speculative-config", '{"method": "draft_model", "model": "/no/draft.gguf", "num_speculative_tokens": 4}'],
+     "model path not found: /no/draft.gguf"),
+], ids=["zero", "more than CPUs", "model path", "draft path"])
+def test_bad_replica_counts_fail_with_one_line_before_loading(replicas, extra, says):
+    proc = speculant("serve", *extra, "--replicas", replicas, "--port", str(free_port()))
     out, err = proc.communicate(timeout=60)
     lines = [line for line in err.splitlines() if line.strip()]
     assert proc.returncode == 1 and len(lines) == 1, err
     assert lines[0].startswith("error: ") and says in lines[0]
+
+
+@pytest.mark.slow
+def test_a_model_no_replica_can_load_fails_with_its_own_error(tmp_path):
+    need_ray_on_loopback("tests/server/test_replicas.py")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a model")
+    proc = speculant("serve", str(bad), "--replicas", "2", "--port", str(free_port()))
+    out, err = proc.communicate(timeout=300)
+    last = [line for line in err.splitlines() if line.strip()][-1]
+    says = f"error: the replicas did not start: {bad}: not a GGUF file (bad magic bytes)."
+    assert proc.returncode == 1 and last == says, err[-3000:]
+
+
+def test_a_failed_deployment_says_what_its_replicas_raised(monkeypatch):
+    pytest.importorskip("ray.serve", reason="ray is not installed")
+    from types import SimpleNamespace
+
+    from speculant.server import ray_serve
+
+    def status(message: str):
+        deployment = SimpleNamespace(message=message)
+        app = SimpleNamespace(message="Failed to update the deployments ['EngineReplica'].",
+                              deployments={"EngineReplica": deployment})
+        return lambda: SimpleNamespace(applications={"speculant": app})
+
+    ours = "Traceback (most recent call last):\n  ...\nspeculant.errors.SpeculantError: x.gguf: not a GGUF file"
+    monkeypatch.setattr(ray_serve.serve, "status", status(ours))
+    assert ray_serve.replica_error("speculant") == "x.gguf: not a GGUF file"
+    monkeypatch.setattr(ray_serve.serve, "status", status("Traceback ...\nMemoryError: out of memory"))
+    assert ray_serve.replica_error("speculant") == "MemoryError: out of memory"
+    monkeypatch.setattr(ray_serve.serve, "status", lambda: SimpleNamespace(applications={}))
+    assert ray_serve.replica_error("speculant") is None
 
 
 # -- health --------------------------------------------------------------------------------------
