@@ -92,7 +92,11 @@ class Engine:
                 raise SpeculantError("structured output needs the model's tokenizer (tokenizer.json)")
             from speculant.structured.grammar import GrammarCompiler
 
-            self._grammars = GrammarCompiler(self.tokenizer, self.model.cfg.vocab_size, sorted(self.eos_ids))
+            try:
+                self._grammars = GrammarCompiler(self.tokenizer, self.model.cfg.vocab_size, sorted(self.eos_ids))
+            except ValueError as e:  # llguidance reads the tokenizer's pieces through its decoder
+                raise SpeculantError(f"structured output cannot use this model's tokenizer: llguidance says "
+                                     f"\"{e}\"") from None
         return self._grammars
 
     # -- requests ---------------------------------------------------------------------------

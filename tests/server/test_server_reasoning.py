@@ -215,3 +215,15 @@ def test_responses_hold_a_reasoning_item_whole_and_streamed(client):
         {"role": "user", "content": "Weather in Paris?"}, *[i.model_dump(exclude_none=True) for i in out.output],
         {"type": "function_call_output", "call_id": out.output[2].call_id, "output": "sunny"}]})
     assert again.output[0].type == "reasoning"
+
+
+def test_a_tokenizer_llguidance_cannot_read_is_a_400_not_a_500(client):
+    """This tokenizer has no decoder, which llguidance needs to read its pieces: response_format is refused
+    with the reason, and the server goes on serving."""
+    openai = pytest.importorskip("openai")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(response_format={"type": "json_object"}, **ask())
+    error = refused.value.body
+    assert "structured output cannot use this model's tokenizer" in error["message"], error
+    assert error["type"] == "invalid_request_error"
+    assert client.chat.completions.create(**ask()).choices[0].finish_reason in ("stop", "length")
