@@ -74,9 +74,11 @@ async def parse_json(request: Request, model: type[BaseModel]) -> BaseModel:
     except ValidationError as e:
         first = e.errors()[0]
         loc = [str(part) for part in first["loc"]]
+        # A model's own check: its message as written, without pydantic's "Value error, " in front.
+        msg = first["msg"].removeprefix("Value error, ") if first["type"] == "value_error" else first["msg"]
         if not loc:  # the body itself: not JSON, or not an object
-            raise APIError(400, f"invalid request body: {first['msg']}") from None
-        raise APIError(400, f"{'.'.join(loc)}: {first['msg']}", param=loc[0]) from None
+            raise APIError(400, f"invalid request body: {msg}") from None
+        raise APIError(400, f"{'.'.join(loc)}: {msg}", param=loc[0]) from None
 
 
 async def parse_body(request: Request, model: type[SamplingRequest]) -> SamplingRequest:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from speculant.config import MAX_LOGPROBS, MAX_TOP_K, SamplingParams, StructuredOutputsParams
 
@@ -199,6 +199,12 @@ class ResponseFormat(BaseModel):
     model_config = ConfigDict(strict=True)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object (a name and its schema)")
+        return self
 
     def structured(self) -> StructuredOutputsParams | None:
         if self.type == "json_object":

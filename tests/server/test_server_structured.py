@@ -139,6 +139,7 @@ def test_auto_and_none_answer(client):
                                                                                          "if": {}}}}},
      "response_format", "if"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "type json_schema needs a json_schema object"),
     ({"response_format": {"type": "xml"}}, "response_format", "type"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools", "name"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
