@@ -21,6 +21,21 @@ DTYPE_HELP = ("auto | float32 | bfloat16 | float16 (default auto: bfloat16 on CU
 DEVICE_HELP = "cpu | cuda (default cpu)"
 
 
+def whole_number(low: int, high: int | None = None):
+    """An argparse type: an integer from `low` (to `high`), refused with the range it must be in."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {low} or more, got {value}" if high is None
+                                             else f"expected {low} to {high}, got {value}")
+        return value
+
+    return parse
+
+
 def add_target_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """The target model's flags, shared by every subcommand that loads one."""
     g = p.add_argument_group("model")
@@ -38,7 +53,7 @@ def add_target_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, run every pass eagerly instead of replaying decode and verify passes from "
                         "CUDA graphs (as vLLM's flag)")
-    g.add_argument("--threads", type=int, default=None,
+    g.add_argument("--threads", type=whole_number(1), default=None,
                    help="PyTorch CPU threads (default: PyTorch's choice); on a machine shared with other "
                         "work, 1 avoids threads waiting on each other at every operation")
     return g

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from speculant.arguments import DEVICE_HELP, DTYPE_HELP
+from speculant.arguments import DEVICE_HELP, DTYPE_HELP, whole_number
 from speculant.bench.cli import int_list, price_from_args
 from speculant.bench.cost import PRICE_HELP, cost_line, usd_per_million
 from speculant.bench.prompts import PROMPT_CLASSES, load_prompts
@@ -70,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help=DEVICE_HELP)
     p.add_argument("--quantization", "-q", default="auto", choices=list(QUANTIZATIONS),
                    help="as for generate (default auto: a GGUF file at the precision it stores)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=whole_number(1), default=None,
                    help="PyTorch CPU threads (default: PyTorch's choice; 1 suits a machine shared with "
                         "other work)")
     p.add_argument("--batch-sizes", type=int_list, default=[1, 2, 4, 8, 16, 32],

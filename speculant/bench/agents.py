@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from speculant.arguments import whole_number
 from speculant.bench.peers import LlamaServer, _free_port, _stop, llama_server_binary
 from speculant.server.replicas import wait_for_replicas
 
@@ -338,7 +339,7 @@ def cpu_name() -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="a GGUF file or a name from `speculant models`")
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
-    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--threads", type=whole_number(1), default=os.cpu_count())
     p.add_argument("--ctx", type=int, default=8192)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--serve-args", default="", help="more `speculant serve` flags, one string")

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from speculant.arguments import DEVICE_HELP
+from speculant.arguments import DEVICE_HELP, whole_number
 from speculant.models.cuda_graphs import use_static_passes
 from speculant.models.loader import LoadedModel, default_model_path, load_model
 
@@ -68,7 +68,7 @@ def measure(models: dict[str, LoadedModel], widths: list[int], rounds: int, cont
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: the bundled SmolLM2)")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=whole_number(1), default=None)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--max-width", type=int, default=8)
     p.add_argument("--device", default="cpu", help=DEVICE_HELP)

@@ -8,7 +8,7 @@ import logging
 import os
 import socket
 
-from speculant.arguments import add_model_arguments, engine_from_args, speculative_config_from_args
+from speculant.arguments import add_model_arguments, engine_from_args, speculative_config_from_args, whole_number
 from speculant.errors import SpeculantError
 from speculant.server.auditor import audit_rate, audit_settings_from_args
 from speculant.server.guard import ServerLimits, limits_from_args
@@ -26,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    g.add_argument("--port", type=whole_number(1, 65535), default=8000, help="port (default 8000)")
     g.add_argument("--api-key", default=os.environ.get("SPECULANT_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every path but /health (default: "
                         "$SPECULANT_API_KEY, else none)")

@@ -8,20 +8,14 @@ import logging
 import time
 from pathlib import Path
 
+from speculant.arguments import whole_number
 from speculant.errors import SpeculantError
 from speculant.training.train import KINDS, TrainConfig
 
 log = logging.getLogger("speculant")
 
 
-def non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected 0 or more, got {value}")
-    return value
+non_negative = whole_number(0)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -77,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--device", default="auto",
                    help="where training runs: auto (CUDA when there is a GPU, else the CPU), cpu, cuda")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--threads", type=int, default=None,
+    t.add_argument("--threads", type=whole_number(1), default=None,
                    help="torch CPU threads (default: torch's choice; 1 is fastest on a busy machine)")
     t.add_argument("--dtype", default="auto",
                    help="dtype the target runs in while recording (default auto, as `generate`: the features "

@@ -272,3 +272,21 @@ def test_speculation_shortcut_flags():
         config("--eagle", "some/head", "--history-tokens", "5000")
     with raises("history_tokens=-3 is out of range"):
         config("--ngram", "--history-tokens", "-3")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["serve", "--port", "99999"], "argument --port: expected 1 to 65535, got 99999"),
+    (["serve", "--port", "-1"], "argument --port: expected 1 to 65535, got -1"),
+    (["serve", "--threads", "-2"], "argument --threads: expected 1 or more, got -2"),
+    (["generate", "hi", "--threads", "0"], "argument --threads: expected 1 or more, got 0"),
+    (["advise", "--threads", "x"], "argument --threads: expected a whole number, got 'x'"),
+    (["train-draft", "--kind", "eagle", "--threads", "0"], "argument --threads: expected 1 or more, got 0"),
+])
+def test_out_of_range_counts_are_refused_by_the_parser(argv, says, capsys):
+    """The parser's one line, before anything loads: past it, a bad port ends in bind()'s OverflowError and a bad
+    thread count in torch's RuntimeError."""
+    from speculant.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(argv)
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
