@@ -76,7 +76,10 @@ def resolve_model_path(model: str | Path | None) -> Path:
 def check_model_path(model: str | Path | None) -> Path:
     """--model resolved and checked as load_model checks it, without loading: a missing path, or a file
     that is not GGUF, fails here."""
-    path = resolve_model_path(model)
+    return check_model_file(resolve_model_path(model))
+
+
+def check_model_file(path: Path) -> Path:
     if not path.exists():
         raise SpeculantError(f"model path not found: {path}")
     if path.is_file() and path.suffix.lower() != ".gguf":
@@ -128,7 +131,7 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float
     if quantization not in (None, *QUANTIZATIONS):
         raise SpeculantError(f"unknown quantization '{quantization}'; choose one of {', '.join(QUANTIZATIONS)}")
     info: dict = {}
-    check_model_path(path)
+    check_model_file(path)
     if path.is_file():
         # The native kernels compute in bf16 at every level, AVX2 included: `auto` takes it for them.
         native_dtype = torch.bfloat16 if dtype == "auto" else torch_dtype

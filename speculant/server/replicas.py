@@ -27,9 +27,10 @@ def wait_for_replicas(url: str, replicas: int, timeout_s: float) -> set[str]:
     burst of new conversations sent before would all land on the first replica, and stay there."""
     seen: set[str] = set()
     deadline = time.monotonic() + timeout_s
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through an http_proxy
     while len(seen) < replicas and time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            with direct.open(url + "/health", timeout=2) as r:
                 seen.add(r.headers.get(REPLICA_HEADER) or "")
             seen.discard("")
             time.sleep(0.05)
