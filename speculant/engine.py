@@ -85,6 +85,11 @@ class Engine:
         self._grammars = None  # the structured-output compiler, built at the first constrained request
 
     @property
+    def proposer_name(self) -> str | None:
+        """The proposer that drafts; None where nothing does (no proposer, or k = 0)."""
+        return self.proposer.name if self.proposer is not None and self.k else None
+
+    @property
     def grammars(self):
         """The GrammarCompiler for this model's tokenizer (structured/grammar.py)."""
         if self._grammars is None:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from speculant.arguments import whole_number
 from speculant.bench.peers import LlamaServer, _free_port, _stop, llama_server_binary
-from speculant.server.replicas import wait_for_replicas
+from speculant.server.replicas import REPLICA_HEADER, wait_for_replicas
 
 WORKLOADS = ("conversation", "system", "concurrent", "long-prompt")
 START_S = 900  # a fresh machine builds the kernels and measures the cost curve before the server answers
@@ -65,7 +65,7 @@ def chat(url: str, messages: list[dict], max_tokens: int, model: str = "m", **ex
     t0 = time.perf_counter()
     first, text, times, n, usage = None, [], [], 0, None
     with urllib.request.urlopen(req, timeout=1200) as r:
-        replica = r.headers.get("x-speculant-replica")
+        replica = r.headers.get(REPLICA_HEADER)
         for line in r:
             line = line.strip()
             if not line.startswith(b"data: ") or line == b"data: [DONE]":

@@ -90,9 +90,8 @@ class Scheduler:
         in chunks."""
         if not (self.waiting and self.free_slots):  # a full batch with a long queue: no ordering every step
             return []
-        live = [s for s in self.waiting if not s.background]
         background = [s for s in self.waiting if s.background]
-        admitted = (self.policy(live) + self.policy(background))[:len(self.free_slots)]
+        admitted = (self.policy(self.foreground_waiting()) + self.policy(background))[:len(self.free_slots)]
         taken = {id(s) for s in admitted}
         self.waiting = deque(s for s in self.waiting if id(s) not in taken)
         for seq in admitted:

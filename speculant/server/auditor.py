@@ -89,7 +89,7 @@ class Auditor:
         self.engine, self.metrics, self.settings = engine, metrics, settings
         self.backlog: deque[Job] = deque()
         self.running: dict[str, Job] = {}  # by the re-decode's sequence id
-        self.proposer = engine.proposer.name if engine.proposer is not None and engine.k else None
+        self.proposer = engine.proposer_name
         self.path = describe_path(engine)
         metrics.enable_audit()
         if settings.lossy:

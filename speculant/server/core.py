@@ -79,8 +79,7 @@ class OpenAIServer:
 
     def described(self) -> dict:
         """The engine as the record file names it."""
-        proposer = self.engine.proposer.name if self.engine.proposer is not None and self.engine.k else None
-        return {"model": self.model_name, "source": self.engine.target.source, "proposer": proposer,
+        return {"model": self.model_name, "source": self.engine.target.source, "proposer": self.engine.proposer_name,
                 "k": self.engine.k, "speculative_config": self.audit.speculative_config,
                 "path": describe_path(self.engine)}
 
@@ -277,7 +276,6 @@ class OpenAIServer:
 
     def speculative_stats(self, seqs: list[Sequence]) -> SpeculativeStats:
         """Read only once every sequence has finished: the engine no longer touches them."""
-        proposer = self.engine.proposer
-        return SpeculativeStats(method=proposer.name if proposer is not None and self.engine.k else None,
+        return SpeculativeStats(method=self.engine.proposer_name,
                                 num_speculative_tokens=self.engine.k, **sum_stats(seqs).as_dict())
 

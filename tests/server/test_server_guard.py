@@ -19,7 +19,7 @@ KEY = "k-123"
 def app_for(limits: ServerLimits, api_key: str | None = KEY, bind_host: str | None = None):
     from speculant.server.app import create_app
 
-    engine = SimpleNamespace(tokenizer=None, k=0, max_batch_size=2, max_model_len=16, proposer=None,
+    engine = SimpleNamespace(tokenizer=None, k=0, max_batch_size=2, max_model_len=16, proposer=None, proposer_name=None,
                              scheduler=SimpleNamespace(policy=None),
                              target=SimpleNamespace(source="/secret/place/model.gguf", quantization=None),
                              model=SimpleNamespace(dtype=torch.float32), device=torch.device("cpu"))
