@@ -71,11 +71,20 @@ def expected_rotary(c) -> dict[str, tuple[torch.Tensor, float]]:
     return {FULL: (rotary.inv_freq, rotary.attention_scaling)}
 
 
+def assert_fields_equal(got: dict, expected: dict) -> None:
+    """Floats within a relative 1e-6 (a config's float round-trips through JSON), every other field exactly."""
+    assert got.keys() == expected.keys()
+    for name, want in expected.items():
+        if isinstance(want, float) and not isinstance(got[name], bool):
+            assert got[name] == pytest.approx(want, rel=1e-6), name
+        else:
+            assert got[name] == want, name
+
+
 def assert_same_as_transformers(raw: dict) -> None:
     c = transformers_config(raw)
     cfg = ModelConfig.from_hf(copy.deepcopy(raw))
-    got = {name: getattr(cfg, name) for name in expected_fields(c)}
-    assert got == pytest.approx(expected_fields(c))
+    assert_fields_equal({name: getattr(cfg, name) for name in expected_fields(c)}, expected_fields(c))
     for kind, (inv_freq, scale) in expected_rotary(c).items():
         ours = rope_inv_freq(cfg, kind)
         torch.testing.assert_close(ours[:len(inv_freq)], inv_freq.float(), rtol=1e-6, atol=0)
@@ -167,3 +176,12 @@ def test_resolved_configs_are_kept_on_disk_and_read_back_the_same(tmp_path, monk
     changed["text_config"]["num_hidden_layers"] = 2  # another config: not the kept one
     with pytest.raises(AssertionError, match="resolved again"):
         ModelConfig.from_hf(changed)
+
+
+def test_field_comparison_is_exact_but_for_floats():
+    """The comparison itself: a float within 1e-6 passes, a float, a tuple or an int off by one entry fails."""
+    want = {"norm_eps": 1e-6, "layer_types": ("sliding_attention", "full_attention"), "n_layers": 2}
+    assert_fields_equal(dict(want, norm_eps=1e-6 * (1 + 1e-9)), want)
+    for wrong in ({"norm_eps": 1e-5}, {"layer_types": ("sliding_attention",) * 2}, {"n_layers": 3}):
+        with pytest.raises(AssertionError):
+            assert_fields_equal(dict(want, **wrong), want)
