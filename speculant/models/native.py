@@ -152,9 +152,11 @@ def kernels() -> ModuleType | None:
 
         # The name carries the sources' hash: checkouts of other sources never share (or race on) one build.
         name = f"speculant_native_{build}_{source_digest()}"
-        with build_lock(name):
-            if not _built(name):
-                notice.announce(f"compiling the native CPU kernels ({build}), cached for later runs", build_seconds())
+        with build_lock(name), own_ninja():
+            why = build_reason(name)
+            if why:
+                notice.announce(f"compiling the native CPU kernels ({build}, {why}), cached for later runs",
+                                build_seconds())
             sources = sorted(SOURCES, key=lambda s: s != BINDING)
             staged = stage_sources(Path(_get_build_directory(name, verbose=False)).with_name(f"{name}.src"))
             module = load(name, [str(staged / s) for s in sources], extra_cflags=CFLAGS[build],
@@ -214,14 +216,39 @@ def build_lock(name: str) -> Iterator[None]:
         os.close(fd)  # lets the flock go
 
 
-def _built(name: str) -> bool:
-    """Whether PyTorch's extension cache holds this module already (loading it then takes a second)."""
+@contextlib.contextmanager
+def own_ninja() -> Iterator[None]:
+    """The `ninja` package's binary first on PATH while PyTorch builds. Ninja versions keep their build log in
+    formats the others discard (Debian's 1.11 reads 1.13's log as every command changed), so a run that found
+    another ninja first (the venv's `speculant` started without the venv on PATH) rebuilt every unit, and the
+    next run with the venv's rebuilt them again."""
+    try:
+        import ninja
+
+        bin_dir = ninja.BIN_DIR
+    except (ImportError, AttributeError):  # PyTorch then takes whichever ninja PATH has
+        yield
+        return
+    old = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([bin_dir, old]) if old else bin_dir
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
+
+
+def build_reason(name: str) -> str | None:
+    """Why loading `name` compiles, for the announcement, or None where its build is complete (a second to load):
+    no build yet, or one that stopped before its module was linked (the next load finishes the units left)."""
     try:
         from torch.utils.cpp_extension import _get_build_directory
 
-        return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").is_file()
+        build_dir = Path(_get_build_directory(name, verbose=False))
     except Exception:  # a PyTorch without the helper: say nothing rather than guess
-        return True
+        return None
+    if (build_dir / f"{name}.so").is_file():
+        return None
+    return "finishing a build that stopped" if (build_dir / ".ninja_log").is_file() else "first build"
 
 
 def build_seconds() -> float:

@@ -65,14 +65,14 @@ def test_the_build_is_announced_where_it_is_not_cached(capsys, monkeypatch):
     calls = []
     monkeypatch.setattr(ext, "load", fake_load(calls))
     monkeypatch.setenv(native.SWITCH_ENV, "on")
-    monkeypatch.setattr(native, "_built", lambda name: False)
+    monkeypatch.setattr(native, "build_reason", lambda name: "first build")
     assert native.kernels.__wrapped__() is not None
     line = capsys.readouterr().err
-    assert re.fullmatch(r"speculant: compiling the native CPU kernels \(\w+\), cached for later runs: about "
-                        r"\d+ (s|min), once\n", line), line
+    assert re.fullmatch(r"speculant: compiling the native CPU kernels \(\w+, first build\), cached for later runs: "
+                        r"about \d+ (s|min), once\n", line), line
     # The binding unit, the longest to compile, starts first.
     assert calls[0][1][0] == native.BINDING and sorted(calls[0][1]) == sorted(native.SOURCES)
-    monkeypatch.setattr(native, "_built", lambda name: True)
+    monkeypatch.setattr(native, "build_reason", lambda name: None)
     native.kernels.__wrapped__()
     assert capsys.readouterr().err == ""
 

@@ -73,7 +73,7 @@ def fake_build(tmp_path, monkeypatch):
     notice.log.setLevel(logging.INFO)
     monkeypatch.setattr(native, "_allowed_level", lambda: "avx2")
     monkeypatch.setattr(native, "source_digest", lambda: "test")
-    monkeypatch.setattr(native, "_built", lambda name: True)
+    monkeypatch.setattr(native, "build_reason", lambda name: None)
     name = "speculant_native_avx2_test"
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     batons = []
