@@ -70,12 +70,11 @@ def test_a_killed_build_is_finished_by_the_next_load_once(tmp_path):
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "MAX_JOBS": "1"}
     proc = subprocess.Popen([sys.executable, "-c", LOAD], cwd=ROOT, env=env, start_new_session=True,
                             stderr=subprocess.PIPE, text=True)
-    build = next(iter(tmp_path.glob("*/speculant_native_*[!c]")), None)
+    # With TORCH_EXTENSIONS_DIR set, PyTorch builds in it directly: the module's folder is its name.
+    build = tmp_path / f"speculant_native_{native.build_of(native.level())}_{native.source_digest()}"
     deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and not (build and len(list(build.glob("*.o"))) >= 3):
+    while time.monotonic() < deadline and len(list(build.glob("*.o"))) < 3 and proc.poll() is None:
         time.sleep(0.5)
-        build = build or next((p for p in tmp_path.glob("*/speculant_native_*") if p.is_dir()
-                               and not p.name.endswith(".src")), None)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     done = objects(build)
