@@ -106,6 +106,15 @@ def source_digest() -> str:
     return hashlib.sha256(b"".join((CSRC / f).read_bytes() for f in SOURCES + HEADERS)).hexdigest()[:12]
 
 
+def module_name(build: str) -> str:
+    """The extension's name: a hash of what its build depends on, the sources, the flags, the compiler named and
+    the PyTorch whose headers and libraries it uses. Checkouts of other sources, or two virtual environments of
+    one checkout, never share (or rebuild in turn, or race on) one build; nothing else names a new one."""
+    parts = [source_digest(), *CFLAGS[build], os.environ.get("CXX", "c++"), torch.__version__,
+             str(Path(torch.__file__).parent)]
+    return f"speculant_native_{build}_{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:12]}"
+
+
 def requested_level() -> str:
     """The highest level SPECULANT_NATIVE allows (`on`: any)."""
     asked = os.environ.get(SWITCH_ENV, "on")
@@ -150,8 +159,7 @@ def kernels() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
-        # The name carries the sources' hash: checkouts of other sources never share (or race on) one build.
-        name = f"speculant_native_{build}_{source_digest()}"
+        name = module_name(build)
         with build_lock(name), own_ninja():
             why = build_reason(name)
             if why:

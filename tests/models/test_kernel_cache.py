@@ -24,7 +24,7 @@ def objects(build_dir: Path) -> dict[str, int]:
 def build_dir_of_level() -> Path:
     from torch.utils.cpp_extension import _get_build_directory
 
-    name = f"speculant_native_{native.build_of(native.level())}_{native.source_digest()}"
+    name = native.module_name(native.build_of(native.level()))
     return Path(_get_build_directory(name, verbose=False))
 
 
@@ -71,7 +71,7 @@ def test_a_killed_build_is_finished_by_the_next_load_once(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", LOAD], cwd=ROOT, env=env, start_new_session=True,
                             stderr=subprocess.PIPE, text=True)
     # With TORCH_EXTENSIONS_DIR set, PyTorch builds in it directly: the module's folder is its name.
-    build = tmp_path / f"speculant_native_{native.build_of(native.level())}_{native.source_digest()}"
+    build = tmp_path / native.module_name(native.build_of(native.level()))
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and len(list(build.glob("*.o"))) < 3 and proc.poll() is None:
         time.sleep(0.5)
@@ -87,3 +87,14 @@ def test_a_killed_build_is_finished_by_the_next_load_once(tmp_path):
     assert sum(after[n] == t for n, t in done.items()) >= len(done) - 1 and len(after) == len(native.SOURCES)
     again = load_in_new_process(env)
     assert again.returncode == 0 and "compiling" not in again.stderr and objects(build) == after
+
+
+def test_the_build_is_named_by_what_it_depends_on(monkeypatch):
+    """Another compiler, another PyTorch or other sources name another build; the same inputs the same one."""
+    name = native.module_name("avx2")
+    assert native.module_name("avx2") == name and native.module_name("avx512") != name
+    monkeypatch.setenv("CXX", "clang++")
+    assert native.module_name("avx2") != name
+    monkeypatch.delenv("CXX")
+    monkeypatch.setattr(native.torch, "__version__", "0.0.0")
+    assert native.module_name("avx2") != name

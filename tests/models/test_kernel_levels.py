@@ -72,9 +72,9 @@ def fake_build(tmp_path, monkeypatch):
     quiet = notice.log.level  # an earlier test's --quiet may have raised it; setLevel also empties its cache
     notice.log.setLevel(logging.INFO)
     monkeypatch.setattr(native, "_allowed_level", lambda: "avx2")
-    monkeypatch.setattr(native, "source_digest", lambda: "test")
-    monkeypatch.setattr(native, "build_reason", lambda name: None)
     name = "speculant_native_avx2_test"
+    monkeypatch.setattr(native, "module_name", lambda build: name)
+    monkeypatch.setattr(native, "build_reason", lambda name: None)
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     batons = []
 
