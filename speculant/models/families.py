@@ -38,6 +38,11 @@ class Family:
     gguf_defaults: dict = field(default_factory=dict)
     # The layer count of the size whose GGUF scores llama.cpp scales by hidden / heads, not head_dim (27B).
     gguf_width_scaled_layers: int | None = None
+    # Hybrid models (Qwen3.5, Qwen3-Next): the layers config `layer_types` calls linear_attention are Gated
+    # DeltaNet (models/gdn.py), the others gated attention (q_proj emits a sigmoid gate per head).
+    linear_attention: bool = False
+    # Qwen3-Next stores the DeltaNet projections fused per key head (in_proj_qkvz, in_proj_ba; loader.py).
+    grouped_linear_checkpoint: bool = False
 
 
 GEMMA_GGUF_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
@@ -71,9 +76,21 @@ FAMILIES: tuple[Family, ...] = (
            window_by_default=True, sliding_pattern=6, gguf_names=GEMMA_GGUF_NAMES,
            gguf_width_scaled_layers=62, gguf_defaults={"rope_local_base_freq": 10000.0}),
 )
+QWEN35 = dict(norm_offset=1.0, qk_norm=True, linear_attention=True)
+FAMILIES += (
+    Family("qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"), "Qwen3_5TextConfig", "qwen35",
+           **QWEN35),
+    # Every layer routed, each with a shared expert beside the routed ones (moe.MoE.shared_expert).
+    Family("qwen3_5_moe", ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"), "Qwen3_5MoeTextConfig",
+           "qwen35moe", routing="softmax_topk", **QWEN35),
+    Family("qwen3_next", ("Qwen3NextForCausalLM",), "Qwen3NextConfig", "qwen3next", routing="softmax_topk",
+           grouped_linear_checkpoint=True, **QWEN35),
+)
 BY_ARCHITECTURE = {a: f for f in FAMILIES for a in f.architectures}
 BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES}
 BY_MODEL_TYPE["gemma3_text"] = BY_MODEL_TYPE["gemma3"]
+BY_MODEL_TYPE["qwen3_5_text"] = BY_MODEL_TYPE["qwen3_5"]
+BY_MODEL_TYPE["qwen3_5_moe_text"] = BY_MODEL_TYPE["qwen3_5_moe"]
 BY_GGUF = {f.gguf: f for f in FAMILIES if f.gguf}
 # A GGUF architecture whose files with routed experts (`{arch}.expert_count`) are another family's.
 GGUF_EXPERTS = {"llama": BY_MODEL_TYPE["mixtral"]}

@@ -17,6 +17,7 @@ from torch import nn
 
 from speculant.models import native
 from speculant.models.attention import Pass, attend, native_attention_usable, prepare_pass, soft_cap
+from speculant.models.gdn import GatedDeltaNet
 from speculant.models.ggml import GGMLLinear
 from speculant.models.kv_cache import KVCache
 from speculant.models.limits import MAX_VERIFY_WIDTH
@@ -24,6 +25,7 @@ from speculant.models.model_config import FULL, SLIDING, ModelConfig
 from speculant.models.moe import MoE
 from speculant.models.projections import native_projection
 from speculant.models.rope import Rope, apply_rope, permute_rotary_on_load, rope_inv_freq
+from speculant.models.state_cache import HybridCache
 
 if TYPE_CHECKING:
     from speculant.models.cuda_graphs import PassGraphs
@@ -102,13 +104,22 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.cfg, self.layer = cfg, layer
+        # Its place in the KV cache: hybrid models keep keys for their attention layers alone.
+        self.kv_layer = layer - sum(i < layer for i in cfg.linear_layers)
         d, hd = cfg.dim, cfg.head_dim
         self.split = [cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads]
-        self.qkv_proj = nn.Linear(d, sum(self.split) * hd, bias=cfg.qkv_bias)
-        fuse_on_load(self, "qkv_proj", {"q_proj": cfg.n_heads * hd, "k_proj": cfg.n_kv_heads * hd,
-                                        "v_proj": cfg.n_kv_heads * hd})
+        self.gated = cfg.attention_gate
+        if self.gated:  # the output gate's rows follow v's in the fused projection
+            split_gate_on_load(self, cfg.n_heads, hd)
+        parts = {"q_proj": cfg.n_heads * hd, "k_proj": cfg.n_kv_heads * hd, "v_proj": cfg.n_kv_heads * hd}
+        if self.gated:
+            parts["q_gate"] = cfg.n_heads * hd
+        self.qkv_proj = nn.Linear(d, sum(parts.values()), bias=cfg.qkv_bias)
+        fuse_on_load(self, "qkv_proj", parts)
         if cfg.rotary_dim:
             permute_rotary_on_load(self, cfg)
+        if self.gated:
+            join_gate_on_save(self, cfg.n_heads, hd)
         self.o_proj = nn.Linear(cfg.n_heads * hd, d, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.norm_eps, cfg.norm_offset)
@@ -117,13 +128,46 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cache: KVCache, fwd: Pass) -> torch.Tensor:
         B, T, _ = x.shape
         cfg = self.cfg
-        qkv = self.qkv_proj(x).view(B, T, -1, cfg.head_dim)  # [B, T, Hq + 2 Hkv, Dh]
-        q, k, v = qkv.split(self.split, dim=2)
+        qkv = self.qkv_proj(x).view(B, T, -1, cfg.head_dim)  # [B, T, Hq + 2 Hkv (+ Hq gates), Dh]
+        q, k, v, *gate = qkv.split(self.split + [cfg.n_heads] * self.gated, dim=2)
         qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=2) if cfg.qk_norm else qkv
         q, k = apply_rope(qk, cfg.n_heads + cfg.n_kv_heads, fwd.cos, fwd.sin).split(self.split[:2], dim=2)
-        keys, values = cache.update(self.layer, fwd.at, k.transpose(1, 2), v.transpose(1, 2))
+        keys, values = cache.update(self.kv_layer, fwd.at, k.transpose(1, 2), v.transpose(1, 2))
         out = attend(q, keys, values, fwd, cfg.n_kv_heads != cfg.n_heads, cfg.query_scale, cfg.attn_softcap)
-        return self.o_proj(out.reshape(B, T, cfg.n_heads * cfg.head_dim))
+        out = out.reshape(B, T, cfg.n_heads * cfg.head_dim)
+        if self.gated:
+            out = out * torch.sigmoid(gate[0].reshape(out.shape))
+        return self.o_proj(out)
+
+
+def split_gate_on_load(attn: nn.Module, n_heads: int, head_dim: int) -> None:
+    """A gated checkpoint's q_proj holds each head's query rows then its gate rows: split into q_proj and q_gate
+    (before fuse_on_load joins them with k and v)."""
+
+    def split(_module, state, prefix, *_):
+        for suffix in ("weight", "bias"):
+            key = f"{prefix}q_proj.{suffix}"
+            if key in state and state[key].shape[0] == 2 * n_heads * head_dim:
+                q, gate = state[key].view(n_heads, 2, head_dim, -1).unbind(1)
+                state[key], state[f"{prefix}q_gate.{suffix}"] = q.reshape(n_heads * head_dim, -1).squeeze(-1), \
+                    gate.reshape(n_heads * head_dim, -1).squeeze(-1)
+
+    attn.register_load_state_dict_pre_hook(split)
+
+
+def join_gate_on_save(attn: nn.Module, n_heads: int, head_dim: int) -> None:
+    """state_dict() gives the checkpoint's interleaved q_proj back (after fuse_on_load and the rotary order)."""
+
+    def join(_module, state, prefix, _meta):
+        for suffix in ("weight", "bias"):
+            q, gate = f"{prefix}q_proj.{suffix}", f"{prefix}q_gate.{suffix}"
+            if q in state and gate in state:
+                rows = torch.stack((state[q].view(n_heads, head_dim, -1), state.pop(gate).view(n_heads, head_dim, -1)),
+                                   dim=1)
+                state[q] = rows.reshape(2 * n_heads * head_dim, -1).squeeze(-1) if suffix == "bias" else \
+                    rows.reshape(2 * n_heads * head_dim, -1)
+
+    attn.register_state_dict_post_hook(join)
 
 
 class MLP(nn.Module):
@@ -153,22 +197,32 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.kind = cfg.kind(layer)  # which of a pass's attention kinds (Transformer.forward) it reads
+        self.native_form = native_layer_form(cfg, layer)
         norm = functools.partial(RMSNorm, cfg.dim, cfg.norm_eps, cfg.norm_offset)
         self.input_layernorm = norm()
-        self.self_attn = Attention(cfg, layer)
+        if cfg.linear(layer):
+            self.linear_attn = GatedDeltaNet(cfg, layer)
+        else:
+            self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = norm()
+        shared = MLP(cfg, cfg.shared_expert_size) if cfg.shared_expert_size else None
         self.mlp = (MoE(cfg.dim, cfg.n_experts, cfg.experts_per_token, cfg.routing, cfg.renormalise,
-                        lambda: MLP(cfg, cfg.expert_size)) if cfg.routed(layer) else MLP(cfg))
+                        lambda: MLP(cfg, cfg.expert_size), shared) if cfg.routed(layer) else MLP(cfg))
         self.sandwich = cfg.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
 
+    @property
+    def mixer(self) -> nn.Module:
+        """What mixes the positions: attention, or a hybrid model's Gated DeltaNet."""
+        return self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
+
     def forward(self, x: torch.Tensor, cache: KVCache, fwd: Pass) -> torch.Tensor:
         if self.sandwich:
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cache, fwd))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + self.self_attn(self.input_layernorm(x), cache, fwd)
+        x = x + self.mixer(self.input_layernorm(x), cache, fwd)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     @functools.cached_property
@@ -176,10 +230,10 @@ class Block(nn.Module):
         """This layer as native.decoder_layer takes it, or None where it does not apply (a projection off the
         native kernels, biases, routed experts). Read on the first pass that asks: a model's weights are final
         by then (quantized and packed at load)."""
+        if not self.native_form:
+            return None
         attn, mlp = self.self_attn, self.mlp
         cfg, layer = attn.cfg, attn.layer
-        if not native_layer_form(cfg, layer):
-            return None
         norms = [self.input_layernorm.weight, self.post_attention_layernorm.weight]
         qk_norms = [attn.q_norm.weight, attn.k_norm.weight] if cfg.qk_norm else []
         mlp_norms = [self.pre_feedforward_layernorm.weight, self.post_feedforward_layernorm.weight] \
@@ -199,15 +253,15 @@ class Block(nn.Module):
         """forward in one native call (csrc/decoder.cpp: the same kernels in the same order), for a
         pass with native attention (fwd.n_keys) and a layer whose native_weights is not None. It
         writes the layer's cache entries itself."""
-        cfg, i = self.self_attn.cfg, self.self_attn.layer
+        cfg, i = self.self_attn.cfg, self.self_attn.kv_layer
         return native.decoder_layer(x, self.native_weights, fwd.cos, fwd.sin, cache.k[i], cache.v[i], fwd.slots,
                                     fwd.n_keys, cfg.n_heads, cfg.n_kv_heads, fwd.tree)
 
 
 def native_layer_form(cfg: ModelConfig, layer: int) -> bool:
     """Whether layer `layer` is a form csrc/decoder.cpp computes: a dense MLP gated by SiLU or GELU (every form of
-    norms, windows, score scales and caps the families here have)."""
-    return not cfg.routed(layer) and cfg.activation in ("silu", "gelu_tanh")
+    norms, windows, score scales and caps the families here have; not yet a hybrid model's layers)."""
+    return not cfg.routed(layer) and cfg.activation in ("silu", "gelu_tanh") and not cfg.attention_gate
 
 
 def embedding_table(embed: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,6 +330,10 @@ class Transformer(nn.Module):
 
     def new_cache(self, max_batch: int, max_len: int) -> KVCache:
         c = self.cfg
+        if c.linear_layers:
+            shapes = self.model.layers[c.linear_layers[0]].linear_attn.state_shapes()
+            return HybridCache(c.n_layers - len(c.linear_layers), max_batch, c.n_kv_heads, max_len, c.head_dim,
+                               self.dtype, self.device, len(c.linear_layers), shapes)
         return KVCache(c.n_layers, max_batch, c.n_kv_heads, max_len, c.head_dim, self.dtype, self.device)
 
     def set_rope_frequencies(self, device: torch.device | str = "cpu") -> None:

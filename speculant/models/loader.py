@@ -19,6 +19,8 @@ from safetensors import safe_open
 from speculant.errors import SpeculantError
 from speculant.models import native, notice
 from speculant.models.cuda_graphs import use_static_passes
+from speculant.models.families import BY_MODEL_TYPE
+from speculant.models.gdn import ungroup_linear_projections
 from speculant.models.hugepages import move_to_huge_pages
 from speculant.models.kernels import bf16_linear_kernel, fast_bfloat16, pack_linears
 from speculant.models.llama import Transformer
@@ -292,6 +294,8 @@ def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> tupl
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
     state = split_fused(state, cfg)
+    if BY_MODEL_TYPE[cfg.model_type].grouped_linear_checkpoint:
+        state = ungroup_linear_projections(state, cfg)
     if cfg.n_experts:
         state = expert_state(state)
     # The checkpoint's names (state_dict() gives them even where layers are stored fused).

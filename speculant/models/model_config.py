@@ -17,6 +17,7 @@ from speculant.models.families import FAMILIES, Family, family_of
 
 SUPPORTED_ARCHITECTURES = {a: f.model_type for f in FAMILIES for a in f.architectures}
 SLIDING, FULL = "sliding_attention", "full_attention"  # Hugging Face's layer_types
+LINEAR = "linear_attention"  # a Gated DeltaNet layer of a hybrid model (gdn.py)
 
 
 @dataclass
@@ -59,6 +60,17 @@ class ModelConfig:
     routing: str | None = None
     renormalise: bool = True
     dense_layers: tuple[int, ...] = ()
+    shared_expert_size: int = 0  # a shared expert beside the routed ones, gated by σ (Qwen3.5-MoE, Qwen3-Next)
+    # Hybrid models: the Gated DeltaNet layers (gdn.py) and their shape; the other layers' attention output is
+    # gated per head (attention_gate).
+    linear_layers: tuple[int, ...] = ()
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    conv_kernel: int = 0
+    attention_gate: bool = False
+    mtp_layers: int = 0  # multi-token-prediction layers the checkpoint carries (proposers/mtp.py)
 
     @classmethod
     def from_hf(cls, cfg: dict, source: str = "config.json") -> ModelConfig:
@@ -73,9 +85,12 @@ class ModelConfig:
                 f"Supported: {', '.join(SUPPORTED_ARCHITECTURES)}."
             )
         # The size every published config states; any other key may be left at the family's default.
-        missing = [k for k in ("hidden_size", "num_hidden_layers", "intermediate_size") if cfg.get(k) is None]
+        required = ("hidden_size", "num_hidden_layers") + (() if family.model_type == "qwen3_5_moe" else
+                                                          ("intermediate_size",))
+        missing = [k for k in required if cfg.get(k) is None]
         if missing:
             raise SpeculantError(f"{source}: missing required key(s): {', '.join(missing)}.")
+        mtp_layers = int(cfg.get("mtp_num_hidden_layers") or cfg.get("num_nextn_predict_layers") or 0)
         cfg = with_family_defaults(cfg, family, source)
         n_heads = cfg["num_attention_heads"]
         rope, local_rope = rope_parameters(cfg)
@@ -118,7 +133,7 @@ class ModelConfig:
             n_heads=n_heads,
             n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
             head_dim=head_dim,
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=cfg.get("intermediate_size") or 0,
             norm_eps=cfg["rms_norm_eps"],
             rope_theta=cfg.get("rope_theta") or rope["rope_theta"],
             max_position_embeddings=max_positions,
@@ -143,8 +158,12 @@ class ModelConfig:
             experts_per_token=cfg["num_experts_per_tok"] if n_experts else 0,
             expert_size=(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if n_experts else 0,
             routing=family.routing if n_experts else None,
-            renormalise=bool(cfg.get("norm_topk_prob")),
+            # Qwen3.5-MoE's router renormalises always (its config has no norm_topk_prob).
+            renormalise=bool(cfg.get("norm_topk_prob", family.linear_attention)),
             dense_layers=dense_layers if n_experts else (),
+            shared_expert_size=(cfg.get("shared_expert_intermediate_size") or 0) if n_experts else 0,
+            **hybrid_shape(cfg, family),
+            mtp_layers=mtp_layers,
         )
 
     def window(self, layer: int) -> int | None:
@@ -164,8 +183,23 @@ class ModelConfig:
         """Whether layer `layer`'s MLP is routed experts (moe.py)."""
         return self.n_experts > 0 and layer not in self.dense_layers
 
+    def linear(self, layer: int) -> bool:
+        """Whether layer `layer` is Gated DeltaNet (gdn.py) rather than attention."""
+        return layer in self.linear_layers
+
     def kind(self, layer: int) -> str:
         return self.attention_kinds[0] if self.layer_types is None else self.layer_types[layer]
+
+
+def hybrid_shape(cfg: dict, family: Family) -> dict:
+    """The ModelConfig fields of a hybrid family's Gated DeltaNet layers (none for other families)."""
+    if not family.linear_attention:
+        return {}
+    types = cfg.get("layer_types") or []
+    return dict(linear_layers=tuple(i for i, t in enumerate(types) if t == LINEAR),
+                linear_k_heads=cfg["linear_num_key_heads"], linear_v_heads=cfg["linear_num_value_heads"],
+                linear_k_dim=cfg["linear_key_head_dim"], linear_v_dim=cfg["linear_value_head_dim"],
+                conv_kernel=cfg["linear_conv_kernel_dim"], attention_gate=True)
 
 
 def with_family_defaults(cfg: dict, family: Family, source: str) -> dict:

@@ -30,7 +30,7 @@ class MoE(nn.Module):
     experts, each a gated MLP made by `expert`."""
 
     def __init__(self, dim: int, n_experts: int, top_k: int, routing: str, renormalise: bool,
-                 expert: Callable[[], nn.Module]):
+                 expert: Callable[[], nn.Module], shared: nn.Module | None = None):
         super().__init__()
         if routing not in ROUTINGS:
             raise ValueError(f"unknown routing rule {routing!r}")
@@ -39,6 +39,10 @@ class MoE(nn.Module):
         # Quantized router logits would move which experts a token gets (quantize.py skips it).
         self.gate.keep_precision = True
         self.experts = nn.ModuleList(expert() for _ in range(n_experts))
+        if shared is not None:  # an expert every token runs, weighed by σ(its gate) (Qwen3.5-MoE, Qwen3-Next)
+            self.shared_expert = shared
+            self.shared_expert_gate = nn.Linear(dim, 1, bias=False)
+            self.shared_expert_gate.keep_precision = True
         self._native = None  # native_experts(), built at the first pass (the weights are final by then)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,14 +62,19 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         weights, chosen = self.route(x)
         if (experts := self.native_experts(x)) is not None:
-            return experts.forward(x, chosen, weights).view(shape)
+            return self.with_shared(x, experts.forward(x, chosen, weights)).view(shape)
         out = torch.zeros_like(x)
         for e in torch.unique(chosen).tolist():  # ascending: each token sums its experts in one order
             rows, slot = (chosen == e).nonzero(as_tuple=True)
             # A token takes an expert once, so rows are distinct: a plain gather and scatter (index_add_ was
             # slower than the expert's products on bf16 rows).
             out[rows] = out[rows] + self.experts[e](x[rows]) * weights[rows, slot, None]
-        return out.view(shape)
+        return self.with_shared(x, out).view(shape)
+
+    def with_shared(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "shared_expert"):
+            return routed
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
     def native_experts(self, x: torch.Tensor) -> object | None:
         """csrc/moe.cpp's Experts over these experts' weights, where every expert is a SwiGLU MLP on native

@@ -34,13 +34,20 @@ def rotary_rows(cfg: ModelConfig) -> torch.Tensor:
 
 
 def permute_rotary_on_load(attn: nn.Module, cfg: ModelConfig) -> None:
-    """Store qkv_proj's rows in rotary_rows' order; state_dict() gives the checkpoint's order back."""
+    """Store qkv_proj's rows in rotary_rows' order (and q/k norms' weights in rotary_layout's); state_dict() gives
+    the checkpoint's order back."""
 
     def on_load(_module, state, prefix, *_):
         for suffix in ("weight", "bias"):
             key = f"{prefix}qkv_proj.{suffix}"
             if key in state:  # fuse_on_load ran first; the order is made here, as the model is on the meta device
-                state[key] = state[key][rotary_rows(cfg).to(state[key].device)]
+                rows = rotary_rows(cfg)
+                rows = torch.cat((rows, torch.arange(len(rows), state[key].shape[0])))  # gate rows (Qwen3.5) stay
+                state[key] = state[key][rows.to(state[key].device)]
+        for norm in ("q_norm", "k_norm"):  # per-head norms scale each dim: their weights follow the dims
+            key = f"{prefix}{norm}.weight"
+            if key in state:
+                state[key] = state[key][rotary_layout(cfg.head_dim, cfg.rotary_dim).to(state[key].device)]
 
     def on_save(_module, state, prefix, _meta):
         rows = rotary_rows(cfg)
@@ -50,6 +57,10 @@ def permute_rotary_on_load(attn: nn.Module, cfg: ModelConfig) -> None:
                 key = f"{prefix}{name}.{suffix}"
                 if key in state:
                     state[key] = state[key][order.argsort().to(state[key].device)]
+        for norm in ("q_norm", "k_norm"):
+            key = f"{prefix}{norm}.weight"
+            if key in state:
+                state[key] = state[key][rotary_layout(cfg.head_dim, cfg.rotary_dim).argsort().to(state[key].device)]
 
     attn.register_load_state_dict_pre_hook(on_load)
     attn.register_state_dict_post_hook(on_save)
