@@ -18,14 +18,11 @@ MAX_LOGPROBS = 20
 DEFAULT_PREFILL_CHUNK = 512  # the most prompt tokens a pass feeds (scheduler/chunks.py)
 MAX_TREE_WIDTH = 8
 MAX_HISTORY_TOKENS = 10_000_000  # an answer history holds ~220 bytes a token (its lists and index entry)
-METHODS = ("draft_model", "ngram", "eagle", "eagle3")
+METHODS = ("draft_model", "ngram", "eagle", "eagle3", "mtp")
 # Other names for a method, as configs written for other engines spell it.
 METHOD_ALIASES = {"draft": "draft_model"}
-# Method names vLLM documents that Speculant does not run, each with why and what to pass instead. A name
-# ending in "_mtp" (deepseek_mtp, qwen3_next_mtp, …) is vLLM's per-family spelling of mtp.
+# Method names vLLM documents that Speculant does not run, each with why and what to pass instead.
 UNSUPPORTED_METHODS = {
-    "mtp": "multi-token-prediction layers live inside DeepSeek-V3, Qwen3-Next and MiMo checkpoints; the "
-           "Llama-family models Speculant runs have none: pass \"draft_model\" or \"ngram\"",
     "medusa": "Medusa heads are not loaded here; pass \"eagle\" (a head from `speculant train-draft --kind "
               "eagle`) or \"draft_model\"",
     "mlp_speculator": "IBM's MLP speculators are not loaded here; pass \"eagle\" (a head from `speculant "
@@ -197,7 +194,9 @@ class SpeculativeConfig:
         method = value.get("method")
         if method is None and value.get("model"):
             method = "draft_model"
-        method = METHOD_ALIASES.get(method, method) if isinstance(method, str) else method
+        if isinstance(method, str):
+            # A name ending in "_mtp" (deepseek_mtp, qwen3_next_mtp, …) is vLLM's per-family spelling of mtp.
+            method = "mtp" if method.endswith("_mtp") else METHOD_ALIASES.get(method, method)
         given = {key: v for key, v in value.items() if key not in ("method", "num_speculative_tokens")}
         cfg = cls(method=method, num_speculative_tokens=value.get("num_speculative_tokens"), **given)
         for ok, error in CHECKS:
@@ -213,7 +212,7 @@ def _is_int(x: object) -> bool:
 def method_error(method: object) -> str:
     """Why a method name is refused: not run here (with what to pass instead), or unknown."""
     if isinstance(method, str):
-        reason = UNSUPPORTED_METHODS.get("mtp" if method.endswith("_mtp") else method)
+        reason = UNSUPPORTED_METHODS.get(method)
         if reason:
             return f"method {method!r} is not supported: {reason}"
     return f"unknown method {method!r}; choose one of {', '.join(METHODS)} (or \"draft\" for draft_model)"
@@ -270,7 +269,7 @@ CHECKS: tuple[tuple[Callable[[SpeculativeConfig], bool], Callable[[SpeculativeCo
                                                  or c.draft_quantization),
      lambda c: "draft_vocab_size, draft_p_min, draft_p_chain and draft_quantization shape a draft model's drafts; "
                "they need method draft_model"),
-    (lambda c: c.method == "ngram" or bool(c.model),
+    (lambda c: c.method in ("ngram", "mtp") or bool(c.model),
      lambda c: "method 'eagle3' needs \"model\": the EAGLE-3 head's folder (config.json + model.safetensors, "
                "SpecForge, vLLM speculators or ModelOpt; `speculant train-draft --kind eagle3` writes one)"
      if c.method == "eagle3" else f"method {c.method!r} needs \"model\" (the draft's path)"),

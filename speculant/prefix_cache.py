@@ -63,10 +63,20 @@ class Entry:
     k: torch.Tensor  # [layers, kv heads, n, head dim]
     v: torch.Tensor
     last_used: int = 0
+    # A hybrid model's recurrent states (models/state_cache.py), by the lengths they follow: a hit starts only
+    # at one of these (a state cannot be cut to a shorter prefix as keys can).
+    states: dict[int, list] = field(default_factory=dict)
+    state_bytes: int = 0  # of one length's states
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return 2 * self.k.numel() * self.k.element_size() + len(self.states) * self.state_bytes
+
+    def usable(self, n: int) -> int:
+        """The longest prefix of the n tokens shared with a request that a hit may start from."""
+        if not self.state_bytes:
+            return n
+        return max((b for b in self.states if b <= n), default=0)
 
 
 @dataclass
@@ -79,6 +89,14 @@ class PrefixCacheStats:
     @property
     def hit_rate(self) -> float | None:
         return self.hits / self.queries if self.queries else None
+
+
+def live_prefix(cache: KVCache, row: int, n: int) -> int:
+    """The longest of a running row's first n positions a request may start from: all of them, or for a hybrid
+    model the longest length whose states the row holds."""
+    if not hasattr(cache, "state_lengths"):
+        return n
+    return max((b for b in cache.state_lengths(row) if b <= n), default=0)
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -108,11 +126,11 @@ class PrefixCache:
         return sum(len(e.tokens) for e in self.entries)
 
     def longest(self, tokens: list[int]) -> tuple[Entry | None, int]:
-        """The entry sharing the longest prefix with `tokens`, and that prefix's length."""
+        """The entry sharing the longest usable prefix with `tokens`, and that prefix's length."""
         ids = np.asarray(tokens, dtype=np.int64)
         best, best_n = None, 0
         for entry in self.entries:
-            n = common_prefix(entry.tokens, ids)
+            n = entry.usable(common_prefix(entry.tokens, ids))
             if n > best_n:
                 best, best_n = entry, n
         return best, best_n
@@ -125,14 +143,16 @@ class PrefixCache:
         system prompt at once share it before the first of them has finished."""
         entry, n = self.longest(tokens)
         ids = np.asarray(tokens, dtype=np.int64)
-        shared = max(((common_prefix(np.asarray(held, dtype=np.int64), ids), row) for held, row in live),
-                     default=(0, -1))
+        shared = max(((live_prefix(cache, row, common_prefix(np.asarray(held, dtype=np.int64), ids)), row)
+                      for held, row in live), default=(0, -1))
         if shared[0] > n:
             n = shared[0]
             cache.share_prefix(shared[1], [slot], n)
         elif entry is not None:
             entry.last_used = next(self._clock)
             cache.write_row(slot, entry.k[:, :, :n], entry.v[:, :, :n])
+            if entry.state_bytes:
+                cache.put_state(slot, n, entry.states[n])
         if count:
             self.stats.queries += len(tokens)
             self.stats.hits += n
@@ -150,16 +170,24 @@ class PrefixCache:
         fits = min(len(ids), self.capacity_bytes // per_token)
         if fits == 0:
             return
+        states = {}
+        if hasattr(cache, "state_at"):  # a hybrid model: only up to the longest length whose states are held
+            states = {n: cache.state_at(slot, n) for n in cache.state_lengths(slot) if 0 < n <= fits}
+            if not states:
+                return
+            fits = max(states)
         ids = ids[:fits]
         covering = [e for e in self.entries if common_prefix(e.tokens, ids) == len(ids)]
         if covering:  # already held: as part of this entry, or a longer one
             covering[0].last_used = next(self._clock)
+            covering[0].states.update(states)
             return
         # Entries this one extends hold nothing it does not.
         self.entries = [e for e in self.entries if common_prefix(e.tokens, ids) < len(e.tokens)]
-        self._evict(fits * per_token)
+        state_bytes = cache.state_bytes if states else 0
+        self._evict(fits * per_token + len(states) * state_bytes)
         k, v = cache.read_row(slot, fits)
-        self.entries.append(Entry(ids, k, v, next(self._clock)))
+        self.entries.append(Entry(ids, k, v, next(self._clock), states, state_bytes))
 
     def _evict(self, need: int) -> None:
         self.entries.sort(key=lambda e: e.last_used)

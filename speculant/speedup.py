@@ -149,11 +149,12 @@ def measure_cost_curve(model: Transformer, batch_sizes: list[int], max_width: in
 
     A pass's tokens are distinct: on a model with routed experts (models/moe.py) a pass runs the union of its
     tokens' experts, so repeated tokens would make wide passes look as cheap as narrow ones. Such a model's
-    cache is filled by a real prompt pass first, so that its routers see the hidden states decoding gives them."""
+    cache is filled by a real prompt pass first, so that its routers see the hidden states decoding gives them;
+    a hybrid model's too, so that its recurrent states at `context` exist (models/state_cache.py)."""
     vocab = model.cfg.vocab_size
     gen = torch.Generator().manual_seed(0)
     caches = {b: model.new_cache(b, context + max_width + 1) for b in batch_sizes}
-    if model.cfg.n_experts:
+    if model.cfg.n_experts or model.cfg.linear_layers:
         for b, cache in caches.items():
             model(distinct_tokens(vocab, b, context, gen, model.device), cache, torch.arange(b, device=model.device))
     times: dict[int, list[list[float]]] = {b: [[] for _ in range(max_width)] for b in batch_sizes}

@@ -266,3 +266,52 @@ def flip_verified_token(monkeypatch, position: int) -> None:
         return accepted, next_tokens
 
     monkeypatch.setattr(Engine, "verify", verify)
+
+
+def patch_state_rollback(name: str, monkeypatch) -> None:
+    """Break a hybrid model's rollback of its recurrent states (models/state_cache.py, HybridCache.set_lengths)."""
+    from speculant.models.state_cache import HybridCache
+
+    real_set, real_keep = HybridCache.set_lengths, HybridCache.positions_to_keep
+
+    def held_before(cache, slot, length):
+        return max((n for n in cache.state_lengths(slot) if n < length), default=None)
+
+    if name == "state_one_position_off":  # the state of the position before the one kept
+        def set_lengths(self, slots, lengths):
+            for slot, length in zip(slots, lengths):
+                if self.has_state(slot, length - 1) and length - 1 > 0 and self.has_state(slot, length):
+                    self.states[slot][length] = list(self.states[slot][length - 1])
+            real_set(self, slots, lengths)
+    elif name == "conv_window_forgotten":  # the matrix rolled back, the conv window left at the newest position
+        def set_lengths(self, slots, lengths):
+            for slot, length in zip(slots, lengths):
+                newest = max(self.state_lengths(slot), default=length)
+                if newest != length and self.has_state(slot, length) and length:
+                    self.states[slot][length] = [(m, self.states[slot][newest][j][1])
+                                                 for j, (m, _) in enumerate(self.states[slot][length])]
+            real_set(self, slots, lengths)
+    elif name == "stale_state_after_no_drafts":  # vLLM #52942: a step without drafts after one with drafts keeps
+        # no state of its own, and the row goes on from the last one it had
+        widths: dict[int, int] = {}
+
+        def positions_to_keep(self, slots, starts, n_real, T):
+            keep = real_keep(self, slots, starts, n_real, T)
+            stale = [row for row, slot in enumerate(slots) if T == 1 and widths.get(slot, 1) > 1]
+            for slot in slots:
+                widths[slot] = T
+            return [[row for row in rows if row not in stale] for rows in keep]
+
+        def set_lengths(self, slots, lengths):
+            for slot, length in zip(slots, lengths):
+                if not self.has_state(slot, length) and (before := held_before(self, slot, length)) is not None:
+                    self.states[slot][length] = list(self.states[slot][before])
+            real_set(self, slots, lengths)
+
+        monkeypatch.setattr(HybridCache, "positions_to_keep", positions_to_keep)
+    else:
+        raise ValueError(name)
+    monkeypatch.setattr(HybridCache, "set_lengths", set_lengths)
+
+
+STATE_MUTANTS = ["state_one_position_off", "conv_window_forgotten", "stale_state_after_no_drafts"]

@@ -73,6 +73,10 @@ class HybridCache(KVCache):
         """Row slot's states at `length` (every layer's), or None where none is held."""
         return list(self.states[slot][length]) if length and self.has_state(slot, length) else None
 
+    def state_lengths(self, slot: int) -> list[int]:
+        """The lengths row slot holds every layer's states for."""
+        return [n for n, s in self.states[slot].items() if None not in s]
+
     def put_state(self, slot: int, length: int, state: list[LayerState]) -> None:
         self.states[slot] = {length: list(state)}
 

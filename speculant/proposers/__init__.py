@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from speculant.config import SpeculativeConfig
+from speculant.errors import SpeculantError
 from speculant.models.loader import LoadedModel, load_model
 from speculant.proposers.base import Proposal, Proposer, TargetHidden
 
@@ -12,6 +13,7 @@ __all__ = ["Proposal", "Proposer", "TargetHidden", "build_proposer"]
 
 
 def build_proposer(cfg: SpeculativeConfig, target: LoadedModel, max_batch_size: int, max_len: int) -> Proposer:
+    check_chains(cfg, target)
     if cfg.lookup_first:
         from speculant.proposers.lookup_first import LookupFirstProposer
 
@@ -26,6 +28,7 @@ def build_proposer(cfg: SpeculativeConfig, target: LoadedModel, max_batch_size: 
         draft = load_model(cfg.model, dtype=target.model.dtype, device=target.model.device,
                            quantization=target.quantization, requantize_q4_0=cfg.draft_quantization == "q4_0")
         check_vocab(target, draft)
+        check_chains(cfg, draft)
         warn_if_not_cheaper(target, draft)
         if cfg.tree_width > 1:
             from speculant.adaptive import cost_curve_for
@@ -50,7 +53,18 @@ def build_proposer(cfg: SpeculativeConfig, target: LoadedModel, max_batch_size: 
 
         return Eagle3Proposer(load_eagle3(cfg.model, target), target.model, max_batch_size, max_len, cfg.tree_width,
                               cfg.num_speculative_tokens)
+    if cfg.method == "mtp":
+        from speculant.proposers.mtp import MTPProposer, load_mtp
+
+        return MTPProposer(load_mtp(target), target.model, max_batch_size, max_len)
     raise NotImplementedError(f"method {cfg.method!r} is not available yet")
+
+
+def check_chains(cfg: SpeculativeConfig, model: LoadedModel) -> None:
+    if cfg.tree_width > 1 and model.config.linear_layers:
+        raise SpeculantError(f"{model.source}: tree_width {cfg.tree_width}: a draft tree needs a recurrent state per "
+                             "node and this hybrid model's Gated DeltaNet layers keep one per row; it drafts in "
+                             "chains (tree_width 1)")
 
 
 def prompt_lookup(cfg: SpeculativeConfig, target: LoadedModel) -> Proposer:

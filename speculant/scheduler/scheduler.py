@@ -98,6 +98,8 @@ class Scheduler:
             seq.slot = self.free_slots.pop(0)
             seq.num_cached = 0
             self.cache.rollback(seq.slot, 0)
+            if hasattr(self.cache, "pin"):  # a hybrid model: keep the state at the prompt's end for the prefix cache
+                self.cache.pin(seq.slot, len(seq.tokens) - 1)
         for group in group_by_prompt(admitted):
             lead = group.lead
             if self.prefix_cache is not None and reads_prefix_cache(lead):

@@ -75,7 +75,8 @@ def test_every_vllm_method_runs_or_says_what_to_pass(method):
         assert method not in METHODS and "\n" not in message, message
         assert f"method {method!r} is not supported: " in message and "pass" in message, message
     else:
-        assert cfg.method in METHODS and cfg.method == {"draft": "draft_model"}.get(method, method)
+        renamed = {"draft": "draft_model", "deepseek_mtp": "mtp"}
+        assert cfg.method in METHODS and cfg.method == renamed.get(method, method)
 
 
 def test_an_unknown_method_lists_the_ones_that_run():
