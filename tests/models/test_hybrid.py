@@ -217,3 +217,39 @@ def test_a_wrong_rollback_is_caught(hybrid, mutant, monkeypatch):
     patch_state_rollback(mutant, monkeypatch)
     runs = [greedy(target, PROMPTS, spec, max_batch_size=3) for spec in specs(draft)[:4]]
     assert any(run != plain for run in runs), mutant
+
+
+@pytest.fixture(scope="module")
+def small_hybrid(tmp_path_factory):
+    """A Qwen3.5 of vocabulary 8 with large weights and an MTP layer, and a hybrid draft: peaked, different
+    distributions, so a wrong rule shows in a few thousand samples."""
+    root = tmp_path_factory.mktemp("small_hybrid")
+    small = dict(vocab_size=8, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                 head_dim=8, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8,
+                 linear_value_head_dim=8, num_hidden_layers=4, init_std=0.3, tie_word_embeddings=False)
+    target = save_tiny(root / "target", transformers.Qwen3_5TextConfig, seed=3, **small)
+    add_mtp_layer(target)
+    draft = save_tiny(root / "draft", transformers.Qwen3_5TextConfig, seed=4, **small)
+    return load_model(target), load_model(draft)
+
+
+@pytest.mark.usefixtures("rule_path")  # seeded rows judged by the acceptance rule, as unseeded ones
+@pytest.mark.parametrize("method", ["draft_model", "mtp", "ngram"])
+def test_sampled_speculation_follows_the_target_distribution(small_hybrid, method):
+    """The joint law of three sampled tokens against the target's, by a G-test at ALPHA (test_distribution.py):
+    each method's rollback and acceptance on the hybrid model, rows of one batch accepting different lengths."""
+    from test_distribution import ALPHA, BATCH, N_SAMPLES, N_TOKENS, exact_joint, g_test, sampled_joint
+
+    from speculant.engine import Engine
+    from speculant.proposers import build_proposer
+
+    target, draft = small_hybrid
+    spec = {"draft_model": {"method": "draft_model", "model": draft.source}, "mtp": {"method": "mtp"},
+            "ngram": {"method": "ngram", "prompt_lookup_min": 1}}[method]
+    cfg = SpeculativeConfig.parse({**spec, "num_speculative_tokens": 2})
+    engine = Engine(target, build_proposer(cfg, target, BATCH, 64), 2, max_batch_size=BATCH, max_model_len=32)
+    params = SamplingParams(temperature=1.0)
+    p = g_test(sampled_joint(engine, params, N_SAMPLES), exact_joint(target.model, params, N_TOKENS))
+    stats = engine.stats
+    print(f"{method}: G-test p = {p:.4f}, accepted {stats.num_accepted_tokens}/{stats.num_draft_tokens}")
+    assert p > ALPHA and stats.num_accepted_tokens > 0
