@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speculant.models.attention import Pass
+from speculant.models.kernels import vectorized
 from speculant.models.model_config import ModelConfig
 
 
@@ -34,13 +35,13 @@ class GatedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = x * vectorized(torch.rsqrt, x.pow(2).mean(-1, keepdim=True) + self.eps)
         x = self.weight * x.to(dtype)
-        return (x * F.silu(z.float())).to(dtype)
+        return (x * vectorized(F.silu, z.float())).to(dtype)
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+    return x * vectorized(torch.rsqrt, (x * x).sum(dim=-1, keepdim=True) + 1e-6)
 
 
 class GatedDeltaNet(nn.Module):
@@ -84,19 +85,21 @@ class GatedDeltaNet(nn.Module):
         conv = seq[..., :T] * w[:, :1]
         for i in range(1, self.kernel):
             conv = conv + seq[..., i:i + T] * w[:, i:i + 1]
-        q, k, v = F.silu(conv).transpose(1, 2).split(self.split, dim=-1)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        # Elementwise ops here see tensors whose size follows the pass (vectorized: the same bits in any pass).
+        q, k, v = vectorized(F.silu, conv).transpose(1, 2).split(self.split, dim=-1)
+        beta = vectorized(torch.sigmoid, b)
+        g = -self.A_log.float().exp() * vectorized(F.softplus, a.float() + self.dt_bias)
         repeat = self.v_heads // self.k_heads
         q = q.reshape(B, T, self.k_heads, self.k_dim).repeat_interleave(repeat, dim=2)
         k = k.reshape(B, T, self.k_heads, self.k_dim).repeat_interleave(repeat, dim=2)
         v = v.reshape(B, T, self.v_heads, self.v_dim)
         q, k, v, beta, g = (t.transpose(1, 2).float().contiguous() for t in (q, k, v, beta, g))  # [B, H, T, …]
         q, k = l2norm(q) * self.k_dim ** -0.5, l2norm(k)
+        decay = vectorized(torch.exp, g)
         keep = cache.positions_to_keep(slots, starts, n_real, T)
         out = torch.empty_like(v)
         for t in range(T):
-            state = state * g[:, :, t].exp()[..., None, None]
+            state = state * decay[:, :, t, None, None]
             k_t = k[:, :, t, :, None]
             delta = (v[:, :, t] - (state * k_t).sum(dim=-2)) * beta[:, :, t, None]
             state = state + k_t * delta[:, :, None, :]

@@ -160,3 +160,15 @@ def pack_linears(model: nn.Module) -> nn.Module:
                 setattr(parent, name, PackedLinear(child))
     return model
 
+
+
+VECTOR_RUN = 64  # elements: a multiple of every CPU vector width PyTorch's elementwise loops use
+
+
+def vectorized(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn (an elementwise op: exp, sigmoid, rsqrt, …) of x, every element through PyTorch's vector loop: a loop's
+    tail runs a scalar version whose bits differ, and which elements fall in the tail changes with the tensor's
+    size, so a small tensor of per-head gates would round differently in a verify pass than in a decode step."""
+    n = x.numel()
+    flat = F.pad(x.reshape(-1), (0, -n % VECTOR_RUN))
+    return fn(flat)[:n].view(x.shape)

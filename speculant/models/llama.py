@@ -19,6 +19,7 @@ from speculant.models import native
 from speculant.models.attention import Pass, attend, native_attention_usable, prepare_pass, soft_cap
 from speculant.models.gdn import GatedDeltaNet
 from speculant.models.ggml import GGMLLinear
+from speculant.models.kernels import vectorized
 from speculant.models.kv_cache import KVCache
 from speculant.models.limits import MAX_VERIFY_WIDTH
 from speculant.models.model_config import FULL, SLIDING, ModelConfig
@@ -136,7 +137,7 @@ class Attention(nn.Module):
         out = attend(q, keys, values, fwd, cfg.n_kv_heads != cfg.n_heads, cfg.query_scale, cfg.attn_softcap)
         out = out.reshape(B, T, cfg.n_heads * cfg.head_dim)
         if self.gated:
-            out = out * torch.sigmoid(gate[0].reshape(out.shape))
+            out = out * vectorized(torch.sigmoid, gate[0].reshape(out.shape))
         return self.o_proj(out)
 
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from speculant.models import native
+from speculant.models.kernels import vectorized
 from speculant.models.projections import native_projection
 
 # Routing rules (families.Family.routing):
@@ -74,7 +75,7 @@ class MoE(nn.Module):
     def with_shared(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
         if not hasattr(self, "shared_expert"):
             return routed
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return routed + vectorized(torch.sigmoid, self.shared_expert_gate(x)) * self.shared_expert(x)
 
     def native_experts(self, x: torch.Tensor) -> object | None:
         """csrc/moe.cpp's Experts over these experts' weights, where every expert is a SwiGLU MLP on native

@@ -253,3 +253,23 @@ def test_sampled_speculation_follows_the_target_distribution(small_hybrid, metho
     stats = engine.stats
     print(f"{method}: G-test p = {p:.4f}, accepted {stats.num_accepted_tokens}/{stats.num_draft_tokens}")
     assert p > ALPHA and stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_states_do_not_depend_on_its_batch_or_its_pass(tmp_path, dtype):
+    """Bitwise, at a published head size (dk = dv = 128): a row's hidden states fed in a batch of 3 beside rows
+    of other lengths, or one token a pass, equal the row's alone in one pass (the recurrence's sums run in one
+    order whatever the pass holds)."""
+    config_cls, overrides = FAMILIES["qwen3_5"]
+    folder = save_tiny(tmp_path / "wide", config_cls, seed=2, **dict(
+        overrides, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_value_heads=4))
+    model = load_model(folder, dtype=dtype).model
+    rows = [LONG[:9], LONG, LONG[3:12]]
+    with torch.no_grad():
+        alone = model(torch.tensor([LONG]), model.new_cache(1, 32), torch.tensor([0]))[0]
+        cache = model.new_cache(3, 32)
+        tokens = torch.tensor([r + [0] * (len(LONG) - len(r)) for r in rows])
+        batch = model(tokens, cache, torch.arange(3), torch.tensor([len(r) for r in rows]))[1]
+        cache = model.new_cache(1, 32)
+        steps = torch.cat([model(torch.tensor([[t]]), cache, torch.tensor([0]))[0] for t in LONG])
+    assert torch.equal(batch, alone) and torch.equal(steps, alone)
