@@ -22,6 +22,7 @@ from torch import nn
 from speculant.models.attention import Pass
 from speculant.models.kernels import vectorized
 from speculant.models.model_config import ModelConfig
+from speculant.models.projections import fuse_on_load
 
 
 class GatedRMSNorm(nn.Module):
@@ -58,8 +59,6 @@ class GatedDeltaNet(nn.Module):
         self.parts = {"in_proj_qkv": self.conv_dim, "in_proj_z": value_dim, "in_proj_b": self.v_heads,
                       "in_proj_a": self.v_heads}
         self.in_proj = nn.Linear(cfg.dim, sum(self.parts.values()), bias=False)
-        from speculant.models.llama import fuse_on_load
-
         fuse_on_load(self, "in_proj", self.parts)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.v_heads))

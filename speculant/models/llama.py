@@ -24,7 +24,7 @@ from speculant.models.kv_cache import KVCache
 from speculant.models.limits import MAX_VERIFY_WIDTH
 from speculant.models.model_config import FULL, SLIDING, ModelConfig
 from speculant.models.moe import MoE
-from speculant.models.projections import native_projection
+from speculant.models.projections import fuse_on_load, native_projection
 from speculant.models.rope import Rope, apply_rope, permute_rotary_on_load, rope_inv_freq
 from speculant.models.state_cache import HybridCache
 
@@ -75,30 +75,6 @@ def fold_offset_on_load(norm: RMSNorm, offset: float) -> None:
 
     norm.register_load_state_dict_pre_hook(add)
     norm.register_state_dict_post_hook(subtract)
-
-
-def fuse_on_load(module: nn.Module, fused: str, parts: dict[str, int]) -> None:
-    """Store the linear layers `parts` (name → output rows) as one, `fused`: one matmul reads all
-    their weights in a pass. Checkpoints keep the separate Hugging Face names both ways: they are
-    concatenated on load and split again in state_dict()."""
-
-    def merge(state, prefix, *_):
-        for suffix in ("weight", "bias"):
-            names = [f"{prefix}{p}.{suffix}" for p in parts]
-            if all(n in state for n in names):
-                state[f"{prefix}{fused}.{suffix}"] = torch.cat([state.pop(n) for n in names])
-
-    def split(_module, state, prefix, _meta):
-        for suffix in ("weight", "bias"):
-            key = f"{prefix}{fused}.{suffix}"
-            # Only a plain [out, in] weight splits into the checkpoint's layers; packed or quantized
-            # inference layouts (models/kernels.py, quantize.py) are not checkpoints.
-            if key in state and state[key].shape[0] == sum(parts.values()) and not state[key].is_mkldnn:
-                for p, piece in zip(parts, state.pop(key).split(list(parts.values()))):
-                    state[f"{prefix}{p}.{suffix}"] = piece
-
-    module.register_load_state_dict_pre_hook(lambda _m, state, prefix, *a: merge(state, prefix))
-    module.register_state_dict_post_hook(split)
 
 
 class Attention(nn.Module):

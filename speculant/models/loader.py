@@ -244,7 +244,7 @@ def _eos_ids(folder: Path, cfg: dict) -> list[int]:
 
 def split_fused(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """A checkpoint that stores q, k, v and gate, up as one tensor each (Phi-3's qkv_proj, gate_up_proj) → the
-    separate names the model loads (and fuses again, llama.fuse_on_load)."""
+    separate names the model loads (and fuses again, projections.fuse_on_load)."""
     hd, inter = cfg.head_dim, cfg.intermediate_size
     parts = {"self_attn.qkv_proj": {"self_attn.q_proj": cfg.n_heads * hd, "self_attn.k_proj": cfg.n_kv_heads * hd,
                                     "self_attn.v_proj": cfg.n_kv_heads * hd},
