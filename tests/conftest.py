@@ -117,3 +117,24 @@ def target_prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
     hidden = model(ids, cache, torch.tensor([0], device=model.device), torch.tensor([len(prompt)], device=model.device))
     logp = torch.log_softmax(model.head(hidden[0]).float(), dim=-1)
     return logp[:-1].gather(-1, ids[0, 1:, None])[:, 0].cpu()
+
+
+def greedy_tokens(target, prompts: list[list[int]], spec: dict | None = None, max_batch_size: int = 1,
+                  n_tokens: int = 32, **engine) -> list[list[int]]:
+    """Each prompt's n_tokens greedy tokens through an engine over `target` (spec: a speculative config's dict)."""
+    from speculant.config import SamplingParams, SpeculativeConfig
+    from speculant.llm import engine_for
+
+    e = engine_for(target, SpeculativeConfig.parse(spec), max_batch_size, 128, **engine)
+    params = SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True)
+    seqs = [e.add_request(p, params) for p in prompts]
+    e.generate(seqs)
+    return [s.output_ids for s in seqs]
+
+
+def reference_greedy_tokens(ref, prompt: list[int], n_tokens: int = 32) -> list[int]:
+    """transformers' greedy tokens for `prompt`."""
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([prompt]), max_new_tokens=n_tokens, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)
+    return out[0, len(prompt):].tolist()

@@ -5,9 +5,11 @@ are caught; the checkpoint's MTP layer drafts (proposers/mtp.py)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
-from conftest import save_tiny, transformers
+from conftest import greedy_tokens, reference_greedy_tokens, save_tiny, transformers
 from mutants import STATE_MUTANTS, patch_state_rollback
 from safetensors.torch import load_file, save_file
 
@@ -74,19 +76,10 @@ def hybrid(tmp_path_factory):
     return load_model(target), draft
 
 
-def greedy(target, prompts, spec: dict | None = None, max_batch_size: int = 1, **engine) -> list[list[int]]:
-    e = engine_for(target, SpeculativeConfig.parse(spec), max_batch_size, 128, **engine)
-    params = SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True)
-    seqs = [e.add_request(p, params) for p in prompts]
-    e.generate(seqs)
-    return [s.output_ids for s in seqs]
+greedy = functools.partial(greedy_tokens, n_tokens=N_TOKENS)
 
 
-def reference_greedy(ref, prompt: list[int]) -> list[int]:
-    with torch.no_grad():
-        out = ref.generate(torch.tensor([prompt]), max_new_tokens=N_TOKENS, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+reference_greedy = functools.partial(reference_greedy_tokens, n_tokens=N_TOKENS)
 
 
 def test_folder_logits_and_greedy_tokens_equal_transformers(family):

@@ -5,19 +5,18 @@ alone and in a batch; a wrong routing rule is caught."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import save_tiny, transformers
+from conftest import greedy_tokens, reference_greedy_tokens, save_tiny, transformers
 from mutants import ROUTING_MUTANTS, patch_routing
 from safetensors.torch import load_file
 from test_gguf import VOCAB, close, llama_permute, native_target, writer_for
 
-from speculant.config import SamplingParams, SpeculativeConfig
-from speculant.llm import engine_for
 from speculant.models.ggml import GGMLLinear
 from speculant.models.gguf_native import native_loadable
 from speculant.models.kernels import inexact_reason
@@ -129,19 +128,10 @@ def logits_error(model, ref, prompt: list[int]) -> float:
     return (torch.cat(got, dim=1) - expected).abs().max().item()
 
 
-def greedy(target, prompts: list[list[int]], spec: dict | None = None, max_batch_size: int = 1) -> list[list[int]]:
-    engine = engine_for(target, SpeculativeConfig.parse(spec), max_batch_size, 128)
-    params = SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True)
-    seqs = [engine.add_request(p, params) for p in prompts]
-    engine.generate(seqs)
-    return [s.output_ids for s in seqs]
+greedy = functools.partial(greedy_tokens, n_tokens=N_TOKENS)
 
 
-def reference_greedy(ref, prompt: list[int]) -> list[int]:
-    with torch.no_grad():
-        out = ref.generate(torch.tensor([prompt]), max_new_tokens=N_TOKENS, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+reference_greedy = functools.partial(reference_greedy_tokens, n_tokens=N_TOKENS)
 
 
 LONG = [3, 50, 99, 140, 7, 64, 230, 18, 120, 45, 71, 9, 188, 33, 250, 101]
