@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from speculant.models import gguf, native, notice
+from speculant.models import gguf_file, native, notice
 from speculant.speedup import CostCurve, measure_cost_curve, speedup_from
 
 # Drafts are judged by the acceptance seen in their bucket: this one for drafts that cost a model pass, a lookup's
@@ -385,7 +385,7 @@ def cost_curve_for(model: torch.nn.Module, max_batch_size: int, max_width: int,
                       torch.__version__, batch_sizes, max_width, type(model.lm_head).__name__,
                       os.environ.get(native.SWITCH_ENV, "on"), native.source_digest(), model.narrow_passes],
                      sort_keys=True, default=str)
-    path = gguf.cache_dir(cache_dir) / "cost_curves" / (hashlib.sha256(key.encode()).hexdigest()[:20] + ".json")
+    path = gguf_file.cache_dir(cache_dir) / "cost_curves" / (hashlib.sha256(key.encode()).hexdigest()[:20] + ".json")
     if path.exists():
         return CostCurve.from_dict(json.loads(path.read_text()))
     reps = 5

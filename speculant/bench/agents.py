@@ -243,7 +243,7 @@ def engine_batch(model: str, questions: list[str], batch: int, max_tokens: int, 
 def fresh_cache() -> dict:
     """The environment of a freshly installed server: the cache holds the converted model files (a fresh
     machine makes them once, before the server answers) but no measured cost curve."""
-    from speculant.models.gguf import cache_dir
+    from speculant.models.gguf_file import cache_dir
 
     real, fresh = cache_dir(None), Path(tempfile.mkdtemp(prefix="speculant-fresh-"))
     for entry in real.iterdir() if real.is_dir() else []:

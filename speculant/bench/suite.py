@@ -43,7 +43,7 @@ from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.defaults import TREE_WIDTH
 from speculant.errors import SpeculantError
 from speculant.models import native
-from speculant.models.gguf import cache_dir
+from speculant.models.gguf_file import cache_dir
 from speculant.models.loader import LoadedModel, load_model, resolve_model_path
 from speculant.proposers.corpus import FILE as CORPUS_FILE
 from speculant.speedup import CostCurve, measure_cost_curve

@@ -43,6 +43,8 @@ class Family:
     linear_attention: bool = False
     # Qwen3-Next stores the DeltaNet projections fused per key head (in_proj_qkvz, in_proj_ba; loader.py).
     grouped_linear_checkpoint: bool = False
+    # llama.cpp's converter reorders the DeltaNet value heads from grouped by key head to tiled (qwen35, qwen35moe).
+    gguf_tiled_value_heads: bool = False
 
 
 GEMMA_GGUF_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
@@ -76,13 +78,22 @@ FAMILIES: tuple[Family, ...] = (
            window_by_default=True, sliding_pattern=6, gguf_names=GEMMA_GGUF_NAMES,
            gguf_width_scaled_layers=62, gguf_defaults={"rope_local_base_freq": 10000.0}),
 )
-QWEN35 = dict(norm_offset=1.0, qk_norm=True, linear_attention=True)
+# llama.cpp's names for the hybrid layers (gguf.LINEAR_PARAMS: the two that are no module's weight); a norm after
+# attention is the MLP's input norm; the shared expert and its gate (`_shexp`).
+HYBRID_GGUF_NAMES = {"attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
+                     "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
+                     "ssm_ba": "linear_attn.in_proj_ba", "ssm_conv1d": "linear_attn.conv1d",
+                     "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj",
+                     "post_attention_norm": "post_attention_layernorm",
+                     "ffn_gate_inp_shexp": "mlp.shared_expert_gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                     "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+QWEN35 = dict(norm_offset=1.0, qk_norm=True, linear_attention=True, gguf_names=HYBRID_GGUF_NAMES)
 FAMILIES += (
     Family("qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"), "Qwen3_5TextConfig", "qwen35",
-           **QWEN35),
+           gguf_tiled_value_heads=True, **QWEN35),
     # Every layer routed, each with a shared expert beside the routed ones (moe.MoE.shared_expert).
     Family("qwen3_5_moe", ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"), "Qwen3_5MoeTextConfig",
-           "qwen35moe", routing="softmax_topk", **QWEN35),
+           "qwen35moe", routing="softmax_topk", gguf_tiled_value_heads=True, **QWEN35),
     Family("qwen3_next", ("Qwen3NextForCausalLM",), "Qwen3NextConfig", "qwen3next", routing="softmax_topk",
            grouped_linear_checkpoint=True, **QWEN35),
 )

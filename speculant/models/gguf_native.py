@@ -26,7 +26,7 @@ from torch import nn
 from speculant.errors import SpeculantError
 from speculant.models import ggml, native, notice
 from speculant.models.families import BY_MODEL_TYPE, GGUF_EXPERTS
-from speculant.models.gguf import (
+from speculant.models.gguf_file import (
     ARCHITECTURES,
     EXPERTS,
     PERMUTED_QK,

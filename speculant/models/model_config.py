@@ -207,7 +207,7 @@ def with_family_defaults(cfg: dict, family: Family, source: str) -> dict:
     family resolves it (publishers write only what differs: Gemma 3's text_config), in that class's names.
     Kept on disk by the config, the class and transformers' version: importing transformers costs a second
     of every load."""
-    from speculant.models.gguf import cache_dir
+    from speculant.models.gguf_file import cache_dir
 
     try:
         version = importlib.metadata.version("transformers")

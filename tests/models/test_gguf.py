@@ -22,6 +22,7 @@ from tokenizers import Tokenizer
 
 from speculant.errors import SpeculantError
 from speculant.models import gguf as conv
+from speculant.models import gguf_file
 from speculant.models.gguf import convert_gguf
 
 # --- synthetic GGUF files ------------------------------------------------------------------------------
@@ -414,10 +415,10 @@ def llama_cpp_rope_factors(theta, dim, factor, low, high, old_len) -> np.ndarray
 @pytest.mark.parametrize("factor", [8.0, 32.0])  # Llama 3.1, Llama 3.2
 def test_llama3_rope_scaling_recovered(factor):
     factors = llama_cpp_rope_factors(500000.0, 128, factor, 1.0, 4.0, 8192)
-    assert conv.llama3_scaling(factors, 500000.0, 128) == {
+    assert gguf_file.llama3_scaling(factors, 500000.0, 128) == {
         "rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192}
-    assert conv.llama3_scaling(np.ones(64, np.float32), 500000.0, 128) is None
+    assert gguf_file.llama3_scaling(np.ones(64, np.float32), 500000.0, 128) is None
 
 
 def test_rope_scaling_metadata(tmp_path):
@@ -528,7 +529,7 @@ def test_the_tokenizer_converter_reuses_the_parsed_reader(smollm_path, tmp_path)
     for that file alone, and gguf.GGUFReader is itself again afterwards."""
     import gguf
 
-    from speculant.models.gguf import reader_reused
+    from speculant.models.gguf_file import reader_reused
 
     original = gguf.GGUFReader
     parsed = object()

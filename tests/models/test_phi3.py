@@ -185,11 +185,11 @@ def test_gguf_from_the_same_weights_matches_transformers(tmp_path, layout):
 
 
 def test_gguf_without_its_long_factors_is_refused(tmp_path):
-    from speculant.models import gguf as conv
+    from speculant.models import gguf_file
 
     with pytest.raises(SpeculantError, match="needs both rope_factors_short and rope_factors_long"):
-        conv.longrope_scaling({"short_factor": [1.0]}, {"phi3.rope.scaling.original_context_length": 256}, "phi3",
-                              tmp_path / "x.gguf")
+        gguf_file.longrope_scaling({"short_factor": [1.0]}, {"phi3.rope.scaling.original_context_length": 256}, "phi3",
+                                   tmp_path / "x.gguf")
 
 
 @pytest.mark.parametrize("layout", [PHI3_LONGROPE, PHI4_MINI], ids=["phi3", "phi4-mini"])
