@@ -45,6 +45,9 @@ class Family:
     grouped_linear_checkpoint: bool = False
     # llama.cpp's converter reorders the DeltaNet value heads from grouped by key head to tiled (qwen35, qwen35moe).
     gguf_tiled_value_heads: bool = False
+    # The GGUF architecture whose tokenizer transformers' reader takes for this family's files, where it refuses
+    # the family's own (the tokenizer fields are the same).
+    gguf_tokenizer_as: str | None = None
 
 
 GEMMA_GGUF_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
@@ -95,7 +98,7 @@ FAMILIES += (
     Family("qwen3_5_moe", ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"), "Qwen3_5MoeTextConfig",
            "qwen35moe", routing="softmax_topk", gguf_tiled_value_heads=True, **QWEN35),
     Family("qwen3_next", ("Qwen3NextForCausalLM",), "Qwen3NextConfig", "qwen3next", routing="softmax_topk",
-           grouped_linear_checkpoint=True, **QWEN35),
+           grouped_linear_checkpoint=True, gguf_tokenizer_as="qwen3", **QWEN35),
 )
 BY_ARCHITECTURE = {a: f for f in FAMILIES for a in f.architectures}
 BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES}

@@ -55,6 +55,7 @@ class GatedDeltaNet(nn.Module):
         self.split = [key_dim, key_dim, value_dim]
         self.conv_dim = sum(self.split)
         self.kernel = cfg.conv_kernel
+        self.tiled = cfg.linear_heads_tiled
         # One product reads the four input projections (the checkpoint's names both ways).
         self.parts = {"in_proj_qkv": self.conv_dim, "in_proj_z": value_dim, "in_proj_b": self.v_heads,
                       "in_proj_a": self.v_heads}
@@ -89,8 +90,11 @@ class GatedDeltaNet(nn.Module):
         beta = vectorized(torch.sigmoid, b)
         g = -self.A_log.float().exp() * vectorized(F.softplus, a.float() + self.dt_bias)
         repeat = self.v_heads // self.k_heads
-        q = q.reshape(B, T, self.k_heads, self.k_dim).repeat_interleave(repeat, dim=2)
-        k = k.reshape(B, T, self.k_heads, self.k_dim).repeat_interleave(repeat, dim=2)
+        q, k = (t.reshape(B, T, self.k_heads, self.k_dim) for t in (q, k))
+        if self.tiled:  # value head j reads key head j mod k_heads
+            q, k = q.repeat(1, 1, repeat, 1), k.repeat(1, 1, repeat, 1)
+        else:  # value heads grouped by their key head
+            q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
         v = v.reshape(B, T, self.v_heads, self.v_dim)
         q, k, v, beta, g = (t.transpose(1, 2).float().contiguous() for t in (q, k, v, beta, g))  # [B, H, T, …]
         q, k = l2norm(q) * self.k_dim ** -0.5, l2norm(k)

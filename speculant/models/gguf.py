@@ -29,6 +29,8 @@ from speculant.models.gguf_file import (
     dequantize,
     hf_config,
     hf_name,
+    hf_value,
+    named_tensors,
     open_gguf,
     publish,
     read_metadata,
@@ -53,6 +55,9 @@ FUSED_BLOCK = ["attn_qkv", "attn_output", "attn_norm", "ffn_norm"]
 
 
 FUSED_MLP = ["ffn_up", "ffn_down"]
+# A hybrid model's Gated DeltaNet and attention layers (the MLP's input norm is post_attention_norm).
+HYBRID_LINEAR = ["attn_qkv", "attn_gate", "ssm_conv1d", "ssm_norm", "ssm_out", "attn_norm", "post_attention_norm"]
+HYBRID_ATTENTION = ["attn_q", "attn_k", "attn_v", "attn_output", "attn_norm", "post_attention_norm"]
 
 
 def convert_gguf(path: str | os.PathLike, cache_root: Path | None = None) -> tuple[Path, bool]:
@@ -156,11 +161,9 @@ def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 def hf_tensors(reader: gguf.GGUFReader, config: dict, arch: str, src: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """The file's tensors under Hugging Face's names, streamed (float_tensors), after checking every name."""
     names = {t.name for t in reader.tensors}
-    fused = BY_GGUF[arch].fused_checkpoint
-    required, dense = (FUSED_BLOCK, FUSED_MLP) if fused else (REQUIRED_BLOCK, DENSE_MLP)
     for i in range(config["num_hidden_layers"]):
         routed = f"blk.{i}.ffn_gate_inp.weight" in names
-        for part in required + ([] if routed else dense):
+        for part in required_tensors(config, arch, i) + ([] if routed else dense_mlp(arch)):
             if f"blk.{i}.{part}.weight" not in names:
                 raise SpeculantError(f"{src}: missing tensor 'blk.{i}.{part}.weight'.")
     if "output_norm.weight" not in names:
@@ -170,25 +173,30 @@ def hf_tensors(reader: gguf.GGUFReader, config: dict, arch: str, src: Path) -> I
             raise SpeculantError(f"{src}: tensor '{t.name}' has no equivalent in a dense model (the file states "
                                  f"no {arch}.expert_count).")
         if not EXPERTS.fullmatch(t.name):
-            hf_name(t.name, src, arch)  # raises on a tensor no model has: before the slow part
+            # Raises on a tensor no model has: before the slow part.
+            hf_name(t.name, src, arch, config["num_hidden_layers"])
     return float_tensors(reader, config, arch, src)
 
 
+def required_tensors(config: dict, arch: str, layer: int) -> list[str]:
+    if BY_GGUF[arch].linear_attention:
+        return HYBRID_LINEAR if config["layer_types"][layer] == "linear_attention" else HYBRID_ATTENTION
+    return FUSED_BLOCK if BY_GGUF[arch].fused_checkpoint else REQUIRED_BLOCK
+
+
+def dense_mlp(arch: str) -> list[str]:
+    return FUSED_MLP if BY_GGUF[arch].fused_checkpoint else DENSE_MLP
+
+
 def float_tensors(reader: gguf.GGUFReader, config: dict, arch: str, src: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, float32 tensor), one tensor (or one expert) at a time."""
+    """(Hugging Face name, float32 tensor), one tensor (or one expert) at a time; a file's MTP layer is read
+    where it drafts (proposers/mtp.py)."""
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    for t in reader.tensors:
-        if m := EXPERTS.fullmatch(t.name):
-            for e in range(int(t.shape[2])) if m[3] is None else [int(m[3])]:
-                w = dequantize(t, e if m[3] is None else None)
-                yield f"model.layers.{m[1]}.mlp.experts.{e}.{m[2]}_proj.weight", w
+    for name, t, expert in named_tensors(reader, config, arch, src):
+        if name.startswith("mtp."):
             continue
-        name = hf_name(t.name, src, arch)
-        if name is None:
-            continue
-        w = dequantize(t)
+        w = hf_value(t.name, dequantize(t, expert))
         kind = t.name.split(".")[-2]
         if arch in PERMUTED_QK and kind in heads:
             w = unpermute(w, heads[kind])
         yield name, w
-

@@ -7,6 +7,7 @@ atomic rename).
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import hashlib
 import json
@@ -18,6 +19,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -171,7 +173,8 @@ def hf_config(reader: gguf.GGUFReader, meta: dict, arch: str, src: Path) -> dict
         "vocab_size": int(embd.shape[1]),  # the weights are the truth; metadata vocab_size is optional
         "hidden_size": hidden,
         "intermediate_size": req("feed_forward_length"),
-        "num_hidden_layers": req("block_count"),
+        # The MTP layers a file carries (`nextn`) are blocks after the decoder's own.
+        "num_hidden_layers": req("block_count") - meta.get(f"{arch}.nextn_predict_layers", 0),
         "num_attention_heads": n_heads,
         "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", n_heads),
         "head_dim": head_dim,
@@ -192,6 +195,8 @@ def hf_config(reader: gguf.GGUFReader, meta: dict, arch: str, src: Path) -> dict
         family = GGUF_EXPERTS.get(arch, family)
         config.update(expert_config(meta, arch, config, names), architectures=[family.architectures[0]],
                       model_type=family.model_type)
+    if family.linear_attention:
+        config.update(hybrid_config(reader, meta, arch, config, family))
     config.update(family.gguf_defaults)
     if family.window_by_default:  # HF's Mistral defaults to a 4096 window; only use one the file states
         config["sliding_window"] = meta.get(f"{arch}.attention.sliding_window", config.get("sliding_window"))
@@ -231,7 +236,27 @@ def expert_config(meta: dict, arch: str, config: dict, names: set[str]) -> dict:
             "moe_intermediate_size": meta.get(f"{arch}.expert_feed_forward_length", config["intermediate_size"]),
             # llama.cpp renormalises the chosen experts' weights unless the file says not to.
             "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", True)),
-            "decoder_sparse_step": 1, "mlp_only_layers": dense}
+            "decoder_sparse_step": 1, "mlp_only_layers": dense,
+            "shared_expert_intermediate_size": meta.get(f"{arch}.expert_shared_feed_forward_length", 0)}
+
+
+def hybrid_config(reader: gguf.GGUFReader, meta: dict, arch: str, config: dict, family) -> dict:
+    """A hybrid file's Gated DeltaNet shape under Hugging Face's names (llama.cpp's `ssm.*` keys), its layer types
+    (recurrent_layers, else every `full_attention_interval`-th layer attends), and its MTP layer count."""
+    n, v_heads = config["num_hidden_layers"], meta[f"{arch}.ssm.time_step_rank"]
+    field = reader.fields.get(f"{arch}.attention.recurrent_layers")
+    recurrent = [bool(field.parts[i][0]) for i in field.data] if field is not None else None
+    if recurrent is None:
+        every = meta.get(f"{arch}.full_attention_interval", 4)
+        recurrent = [(i + 1) % every != 0 for i in range(n)]
+    k_heads = meta[f"{arch}.ssm.group_count"]
+    return {"layer_types": ["linear_attention" if r else "full_attention" for r in recurrent[:n]],
+            "linear_num_key_heads": k_heads, "linear_num_value_heads": v_heads,
+            "linear_key_head_dim": meta[f"{arch}.ssm.state_size"],
+            "linear_value_head_dim": meta[f"{arch}.ssm.inner_size"] // v_heads,
+            "linear_conv_kernel_dim": meta[f"{arch}.ssm.conv_kernel"],
+            "linear_value_heads_tiled": family.gguf_tiled_value_heads and k_heads != v_heads,
+            "mtp_num_hidden_layers": meta.get(f"{arch}.nextn_predict_layers", 0)}
 
 
 def longrope_scaling(factors: dict[str, list[float]], meta: dict, arch: str, src: Path) -> dict:
@@ -288,18 +313,69 @@ def dequantize(t, expert: int | None = None) -> torch.Tensor:
     return torch.from_numpy(np.require(values.reshape(shape), np.float32, ["C", "W"]))
 
 
-def hf_name(name: str, src: Path, arch: str = "llama") -> str | None:
+# Gated DeltaNet parameters whose GGUF names are no module's weight or bias.
+LINEAR_PARAMS = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
+# An MTP layer's own tensors (`blk.L.nextn.*`, L the decoder's layer count), beside an ordinary block.
+NEXTN = {"eh_proj": "fc", "enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "shared_head_norm": "norm"}
+
+
+def hf_name(name: str, src: Path, arch: str = "llama", n_layers: int | None = None) -> str | None:
+    """The Hugging Face name of a GGUF tensor; blocks from `n_layers` on are MTP layers (`mtp.*`)."""
     if name == "rope_freqs.weight" or name in ROPE_FACTORS:
         return None  # folded into config["rope_scaling"]
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
-    names = block_names(arch)
-    if m and m[2] in names:
-        return f"model.layers.{m[1]}.{names[m[2]]}.{m[3]}"
+    if m := re.fullmatch(r"blk\.(\d+)\.(.+)", name):
+        i, rest = int(m[1]), m[2]
+        mtp = n_layers is not None and i >= n_layers
+        prefix = f"mtp.layers.{i - n_layers}." if mtp else f"model.layers.{i}."
+        base, _, kind = rest.rpartition(".")
+        names = block_names(arch)
+        if mtp and base.startswith("nextn.") and base[6:] in NEXTN:
+            return f"mtp.{NEXTN[base[6:]]}.{kind}"
+        if rest in LINEAR_PARAMS:
+            return prefix + LINEAR_PARAMS[rest]
+        if kind in ("weight", "bias") and base in names:
+            return f"{prefix}{names[base]}.{kind}"
     base, _, kind = name.rpartition(".")
     if base in TOP_NAMES:
         return f"{TOP_NAMES[base]}.{kind}"
     raise SpeculantError(f"{src}: tensor '{name}' has no equivalent in a Llama-family model "
-                         "(multimodal GGUFs and shared experts are not supported).")
+                         "(multimodal GGUFs are not supported).")
+
+
+def named_tensors(reader: gguf.GGUFReader, config: dict, arch: str, src: Path) -> Iterator[tuple[str, Any, int | None]]:
+    """(Hugging Face name, the file's tensor, the expert of a stacked tensor or None) for every tensor a model
+    reads: experts one each, MTP blocks under mtp.*."""
+    n = config["num_hidden_layers"]
+    for t in reader.tensors:
+        if m := EXPERTS.fullmatch(t.name):
+            i = int(m[1])
+            prefix = f"mtp.layers.{i - n}." if i >= n else f"model.layers.{i}."
+            for e in range(int(t.shape[2])) if m[3] is None else [int(m[3])]:
+                yield f"{prefix}mlp.experts.{e}.{m[2]}_proj.weight", t, e if m[3] is None else None
+        elif (name := hf_name(t.name, src, arch, n)) is not None:
+            yield name, t, None
+
+
+def mtp_state(src: Path) -> dict[str, torch.Tensor]:
+    """A GGUF file's MTP layer (`nextn_predict_layers`; the target's own file or an MTP-only file beside it) as
+    float32 tensors under the checkpoint's mtp.* names, its norms as stored (1 + w: the config says so)."""
+    reader = open_gguf(src)
+    meta = read_metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch not in BY_GGUF:
+        raise SpeculantError(f"{src}: unsupported architecture '{arch}'.")
+    config = hf_config(reader, meta, arch, src)
+    tensors = named_tensors(reader, config, arch, src)
+    return {name: hf_value(t.name, dequantize(t, expert)) for name, t, expert in tensors if name.startswith("mtp.")}
+
+def hf_value(name: str, w: torch.Tensor) -> torch.Tensor:
+    """A GGUF tensor's values as the Hugging Face parameter holds them, where llama.cpp's converter changed them
+    (beyond norms' 1 + w, which the config states: norm_weights_include_offset)."""
+    if name.endswith(".ssm_a"):  # stored as −exp(A_log)
+        return (-w).log()
+    if name.endswith(".ssm_conv1d.weight"):  # squeezed from [channels, 1, kernel]
+        return w.unsqueeze(1)
+    return w
 
 
 def write_tokenizer(reader: gguf.GGUFReader, meta: dict, src: Path, out: Path) -> None:
@@ -316,6 +392,9 @@ def write_tokenizer(reader: gguf.GGUFReader, meta: dict, src: Path, out: Path) -
     except OSError:  # no symlinks on this system: fall back to the file's own folder
         scratch.rmdir()
         scratch = src.parent
+    stand_in = BY_GGUF.get(meta.get("general.architecture"))
+    if stand_in is not None and stand_in.gguf_tokenizer_as:
+        reader = under_architecture(reader, stand_in.gguf_tokenizer_as)
     try:
         with reader_reused(reader, src):
             tok = AutoTokenizer.from_pretrained(str(scratch), gguf_file=src.name, local_files_only=True)
@@ -336,6 +415,20 @@ def write_tokenizer(reader: gguf.GGUFReader, meta: dict, src: Path, out: Path) -
         "chat_template": meta.get("tokenizer.chat_template"),
     }
     write_json(out / "tokenizer_config.json", tok_config)
+
+
+def under_architecture(reader: gguf.GGUFReader, arch: str) -> gguf.GGUFReader:
+    """The parsed file as if its general.architecture were `arch`: for transformers' tokenizer reader, which
+    refuses architectures it has no model for though the tokenizer fields are the same."""
+    text = arch.encode()
+    key = b"general.architecture"
+    field = gguf.gguf_reader.ReaderField(
+        0, key.decode(), [np.array([len(key)], np.uint64), np.frombuffer(key, np.uint8),
+                          np.array([gguf.GGUFValueType.STRING], np.uint32), np.array([len(text)], np.uint64),
+                          np.frombuffer(text, np.uint8)], [4], [gguf.GGUFValueType.STRING])
+    stand_in = copy.copy(reader)
+    stand_in.fields = {**reader.fields, key.decode(): field}
+    return stand_in
 
 
 @contextlib.contextmanager

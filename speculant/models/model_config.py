@@ -70,6 +70,8 @@ class ModelConfig:
     linear_v_dim: int = 0
     conv_kernel: int = 0
     attention_gate: bool = False
+    # The value heads in tiled order (head j reads key head j mod k_heads: llama.cpp's converter), else grouped.
+    linear_heads_tiled: bool = False
     mtp_layers: int = 0  # multi-token-prediction layers the checkpoint carries (proposers/mtp.py)
 
     @classmethod
@@ -199,7 +201,8 @@ def hybrid_shape(cfg: dict, family: Family) -> dict:
     return dict(linear_layers=tuple(i for i, t in enumerate(types) if t == LINEAR),
                 linear_k_heads=cfg["linear_num_key_heads"], linear_v_heads=cfg["linear_num_value_heads"],
                 linear_k_dim=cfg["linear_key_head_dim"], linear_v_dim=cfg["linear_value_head_dim"],
-                conv_kernel=cfg["linear_conv_kernel_dim"], attention_gate=True)
+                conv_kernel=cfg["linear_conv_kernel_dim"], attention_gate=True,
+                linear_heads_tiled=bool(cfg.get("linear_value_heads_tiled")))
 
 
 def with_family_defaults(cfg: dict, family: Family, source: str) -> dict:
