@@ -375,6 +375,8 @@ def hf_value(name: str, w: torch.Tensor) -> torch.Tensor:
         return (-w).log()
     if name.endswith(".ssm_conv1d.weight"):  # squeezed from [channels, 1, kernel]
         return w.unsqueeze(1)
+    if name.endswith(".ffn_gate_inp_shexp.weight"):  # one output row, which llama-quantize squeezes away
+        return w.reshape(1, -1)
     return w
 
 
@@ -388,7 +390,7 @@ def write_tokenizer(reader: gguf.GGUFReader, meta: dict, src: Path, out: Path) -
     scratch = out / ".src"
     scratch.mkdir()
     try:
-        (scratch / src.name).symlink_to(src)
+        (scratch / src.name).symlink_to(src.resolve())
     except OSError:  # no symlinks on this system: fall back to the file's own folder
         scratch.rmdir()
         scratch = src.parent

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ from speculant.models.gguf_file import (
     cache_dir,
     cache_key,
     hf_config,
+    hf_value,
     open_gguf,
     publish,
     read_metadata,
@@ -46,7 +48,7 @@ from speculant.models.hugepages import start_reading
 from speculant.models.kernels import PackedLinear
 from speculant.models.llama import Transformer
 from speculant.models.model_config import ModelConfig
-from speculant.models.rope import rotary_rows
+from speculant.models.rope import rotary_layout, rotary_rows
 
 FORMAT_VERSION = 4
 # An embedding table up to this size is dequantized whole at load (SmolLM2-135M's: 57 MB), a larger one a
@@ -85,13 +87,16 @@ class Matrix:
     data: np.ndarray  # [outputs, bytes a row]
 
 
-def matrices(reader: gguf.GGUFReader) -> list[Matrix]:
+def matrices(reader: gguf.GGUFReader, n_layers: int) -> list[Matrix]:
     """The file's multiplied matrices: every 2-D tensor but the embedding (unless it is the head too) and a router
-    (kept dense: ROUTERS), each stacked expert tensor split by expert."""
+    (kept dense: ROUTERS), each stacked expert tensor split by expert; an MTP layer's (blocks from `n_layers` on)
+    are read where it drafts (proposers/mtp.py)."""
     tied = "output.weight" not in {t.name for t in reader.tensors}
     out = []
     for t in reader.tensors:
         if len(t.shape) == 1 or t.name == "token_embd.weight" and not tied or dense_matrix(t):
+            continue
+        if (m := re.match(r"blk\.(\d+)\.", t.name)) and int(m[1]) >= n_layers:
             continue
         shape = (int(t.shape[0]), int(t.shape[1]))
         if len(t.shape) == 3 and (m := EXPERTS.fullmatch(t.name)) and m[3] is None:
@@ -105,11 +110,16 @@ def matrices(reader: gguf.GGUFReader) -> list[Matrix]:
 
 
 ROUTER = ".ffn_gate_inp."  # an MoE layer's router: its logits decide the experts, so it is never quantized
+# Read as floats whatever their type: a DeltaNet's conv taps (summed tap by tap, gdn.py), its β and decay inputs
+# (a row a value head) and a shared expert's gate (one row).
+FLOAT_MATRICES = (".ssm_conv1d.", ".ssm_beta.", ".ssm_alpha.", ".ssm_ba.", ".ffn_gate_inp_shexp.")
 
 
 def dense_matrix(t) -> bool:
     """A router stored as floats: kept in full precision beside the norms (router logits that moved would pick
     other experts)."""
+    if len(t.shape) == 2 and any(k in t.name for k in FLOAT_MATRICES):
+        return True
     return ROUTER in t.name and t.tensor_type in DENSE and len(t.shape) == 2
 
 
@@ -211,7 +221,7 @@ def write_packed(reader: gguf.GGUFReader, config: dict, arch: str, src: Path, ou
     cfg = ModelConfig.from_hf(config, source=str(src))
     qkv_rows = rotary_rows(cfg).numpy() if cfg.rotary_dim else None
     plan, offset = [], 0
-    for t in matrices(reader):
+    for t in matrices(reader, cfg.n_layers):
         if t.tensor_type not in ggml.FORMATS:
             raise SpeculantError(f"{src}: tensor '{t.name}' has type {t.tensor_type.name}, which the native "
                                  f"kernels do not take. Supported: {', '.join(q.name for q in ggml.FORMATS)}.")
@@ -242,8 +252,10 @@ def write_packed(reader: gguf.GGUFReader, config: dict, arch: str, src: Path, ou
         for t, n_out, n_in, parts in plan:
             kind = t.name.split(".")[-2]
             perm = unpermute_rows(n_out, heads[kind]) if arch in PERMUTED_QK and kind in heads else None
-            if kind == "attn_qkv":
+            if kind == "attn_qkv" and not cfg.linear_layers:
                 perm = qkv_rows
+            elif kind in heads and (cfg.rotary_dim or cfg.attention_gate):
+                perm = head_rows(cfg, heads[kind], gated=kind == "attn_q" and cfg.attention_gate)
             for r0 in range(0, n_out, CHUNK_ROWS):
                 rows = np.arange(r0, min(n_out, r0 + CHUNK_ROWS))
                 qtype, raw = stored_rows(t, rows if perm is None else perm[rows], requantize)
@@ -258,6 +270,25 @@ def write_packed(reader: gguf.GGUFReader, config: dict, arch: str, src: Path, ou
             release(reader)
     write_json(out / "packed.json", {"version": FORMAT_VERSION, "tensors": index, "vectors": vectors,
                                      "embedding": embedding})
+
+
+def head_rows(cfg: ModelConfig, n_heads: int, gated: bool) -> np.ndarray:
+    """q's or k's rows in the order llama.Attention holds them: each head's dims in rotary_layout, and a gated q's
+    per-head [query, gate] rows (as the checkpoint and llama.cpp store them) as every query, then every gate."""
+    hd = cfg.head_dim
+    dims = rotary_layout(hd, cfg.rotary_dim).numpy() if cfg.rotary_dim else np.arange(hd)
+    stride = 2 * hd if gated else hd
+    rows = [h * stride + dims for h in range(n_heads)]
+    if gated:
+        rows += [h * stride + hd + np.arange(hd) for h in range(n_heads)]
+    return np.concatenate(rows)
+
+
+def beta_alpha_rows(cfg: ModelConfig) -> np.ndarray:
+    """Qwen3-Next's ssm_ba, grouped per key head ([b…, a…] each), as every b then every a (gdn.GatedDeltaNet)."""
+    r = cfg.linear_v_heads // cfg.linear_k_heads
+    grouped = np.arange(2 * cfg.linear_v_heads).reshape(cfg.linear_k_heads, 2, r)
+    return np.concatenate((grouped[:, 0].reshape(-1), grouped[:, 1].reshape(-1)))
 
 
 def unpermute_rows(n_out: int, n_heads: int) -> np.ndarray:
@@ -312,12 +343,53 @@ class GGMLEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.qtype.name} blocks"
 
 
+def block_rows(parts: list[torch.Tensor], start: int, stop: int) -> list[torch.Tensor]:
+    """Blocks of 16 outputs [start, stop) of a packed matrix (ggml.layout's per-block tensors; 1-D ones as they are)."""
+    return [t[start:stop] if t.dim() > 1 else t for t in parts]
+
+
+class Joined(nn.Module):
+    """Products of one input side by side, as one projection's outputs (blocks and float rows together)."""
+
+    def __init__(self, *parts: nn.Module):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x).to(x.dtype) for part in self.parts], dim=-1)
+
+
 def router(weight: torch.Tensor) -> PackedLinear:
     """An MoE layer's router in the file's float32, on a row-exact kernel: a token's experts must not depend on
     the pass it rides in (PyTorch's bf16 linear rounds differently for one row and for five)."""
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     linear.weight = nn.Parameter(weight.float(), requires_grad=False)
     return PackedLinear(linear)
+
+
+def attention_layer(attn: nn.Module, p: str, cfg: ModelConfig, matrices: dict, linear: Callable) -> None:
+    """q, k, v (and a gated q's gate, whose rows head_rows put after the queries: llama.Attention's order)."""
+    fused = p + "attn_qkv.weight" in matrices  # Phi-3: q, k, v in one tensor
+    qkv = [f"{p}{name}.weight" for name in (["attn_qkv"] if fused else ["attn_q", "attn_k", "attn_v"])]
+    attn.qkv_proj = linear(qkv, cfg.dim, cfg.qkv_bias and not fused, gate=cfg.attention_gate)
+    attn.o_proj = linear([p + "attn_output.weight"], cfg.n_heads * cfg.head_dim)
+
+
+def linear_layer(gdn: nn.Module, p: str, cfg: ModelConfig, matrices: dict, vectors: dict, linear: Callable,
+                 dtype: torch.dtype) -> None:
+    """A Gated DeltaNet layer: its four input projections as one (ssm_ba: b and a, beta_alpha_rows)."""
+    if p + "ssm_ba.weight" in vectors:
+        ba = vectors[p + "ssm_ba.weight"][torch.from_numpy(beta_alpha_rows(cfg))]
+    else:
+        ba = torch.cat((vectors[p + "ssm_beta.weight"], vectors[p + "ssm_alpha.weight"]))
+    gdn.in_proj = Joined(linear([p + "attn_qkv.weight", p + "attn_gate.weight"], cfg.dim), router(ba))
+    gdn.out_proj = linear([p + "ssm_out.weight"], cfg.linear_v_heads * cfg.linear_v_dim)
+    for name, param in (("ssm_conv1d.weight", "conv1d.weight"), ("ssm_a", "A_log"), ("ssm_dt.bias", "dt_bias")):
+        if p + name not in vectors:
+            raise SpeculantError(f"missing tensor '{p + name}'")
+        value = hf_value(p + name, vectors[p + name].float()).to(dtype)
+        gdn.get_submodule(param.rpartition(".")[0]).register_parameter(
+            param.rpartition(".")[2], nn.Parameter(value, requires_grad=False))
 
 
 def assemble(src: Path, cfg: ModelConfig, packed: dict, dtype: torch.dtype) -> Transformer:
@@ -332,34 +404,48 @@ def assemble(src: Path, cfg: ModelConfig, packed: dict, dtype: torch.dtype) -> T
             v = v[torch.from_numpy(unpermute_rows(len(v), heads[kind]))]
         return v.to(dtype)
 
-    def linear(parts: list[str], n_in: int, bias: bool = False) -> ggml.GGMLLinear:
+    def linear(parts: list[str], n_in: int, bias: bool = False, gate: bool = False) -> ggml.GGMLLinear:
         missing = [p for p in parts if p not in matrices]
         if missing:
             raise SpeculantError(f"{src}: missing tensor '{missing[0]}'")
         b = torch.cat([vector(p.replace(".weight", ".bias"), p.split(".")[-2]) for p in parts]) if bias else None
-        return ggml.GGMLLinear([matrices[p][0] for p in parts], n_in, b)
+        blocks = [matrices[p][0] for p in parts]
+        if gate:  # q's rows: the queries, then the gates (head_rows); the gates follow v
+            queries = cfg.n_heads * cfg.head_dim // 16
+            blocks = [block_rows(blocks[0], 0, queries), *blocks[1:], block_rows(blocks[0], queries, 2 * queries)]
+        return ggml.GGMLLinear(blocks, n_in, b)
 
     with torch.device("meta"):
         model = Transformer(cfg)
     for i, block in enumerate(model.model.layers):
         p = f"blk.{i}."
-        attn, mlp = block.self_attn, block.mlp
-        fused = p + "attn_qkv.weight" in matrices  # Phi-3: q, k, v in one tensor, gate and up in ffn_up
-        qkv = ["attn_qkv"] if fused else ["attn_q", "attn_k", "attn_v"]
-        attn.qkv_proj = linear([f"{p}{name}.weight" for name in qkv], cfg.dim, cfg.qkv_bias and not fused)
-        attn.o_proj = linear([p + "attn_output.weight"], cfg.n_heads * cfg.head_dim)
+        if cfg.linear(i):
+            linear_layer(block.linear_attn, p, cfg, matrices, vectors, linear, dtype)
+        else:
+            attention_layer(block.self_attn, p, cfg, matrices, linear)
+        mlp = block.mlp
+        fused = p + "attn_qkv.weight" in matrices and not cfg.linear_layers  # Phi-3: gate and up in ffn_up
         if cfg.routed(i):
             mlp.gate = router(vectors[p + "ffn_gate_inp.weight"])
             for e, expert in enumerate(mlp.experts):
                 expert.gate_up_proj = linear([f"{p}ffn_gate.{e}.weight", f"{p}ffn_up.{e}.weight"], cfg.dim)
                 expert.down_proj = linear([f"{p}ffn_down.{e}.weight"], cfg.expert_size)
+            if cfg.shared_expert_size:
+                mlp.shared_expert.gate_up_proj = linear([p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"],
+                                                        cfg.dim)
+                mlp.shared_expert.down_proj = linear([p + "ffn_down_shexp.weight"], cfg.shared_expert_size)
+                mlp.shared_expert_gate = router(hf_value(p + "ffn_gate_inp_shexp.weight",
+                                                         vectors[p + "ffn_gate_inp_shexp.weight"]))
         else:
             mlp.gate_up_proj = linear([p + "ffn_up.weight"] if fused else [p + "ffn_gate.weight", p + "ffn_up.weight"],
                                       cfg.dim)
             mlp.down_proj = linear([p + "ffn_down.weight"], cfg.intermediate_size)
         for name, module in block_names(arch).items():  # the norms, as the file holds them
             if name.endswith("norm") and f"{p}{name}.weight" in vectors:
-                block.get_submodule(module).weight = nn.Parameter(vector(f"{p}{name}.weight"), requires_grad=False)
+                weight = vector(f"{p}{name}.weight")
+                if name in ("attn_q_norm", "attn_k_norm") and cfg.rotary_dim:  # their dims follow head_rows'
+                    weight = weight[rotary_layout(cfg.head_dim, cfg.rotary_dim)]
+                block.get_submodule(module).weight = nn.Parameter(weight, requires_grad=False)
     model.model.norm.weight = nn.Parameter(vector("output_norm.weight"), requires_grad=False)
     head, rows = matrices["output.weight" if "output.weight" in matrices else "token_embd.weight"]
     model.lm_head = ggml.GGMLLinear([head], cfg.dim, out_features=rows)

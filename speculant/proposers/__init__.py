@@ -56,7 +56,7 @@ def build_proposer(cfg: SpeculativeConfig, target: LoadedModel, max_batch_size: 
     if cfg.method == "mtp":
         from speculant.proposers.mtp import MTPProposer, load_mtp
 
-        return MTPProposer(load_mtp(target), target.model, max_batch_size, max_len)
+        return MTPProposer(load_mtp(target, cfg.model), target.model, max_batch_size, max_len)
     raise NotImplementedError(f"method {cfg.method!r} is not available yet")
 
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from speculant.errors import SpeculantError
 from speculant.models.attention import prepare_pass
+from speculant.models.gguf_file import mtp_state
 from speculant.models.kernels import pack_linears
 from speculant.models.kv_cache import KVCache
 from speculant.models.llama import Block, RMSNorm
@@ -72,13 +73,14 @@ def mtp_config(target: ModelConfig) -> ModelConfig:
                    local_rope_theta=None)
 
 
-def mtp_tensors(target: LoadedModel) -> dict[str, torch.Tensor]:
-    """The checkpoint's mtp.* tensors (the loader leaves them unread)."""
-    source = Path(target.source)
+def mtp_tensors(target: LoadedModel, source: str | None = None) -> dict[str, torch.Tensor]:
+    """The MTP layer's tensors under mtp.*: a Hugging Face folder's (the loader leaves them unread) or a GGUF
+    file's `nextn` block, the target's own file or `source`, an MTP-only file (convert_hf_to_gguf --mtp)."""
+    source = Path(source or target.source).expanduser()
+    if not source.exists():
+        raise SpeculantError(f"MTP layer file not found: {source}")
     if source.is_file():
-        raise SpeculantError(f"{source}: MTP drafting reads the layer from a Hugging Face folder's mtp.* tensors; "
-                             "from a GGUF file's nextn tensors it is not read yet: pass the folder, or method "
-                             "draft_model or ngram")
+        return mtp_state(source)
     index = source / "model.safetensors.index.json"
     files = sorted(source.glob("*.safetensors")) if index.exists() else [source / "model.safetensors"]
     state = {}
@@ -90,15 +92,21 @@ def mtp_tensors(target: LoadedModel) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_mtp(target: LoadedModel) -> MTPHead:
+def load_mtp(target: LoadedModel, source: str | None = None) -> MTPHead:
+    """The target's MTP layer, from its own checkpoint or from `source` (an MTP-only GGUF beside it)."""
     cfg = target.config
-    state = mtp_tensors(target)
+    state = mtp_tensors(target, source)
+    where = source or target.source
     if not state:
         stated = f" (its config says mtp_num_hidden_layers {cfg.mtp_layers})" if cfg.mtp_layers else ""
-        raise SpeculantError(f"{target.source}: this checkpoint carries no multi-token-prediction layer (no mtp.* "
-                             f"tensors){stated}: pass method draft_model or ngram")
+        raise SpeculantError(f"{where}: this checkpoint carries no multi-token-prediction layer (no mtp.* tensors "
+                             f"or nextn blocks){stated}: pass method draft_model or ngram")
+    fc = state.get("mtp.fc.weight")
+    if fc is not None and fc.shape != (cfg.dim, 2 * cfg.dim):
+        raise SpeculantError(f"{where}: its MTP layer is for a model of hidden size {fc.shape[0]}, the target's "
+                             f"is {cfg.dim}")
     if cfg.mtp_layers > 1:
-        raise SpeculantError(f"{target.source}: {cfg.mtp_layers} MTP layers; Speculant drafts with a checkpoint's "
+        raise SpeculantError(f"{where}: {cfg.mtp_layers} MTP layers; Speculant drafts with a checkpoint's "
                              "single MTP layer (every published Qwen3.5 and Qwen3-Next has one)")
     state = {k.removeprefix(PREFIX): v for k, v in expert_state(state).items()}
     with torch.device("meta"):
@@ -106,7 +114,7 @@ def load_mtp(target: LoadedModel) -> MTPHead:
     expected = set(head.state_dict())
     missing = sorted(expected - state.keys())
     if missing:
-        raise SpeculantError(f"{target.source}: the MTP layer lacks {', '.join(PREFIX + m for m in missing[:4])}")
+        raise SpeculantError(f"{where}: the MTP layer lacks {', '.join(PREFIX + m for m in missing[:4])}")
     head.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False, assign=True)
     model = target.model
     head = head.to(device=model.device, dtype=model.dtype)
