@@ -61,6 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None,
                    help="a draft model path or name: also consider method draft_model")
     p.add_argument("--eagle", default=None, help="an EAGLE head path: also consider method eagle")
+    p.add_argument("--mtp", default=None, metavar="FILE",
+                   help="an MTP-only GGUF beside the target (convert_hf_to_gguf --mtp): also consider method mtp; "
+                        "a target that carries its MTP layer (Qwen3.5, Qwen3-Next) is considered without it")
+    p.add_argument("--mtp-acceptance", type=acceptance_arg, default=None, metavar="ALPHA",
+                   help="as --draft-acceptance, for the MTP layer (published: ~0.73 on Qwen3.6-27B at k 3)")
     p.add_argument("--draft-acceptance", type=acceptance_arg, default=None, metavar="ALPHA",
                    help="predict the draft model's gain with this per-token acceptance (0 ≤ ALPHA < 1) "
                         "instead of the one measured here; its cost and the target's cost curve are still "
@@ -99,17 +104,19 @@ def acceptance_arg(text: str) -> float:
     return alpha
 
 
-def assume_draft_acceptance(fits: dict[str, AcceptanceFit], alpha: float) -> dict[str, AcceptanceFit]:
-    """The draft models' fits with their acceptance replaced; their measured cost per drafted token and
-    coverage kept. Other proposers' acceptance depends on the text, not on a pair: left as measured."""
-    return {m: replace(f, alpha=alpha) if m.startswith("draft_model") else f for m, f in fits.items()}
+def assume_draft_acceptance(fits: dict[str, AcceptanceFit], alpha: float,
+                            method: str = "draft_model") -> dict[str, AcceptanceFit]:
+    """The fits of `method` (draft models, or the MTP layer) with their acceptance replaced; their measured cost
+    per drafted token and coverage kept. Other proposers' acceptance depends on the text, not on a pair: left as
+    measured."""
+    return {m: replace(f, alpha=alpha) if m.startswith(method) else f for m, f in fits.items()}
 
 
-def advised_proposers(draft: str | None) -> list[str]:
+def advised_proposers(draft: str | None, mtp: bool = False) -> list[str]:
     """The bench's default proposers, the draft model named as reports name it with the drafting rules
-    `--draft-model` applies (draft_model+lookup+vocab65536+…)."""
+    `--draft-model` applies (draft_model+lookup+vocab65536+…); the MTP layer where the target has one."""
     name = SpeculativeConfig.parse(draft_model_config(draft)).proposer if draft else "draft_model"
-    return [name if p == "draft_model" else p for p in DEFAULT_PROPOSERS]
+    return [name if p == "draft_model" else p for p in DEFAULT_PROPOSERS] + ["mtp"] * mtp
 
 
 def advise(curve: CostCurve, fits: dict[str, AcceptanceFit], batch_sizes: list[int]) -> list[Advice]:
@@ -146,8 +153,8 @@ def run(args: argparse.Namespace) -> None:
     model_path = resolve_model_path(args.model)
     target = load_model(model_path, dtype=args.dtype, device=args.device, quantization=args.quantization)
     plan = BenchPlan(model=args.model, dtype=args.dtype, device=args.device, quantization=target.quantization,
-                     adaptive=False, draft_model=args.draft, eagle=args.eagle,
-                     proposers=advised_proposers(args.draft))
+                     adaptive=False, draft_model=args.draft, eagle=args.eagle, mtp=args.mtp,
+                     proposers=advised_proposers(args.draft, bool(args.mtp or target.config.mtp_layers)))
     prompts = load_prompts(args.prompts, target.tokenizer, target.config.vocab_size,
                            per_class=args.per_class, max_prompt_tokens=plan.max_prompt_tokens)
     if not prompts:
@@ -171,11 +178,15 @@ def run(args: argparse.Namespace) -> None:
     plain = next(r for r in summary if r.prompt_class == ALL and r.method is None)
     measured_fits = {r.method: AcceptanceFit(**r.fit) for r in rows}
     fits = measured_fits
-    if args.draft_acceptance is not None:
-        fits = assume_draft_acceptance(measured_fits, args.draft_acceptance)
-        notes += [f"{m}: predicted with the acceptance α={fits[m].alpha:.2f} given by --draft-acceptance "
+    for method, alpha, flag in (("draft_model", args.draft_acceptance, "--draft-acceptance"),
+                                ("mtp", args.mtp_acceptance, "--mtp-acceptance")):
+        if alpha is None:
+            continue
+        assumed = assume_draft_acceptance(fits, alpha, method)
+        notes += [f"{m}: predicted with the acceptance α={assumed[m].alpha:.2f} given by {flag} "
                   f"(measured here: {f.alpha:.2f}); its cost as measured" for m, f in measured_fits.items()
-                  if fits[m] is not f]
+                  if assumed[m] is not fits[m]]
+        fits = assumed
     advice = advise(curve, fits, args.batch_sizes)
     by_name = {c.proposer: c for c in configs}
 

@@ -77,6 +77,9 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--eagle", default=None, help="an EAGLE head path: adds the eagle proposer")
     s.add_argument("--eagle3", default=None, help="an EAGLE-3 head folder (SpecForge, vLLM speculators or ModelOpt "
                    "form): adds the eagle3 proposer")
+    s.add_argument("--mtp", default=None, metavar="FILE",
+                   help="an MTP-only GGUF beside the target (convert_hf_to_gguf --mtp) for the mtp proposers (default: "
+                        "the target's own MTP layer)")
     s.add_argument("--corpus", default=None,
                    help="a corpus table (train-draft --kind corpus) for the +corpus proposers (default: the "
                         "bundled model's)")
@@ -86,7 +89,8 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of ngram, ngram+corpus (a corpus table where prompt lookup finds little), "
                    "draft_model, eagle, and draft_model+lookup, eagle+lookup (prompt lookup first, the model's "
                    "drafts where it finds nothing), eagle+tree, eagle+lookup+tree (a draft tree, --tree-width), "
-                   "eagle+lookup+corpus+tree, eagle3 (+lookup, +tree: an EAGLE-3 head), ngram+history, "
+                   "eagle+lookup+corpus+tree, eagle3 (+lookup, +tree: an EAGLE-3 head), mtp (+lookup: the "
+                   "target's multi-token-prediction layer), ngram+history, "
                    "ngram+corpus+history (drafts from earlier answers: "
                    "see --repeat); a draft_model's name may add +vocabN (draft_vocab_size) and +pminX (draft_p_min), "
                    "e.g. draft_model+vocab32768+pmin0.6; default: ngram, ngram+corpus, draft_model, eagle, eagle3, "
@@ -148,7 +152,7 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     plan = BenchPlan(model=args.model, dtype=args.dtype, device=args.device, threads=args.threads,
                      quantization=args.quantization, adaptive=not args.no_adaptive,
                      draft_model=args.draft_model,
-                     eagle=args.eagle, eagle3=args.eagle3, corpus=args.corpus, proposers=args.proposers,
+                     eagle=args.eagle, eagle3=args.eagle3, mtp=args.mtp, corpus=args.corpus, proposers=args.proposers,
                      tree_width=args.tree_width,
                      batch_k=args.batch_k,
                      prompts=args.prompts,

@@ -51,7 +51,7 @@ from speculant.speedup import CostCurve, measure_cost_curve
 PROPOSERS = ("ngram", "ngram+corpus", "ngram+history", "ngram+corpus+history", "draft_model", "eagle",
              "draft_model+lookup", "draft_model+tree", "draft_model+lookup+tree", "eagle+lookup", "eagle+tree",
              "eagle+lookup+tree", "eagle+lookup+corpus+tree", "eagle3", "eagle3+lookup", "eagle3+tree",
-             "eagle3+lookup+tree")
+             "eagle3+lookup+tree", "mtp", "mtp+lookup")
 # The +history proposers' answer history (proposers/history.py): ~220 MB at most.
 HISTORY_TOKENS = 1_000_000
 DEFAULT_PROPOSERS = ("ngram", "ngram+corpus", "draft_model", "eagle", "eagle3")
@@ -71,6 +71,7 @@ class BenchPlan:
     draft_model: str | None = None
     eagle: str | None = None
     eagle3: str | None = None  # an EAGLE-3 head folder (any dialect)
+    mtp: str | None = None  # an MTP-only GGUF beside the target; the target's own MTP layer where None
     corpus: str | None = None
     proposers: list[str] = field(default_factory=lambda: list(DEFAULT_PROPOSERS))
     tree_width: int = TREE_WIDTH  # of the +tree proposers' draft trees
@@ -233,7 +234,9 @@ def proposer_configs(plan: BenchPlan, k: int) -> tuple[list[SpeculativeConfig], 
             config["corpus"] = str(paths["corpus"])
         if "history" in options:
             config["history_tokens"] = HISTORY_TOKENS
-        if method != "ngram":
+        if method == "mtp":  # the target's own layer, or an MTP-only file beside it
+            config |= {"lookup_first": "lookup" in options} | ({"model": plan.mtp} if plan.mtp else {})
+        elif method != "ngram":
             config |= {"model": str(paths[method]), "lookup_first": "lookup" in options,
                        "tree_width": plan.tree_width if "tree" in options else 1}
         config |= draft_options(options)

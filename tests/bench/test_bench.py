@@ -126,6 +126,12 @@ def test_an_assumed_draft_acceptance_predicts_from_the_measured_costs():
     assert (d.alpha, d.coverage, d.draft_cost_ratio) == (0.8, 0.94, 0.05)
     best = advise(_curve(), assumed, [1])[0]
     assert best.method == "draft_model+vocab65536" and best.speedup > 1.5
+    # The MTP layer's gain from a published acceptance: a drafted token costs a few percent of a pass.
+    mtp = AcceptanceFit(alpha=0.0, coverage=0.9, k_mean=4.0, k=4, draft_cost_ratio=0.04)
+    assumed = assume_draft_acceptance({"mtp": mtp, "draft_model": draft}, 0.73, "mtp")
+    assert assumed["draft_model"] is draft and assumed["mtp"].alpha == 0.73
+    best = advise(_curve(), assumed, [1])[0]
+    assert best.method == "mtp" and best.speedup > 1.5
     assert acceptance_arg("0.7") == 0.7
     for bad in ("1", "-0.1", "high"):
         with pytest.raises(argparse.ArgumentTypeError):
