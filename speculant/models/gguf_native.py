@@ -252,7 +252,7 @@ def write_packed(reader: gguf.GGUFReader, config: dict, arch: str, src: Path, ou
         for t, n_out, n_in, parts in plan:
             kind = t.name.split(".")[-2]
             perm = unpermute_rows(n_out, heads[kind]) if arch in PERMUTED_QK and kind in heads else None
-            if kind == "attn_qkv" and not cfg.linear_layers:
+            if kind == "attn_qkv" and BY_MODEL_TYPE[cfg.model_type].fused_checkpoint:
                 perm = qkv_rows
             elif kind in heads and (cfg.rotary_dim or cfg.attention_gate):
                 perm = head_rows(cfg, heads[kind], gated=kind == "attn_q" and cfg.attention_gate)
@@ -424,7 +424,7 @@ def assemble(src: Path, cfg: ModelConfig, packed: dict, dtype: torch.dtype) -> T
         else:
             attention_layer(block.self_attn, p, cfg, matrices, linear)
         mlp = block.mlp
-        fused = p + "attn_qkv.weight" in matrices and not cfg.linear_layers  # Phi-3: gate and up in ffn_up
+        fused = family.fused_checkpoint  # Phi-3: gate and up in ffn_up
         if cfg.routed(i):
             mlp.gate = router(vectors[p + "ffn_gate_inp.weight"])
             for e, expert in enumerate(mlp.experts):
