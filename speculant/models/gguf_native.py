@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +49,7 @@ from speculant.models.llama import Transformer
 from speculant.models.model_config import ModelConfig
 from speculant.models.rope import rotary_layout, rotary_rows
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 # An embedding table up to this size is dequantized whole at load (SmolLM2-135M's: 57 MB), a larger one a
 # pass's rows at a time (Qwen2.5-1.5B's would be 467 MB of bf16 beside a 1.04 GiB file).
 SMALL_EMBEDDING_BYTES = 128 << 20
@@ -87,16 +86,13 @@ class Matrix:
     data: np.ndarray  # [outputs, bytes a row]
 
 
-def matrices(reader: gguf.GGUFReader, n_layers: int) -> list[Matrix]:
+def matrices(reader: gguf.GGUFReader) -> list[Matrix]:
     """The file's multiplied matrices: every 2-D tensor but the embedding (unless it is the head too) and a router
-    (kept dense: ROUTERS), each stacked expert tensor split by expert; an MTP layer's (blocks from `n_layers` on)
-    are read where it drafts (proposers/mtp.py)."""
+    (kept dense: ROUTERS), each stacked expert tensor split by expert; an MTP layer's too (Transformer.fill_mtp)."""
     tied = "output.weight" not in {t.name for t in reader.tensors}
     out = []
     for t in reader.tensors:
         if len(t.shape) == 1 or t.name == "token_embd.weight" and not tied or dense_matrix(t):
-            continue
-        if (m := re.match(r"blk\.(\d+)\.", t.name)) and int(m[1]) >= n_layers:
             continue
         shape = (int(t.shape[0]), int(t.shape[1]))
         if len(t.shape) == 3 and (m := EXPERTS.fullmatch(t.name)) and m[3] is None:
@@ -221,7 +217,7 @@ def write_packed(reader: gguf.GGUFReader, config: dict, arch: str, src: Path, ou
     cfg = ModelConfig.from_hf(config, source=str(src))
     qkv_rows = rotary_rows(cfg).numpy() if cfg.rotary_dim else None
     plan, offset = [], 0
-    for t in matrices(reader, cfg.n_layers):
+    for t in matrices(reader):
         if t.tensor_type not in ggml.FORMATS:
             raise SpeculantError(f"{src}: tensor '{t.name}' has type {t.tensor_type.name}, which the native "
                                  f"kernels do not take. Supported: {', '.join(q.name for q in ggml.FORMATS)}.")
@@ -415,9 +411,8 @@ def assemble(src: Path, cfg: ModelConfig, packed: dict, dtype: torch.dtype) -> T
             blocks = [block_rows(blocks[0], 0, queries), *blocks[1:], block_rows(blocks[0], queries, 2 * queries)]
         return ggml.GGMLLinear(blocks, n_in, b)
 
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    for i, block in enumerate(model.model.layers):
+    def fill(block: nn.Module, i: int) -> None:
+        """Block i's products on the file's blocks, its norms as the file holds them."""
         p = f"blk.{i}."
         if cfg.linear(i):
             linear_layer(block.linear_attn, p, cfg, matrices, vectors, linear, dtype)
@@ -440,12 +435,25 @@ def assemble(src: Path, cfg: ModelConfig, packed: dict, dtype: torch.dtype) -> T
             mlp.gate_up_proj = linear([p + "ffn_up.weight"] if fused else [p + "ffn_gate.weight", p + "ffn_up.weight"],
                                       cfg.dim)
             mlp.down_proj = linear([p + "ffn_down.weight"], cfg.intermediate_size)
-        for name, module in block_names(arch).items():  # the norms, as the file holds them
+        for name, module in block_names(arch).items():
             if name.endswith("norm") and f"{p}{name}.weight" in vectors:
                 weight = vector(f"{p}{name}.weight")
                 if name in ("attn_q_norm", "attn_k_norm") and cfg.rotary_dim:  # their dims follow head_rows'
                     weight = weight[rotary_layout(cfg.head_dim, cfg.rotary_dim)]
                 block.get_submodule(module).weight = nn.Parameter(weight, requires_grad=False)
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    for i, block in enumerate(model.model.layers):
+        fill(block, i)
+    mtp = f"blk.{cfg.n_layers}."
+    if cfg.mtp_layers and mtp + "nextn.eh_proj.weight" in matrices:
+        def fill_mtp(head: nn.Module) -> None:
+            """An MTP head (proposers/mtp.py) on the file's blocks: its layer as block n_layers, fc as eh_proj."""
+            fill(head.layers[0], cfg.n_layers)
+            head.fc = linear([mtp + "nextn.eh_proj.weight"], 2 * cfg.dim)
+
+        model.fill_mtp = fill_mtp
     model.model.norm.weight = nn.Parameter(vector("output_norm.weight"), requires_grad=False)
     head, rows = matrices["output.weight" if "output.weight" in matrices else "token_embd.weight"]
     model.lm_head = ggml.GGMLLinear([head], cfg.dim, out_features=rows)

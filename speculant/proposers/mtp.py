@@ -54,7 +54,7 @@ class MTPHead(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype  # the norms of (1 + w) keep fp32 (llama.RMSNorm)
+        return self.activations  # set by load_mtp: the target's (the norms of (1 + w) keep fp32, llama.RMSNorm)
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, cache: KVCache, slots: torch.Tensor,
                 n_new: torch.Tensor | None = None, parents: list[list[int]] | None = None) -> torch.Tensor:
@@ -118,8 +118,13 @@ def load_mtp(target: LoadedModel, source: str | None = None) -> MTPHead:
     head.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False, assign=True)
     model = target.model
     head = head.to(device=model.device, dtype=model.dtype)
+    head.activations = model.dtype
     head.inv_freq = rope_inv_freq(head.cfg).to(model.device)  # fp32 whatever the weights' dtype
-    return pack_linears(head.eval().requires_grad_(False))
+    head = pack_linears(head.eval().requires_grad_(False))
+    fill_mtp = getattr(model, "fill_mtp", None)
+    if fill_mtp is not None and source is None:  # a GGUF target on its own blocks: the layer's products on them too
+        fill_mtp(head)
+    return head
 
 
 class MTPProposer(EagleProposer):

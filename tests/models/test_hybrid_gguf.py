@@ -300,6 +300,27 @@ def test_mtp_from_the_gguf_block_and_from_an_mtp_only_file(mtp_files):
         other, PROMPTS, n_tokens=N_TOKENS)
 
 
+def test_mtp_on_the_files_own_blocks(mtp_files, tmp_path):
+    """A quantized file's MTP layer runs on its blocks as the decoder does; its drafts keep the target's output."""
+    from speculant.models import native
+    from speculant.models.ggml import GGMLLinear
+    from speculant.models.gguf_native import native_loadable
+    from speculant.proposers.mtp import load_mtp
+
+    folder = mtp_files[0]
+    path = write_hybrid_gguf(folder, tmp_path / "q8-mtp.gguf", "qwen3_5", quantized=True)
+    if not native_loadable(path):
+        pytest.skip(f"the native GGUF kernels do not run here ({native.off_reason() or 'no kernel for its type'})")
+    target = load_model(path, dtype="auto", quantization="auto")
+    head = load_mtp(target)
+    assert isinstance(head.fc, GGMLLinear) and isinstance(head.layers[0].self_attn.qkv_proj, GGMLLinear)
+    plain = greedy_tokens(target, PROMPTS, n_tokens=N_TOKENS)
+    for spec in ({"method": "mtp", "num_speculative_tokens": 3}, {"method": "mtp", "num_speculative_tokens": 2,
+                                                                   "lookup_first": True}):
+        assert greedy_tokens(target, PROMPTS, spec, n_tokens=N_TOKENS) == plain, spec
+        assert greedy_tokens(target, PROMPTS, spec, n_tokens=N_TOKENS, max_batch_size=3) == plain, spec
+
+
 def test_mtp_errors_are_one_line(mtp_files, tmp_path):
     from speculant.proposers.mtp import load_mtp
 
