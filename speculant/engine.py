@@ -65,6 +65,8 @@ class Engine:
         self.max_model_len = resolve_max_model_len(self.model.cfg, self.max_model_len)
         extra = self.proposer.extra_nodes if self.proposer is not None else 0
         self.cache = self.model.new_cache(self.max_batch_size, cache_len(self.max_model_len, self.k, extra))
+        if hasattr(self.cache, "rollback_width"):  # a hybrid model's states: kept where a rollback may land
+            self.cache.rollback_width = self.k + 1
         log.info("context %d tokens; the KV cache of %d rows %s %.2f GiB", self.max_model_len, self.max_batch_size,
                  "takes" if self.device.type == "cuda" else "may grow to (memory taken as rows fill)",
                  2 * self.cache.k.numel() * self.cache.k.element_size() / 2**30)

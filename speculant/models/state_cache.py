@@ -4,8 +4,9 @@ DeltaNet layers (gdn.py) each row's recurrent states, held by the length they fo
 Rollback everywhere in the engine is a length change (set_lengths). For keys that hides the positions past it; a
 recurrent state has no positions, so a pass hands over the state after each of its positions (references to
 tensors the recurrence made anyway: nothing is copied) and setting a length picks the state held for it and drops
-the others. A length with no state held raises: a wrong state is never guessed. Narrow passes (decoding,
-verification) keep every position; wider ones (prompts) only their end and the lengths asked for with `pin`.
+the others. A length with no state held raises: a wrong state is never guessed. A row's pass as narrow as a
+verification (`rollback_width`: the engine's k + 1) keeps every position; a wider one (a prompt) only its end and
+the lengths asked for with `pin` (a state is 2 MiB a DeltaNet layer at Qwen3.5-4B's shape).
 States are never written in place, so rows may share them (share_prefix) and the prefix cache may keep them.
 """
 
@@ -29,6 +30,8 @@ class HybridCache(KVCache):
         self.n_linear, self.shapes, self.dtype = n_linear, shapes, dtype
         self.states: list[dict[int, list[LayerState | None]]] = [{} for _ in range(max_batch)]
         self.pinned: list[set[int]] = [set() for _ in range(max_batch)]
+        # The widest row a rollback may land inside: a verification's pending token and its drafts.
+        self.rollback_width = MAX_VERIFY_WIDTH
 
     # -- what a Gated DeltaNet layer's pass reads and hands back --------------------------------------
 
@@ -54,7 +57,7 @@ class HybridCache(KVCache):
         """For each step t of a pass, the rows whose state after t + 1 tokens is kept."""
         keep: list[list[int]] = [[] for _ in range(T)]
         for row, (slot, start, n) in enumerate(zip(slots, starts, n_real)):
-            wanted = range(1, n + 1) if T <= MAX_VERIFY_WIDTH else \
+            wanted = range(1, n + 1) if n <= self.rollback_width else \
                 {n} | {p - start for p in self.pinned[slot] if start < p <= start + n}
             for t in wanted:
                 keep[t - 1].append(row)
