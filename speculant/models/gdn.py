@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from speculant.models import native
 from speculant.models.attention import Pass
 from speculant.models.kernels import vectorized
 from speculant.models.model_config import ModelConfig
@@ -89,6 +90,32 @@ class GatedDeltaNet(nn.Module):
         q, k, v = vectorized(F.silu, conv).transpose(1, 2).split(self.split, dim=-1)
         beta = vectorized(torch.sigmoid, b)
         g = -self.A_log.float().exp() * vectorized(F.softplus, a.float() + self.dt_bias)
+        keep = cache.positions_to_keep(slots, starts, n_real, T)
+        if native.gdn_usable(x):
+            out = self.recurrence_native(q, k, v, beta, g, state, keep, cache, slots, starts, seq)
+        else:
+            out = self.recurrence(q, k, v, beta, g, state, keep, cache, slots, starts, seq).transpose(1, 2)
+        out = self.norm(out.to(x.dtype), z.reshape(B, T, self.v_heads, self.v_dim))
+        return self.out_proj(out.reshape(B, T, -1))
+
+    def recurrence_native(self, q, k, v, beta, g, state, keep, cache, slots, starts, seq) -> torch.Tensor:
+        """The recurrence in one call (csrc/gdn.cpp) → [B, T, v heads, dv] fp32."""
+        B, T = q.shape[:2]
+        marks = torch.zeros(B, T, dtype=torch.bool)
+        for t, rows in enumerate(keep):
+            marks[rows, t] = True
+        shape = (B, T, self.k_heads, self.k_dim)
+        out, kept = native.gdn_recurrence(q.float().reshape(shape).contiguous(), k.float().reshape(shape).contiguous(),
+                                          v.float().reshape(B, T, self.v_heads, self.v_dim).contiguous(),
+                                          beta.float().contiguous(), g.contiguous(), state.contiguous(), marks,
+                                          self.tiled)
+        for (row, t), matrix in zip(marks.nonzero().tolist(), kept):
+            cache.record_state(self.index, slots[row], starts[row] + t + 1, matrix, seq[row, :, t + 1:t + self.kernel])
+        return out
+
+    def recurrence(self, q, k, v, beta, g, state, keep, cache, slots, starts, seq) -> torch.Tensor:
+        """The recurrence in PyTorch, where the native kernels do not run → [B, v heads, T, dv] fp32."""
+        B, T = q.shape[:2]
         repeat = self.v_heads // self.k_heads
         q, k = (t.reshape(B, T, self.k_heads, self.k_dim) for t in (q, k))
         if self.tiled:  # value head j reads key head j mod k_heads
@@ -99,7 +126,6 @@ class GatedDeltaNet(nn.Module):
         q, k, v, beta, g = (t.transpose(1, 2).float().contiguous() for t in (q, k, v, beta, g))  # [B, H, T, …]
         q, k = l2norm(q) * self.k_dim ** -0.5, l2norm(k)
         decay = vectorized(torch.exp, g)
-        keep = cache.positions_to_keep(slots, starts, n_real, T)
         out = torch.empty_like(v)
         for t in range(T):
             state = state * decay[:, :, t, None, None]
@@ -110,8 +136,7 @@ class GatedDeltaNet(nn.Module):
             for row in keep[t]:  # the state after t + 1 tokens, and the window of the inputs before them
                 cache.record_state(self.index, slots[row], starts[row] + t + 1, state[row],
                                    seq[row, :, t + 1:t + self.kernel])
-        out = self.norm(out.transpose(1, 2).to(x.dtype), z.reshape(B, T, self.v_heads, self.v_dim))
-        return self.out_proj(out.reshape(B, T, -1))
+        return out
 
 
 def ungroup_linear_projections(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

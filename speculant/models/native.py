@@ -25,6 +25,8 @@ AVX512 or AVX2; quantized.cpp and the AMX files exist on AVX512 alone.
 - sampling.cpp: under a request's temperature, top-k, top-p and min-p, an inverse-CDF draw over one row
   of logits, two passes and a sort of the likeliest tokens where PyTorch made ~10 operations over the
   vocabulary (sampled decoding, and the target's tokens that deterministic drafts are verified against).
+- gdn.cpp: Gated DeltaNet's recurrence, a (row, value head) a task over a pass's tokens, the state read and written
+  once a token where PyTorch made ~8 operations over it, each a fresh tensor.
 - decoder.cpp: a whole decoder layer of native weights (GGUF blocks, int4, bf16) in one call, the same kernels
   in the same order, for every family's form (norms around attention and the MLP, q/k norms, GeGLU, windows,
   score scales and caps); every layer of a pass in one call, its parallel loops handed to one team of threads
@@ -54,7 +56,7 @@ log = logging.getLogger("speculant")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ["quantized.cpp", "ggml_mm.cpp", "bf16_amx.cpp", "bf16_dot.cpp", "f32_mm.cpp", "attention.cpp",
-           "attention_amx.cpp", "layer_ops.cpp", "argmax.cpp", "sampling.cpp", "moe.cpp", "decoder.cpp"]
+           "attention_amx.cpp", "layer_ops.cpp", "argmax.cpp", "sampling.cpp", "moe.cpp", "gdn.cpp", "decoder.cpp"]
 HEADERS = ["amx.h", "attention.h", "bf16.h", "kernels.h", "team.h", "tensor.h", "vec.h"]
 # The binding unit (decoder.cpp: pybind11 and PyTorch's Python headers) compiles longest: first, so that it does
 # not run alone at the end of the build.
@@ -411,6 +413,18 @@ def layer_ops_usable(x: torch.Tensor) -> bool:
     """Whether the fused layer operations take `x`: bf16 on CPU, no gradient wanted (they have none)."""
     return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and not x.requires_grad
             and kernels() is not None)
+
+
+def gdn_usable(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and kernels() is not None
+
+
+def gdn_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
+                   state: torch.Tensor, keep: torch.Tensor, tiled: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Gated DeltaNet over a pass (gdn.py's recurrence; q, k unnormalised): q, k [B, T, Hk, dk], v [B, T, Hv, dv],
+    beta and the log-decay g [B, T, Hv], the rows' states [B, Hv, dk, dv], all fp32 → (out [B, T, Hv, dv], the
+    states after each position keep [B, T] marks, in (b, t) order, each a tensor of its own)."""
+    return kernels().gdn_recurrence(q, k, v, beta, g, state, keep, tiled)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

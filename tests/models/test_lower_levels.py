@@ -20,7 +20,7 @@ KERNEL_TESTS = ["tests/models/test_ggml.py", "tests/models/test_attention.py", "
                 "tests/models/test_row_invariance.py::test_a_row_gets_the_same_bits_at_any_row_count",
                 "tests/models/test_row_invariance.py::test_packed_linear_matches_the_plain_product",
                 "tests/engine/test_batch_invariance.py", "tests/models/test_models.py",
-                "tests/scheduler/test_prefix_cache.py"]
+                "tests/scheduler/test_prefix_cache.py", "tests/models/test_gdn_native.py"]
 BELOW = [lv for lv in native.LEVELS[1:] if native.LEVELS.index(lv) < native.LEVELS.index(native.cpu_level())
          and native.build_of(lv) != native.build_of(native.cpu_level())]
 

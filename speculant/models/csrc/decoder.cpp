@@ -349,6 +349,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("head_norms_", &head_norms_, kFree);
   mod.def("argmax_rows", &argmax_rows, kFree);
   mod.def("sample_row", &sample_row, kFree);
+  mod.def("gdn_recurrence", &gdn_recurrence, kFree);
   mod.def("decoder_layer", &decoder_layer, kFree, pybind11::arg("x"), pybind11::arg("weights"), pybind11::arg("form"),
           pybind11::arg("eps"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("k_cache"),
           pybind11::arg("v_cache"), pybind11::arg("slots"), pybind11::arg("n_keys"), pybind11::arg("n_heads"),

@@ -62,6 +62,14 @@ torch::Tensor argmax_rows(torch::Tensor x);
 // inverse-CDF draw u in [0, 1) lands on.
 int64_t sample_row(torch::Tensor row, double inv_temperature, int64_t top_k, double top_p, double min_p, double u);
 
+// gdn.cpp: Gated DeltaNet's recurrence over a pass's tokens (q, k [B, T, Hk, dk], v [B, T, Hv, dv], beta and the
+// log-decay g [B, T, Hv], state [B, Hv, dk, dv], fp32) → (out [B, T, Hv, dv], the states after the `keep` [B, T]
+// positions, each its own tensor).
+std::tuple<torch::Tensor, std::vector<torch::Tensor>> gdn_recurrence(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                                                     torch::Tensor beta, torch::Tensor g,
+                                                                     torch::Tensor state, torch::Tensor keep,
+                                                                     bool tiled);
+
 // decoder.cpp: y = x Wᵀ for a projection's weights in any native layout: ggml_mm's 7 tensors a part, int4_mm's
 // (q, d, m), bf16_mm's (w).
 void project_into(const torch::Tensor& x, const std::vector<torch::Tensor>& p, torch::Tensor& y);
