@@ -199,7 +199,7 @@ class PrefixCache:
         """The disk's entry where it holds a longer prefix than memory (`entry`, `n` long) and reads back whole,
         kept in memory from then on; else `entry`, `n`."""
         found, m = self.disk.longest(ids)
-        if found is None or m <= n:
+        if found is None or not found.worth_reading(m - n):
             return entry, n
         read = self.disk.read(found)
         if read is None:

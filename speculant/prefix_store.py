@@ -40,6 +40,11 @@ log = logging.getLogger("speculant")
 FORMAT = "speculant-prefix-1"
 SUFFIX = ".safetensors"
 MAX_HEADER = 1 << 24  # a header longer than this is not one this module wrote
+# A file is read whole (its checksum covers all of it): only where the tokens it saves are worth it, not for the
+# few tokens a chat template starts every conversation with. Reading and checking a token's keys costs about a
+# hundredth of computing them on a CPU.
+MIN_GAIN_TOKENS = 16
+GAIN_SHARE = 32  # and at least 1/GAIN_SHARE of the file's tokens
 
 
 def default_disk_bytes(folder: Path) -> int:
@@ -125,6 +130,9 @@ class DiskEntry:
         if not self.state_lengths:
             return n
         return max((b for b in self.state_lengths if b <= n), default=0)
+
+    def worth_reading(self, gain: int) -> bool:
+        return gain >= max(MIN_GAIN_TOKENS, len(self.tokens) // GAIN_SHARE)
 
 
 def entry_tensors(entry) -> dict[str, torch.Tensor]:
