@@ -48,9 +48,12 @@ GAIN_SHARE = 32  # and at least 1/GAIN_SHARE of the file's tokens
 
 
 def default_disk_bytes(folder: Path) -> int:
-    """A quarter of the free space where the folder lives, at most 16 GiB."""
+    """A quarter of the free space where the folder lives (or will: its nearest existing parent), at most 16 GiB."""
+    where = folder.resolve()
+    while not where.exists() and where != where.parent:
+        where = where.parent
     try:
-        free = shutil.disk_usage(folder if folder.exists() else folder.parent).free
+        free = shutil.disk_usage(where).free
     except OSError:
         free = 0
     return min(16 << 30, free // 4)
@@ -161,7 +164,7 @@ class PrefixStore:
         self.entries: list[DiskEntry] = []
         self._lock = threading.Lock()
         self._jobs: queue.Queue = queue.Queue()
-        self._write_failed = False
+        self._write_failed = self._too_big_said = False
         self.folder.mkdir(parents=True, exist_ok=True)
         self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="prefix-store", daemon=True)
@@ -183,10 +186,9 @@ class PrefixStore:
                     self.entries.append(self._index(path))
                 except Exception as e:  # noqa: BLE001 (any unreadable file is skipped, never raised)
                     self._skip(path, e)
-        total = self.nbytes
-        if self.entries:
-            log.info("prefix cache on disk: %d entries, %d tokens, %.2f GiB in %s", len(self.entries),
-                     sum(len(e.tokens) for e in self.entries), total / 2**30, self.folder)
+        log.info("prefix cache on disk: %d entries, %d tokens, %.2f GiB of at most %.2f in %s", len(self.entries),
+                 sum(len(e.tokens) for e in self.entries), self.nbytes / 2**30, self.capacity_bytes / 2**30,
+                 self.folder)
 
     def _index(self, path: Path) -> DiskEntry:
         header, start = read_header(path)
@@ -318,6 +320,10 @@ class PrefixStore:
         tensors = entry_tensors(entry)
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         if size > self.capacity_bytes:
+            if not self._too_big_said:
+                log.info("prefix cache on disk: an entry of %.1f MiB is more than the folder may hold (%.1f MiB); "
+                         "such entries stay in memory only", size / 2**20, self.capacity_bytes / 2**20)
+            self._too_big_said = True
             return
         name = hashlib.sha256(ids.tobytes()).hexdigest()[:32] + SUFFIX
         path = self.folder / name

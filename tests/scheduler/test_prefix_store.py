@@ -256,6 +256,10 @@ def test_the_folder_holds_its_bound_the_least_recently_used_dropped(tmp_path):
     assert len(list(again.folder.glob("*.safetensors"))) == 2
 
 
+def test_the_default_bound_is_taken_where_the_folder_will_be(tmp_path):
+    assert prefix_store.default_disk_bytes(tmp_path / "not" / "made" / "yet") > 0
+
+
 def test_a_next_turn_replaces_its_first_turns_file(tmp_path):
     cache = tiny_cache()
     store = PrefixStore(tmp_path, IDENTITY, 1 << 20, cache)
