@@ -13,6 +13,9 @@ conversation) is dropped when the newer one arrives, so a conversation holds one
 
 A hit is exact because every pass computes a position's keys and values with the same bits whatever
 the pass (a whole prompt, a chunk, a decode step): the kernels' row invariance, docs/lossless.md.
+
+With a folder (prefix_store.py) every entry kept is written there too, and a miss here looks there: what a
+process computed serves the next one after a restart.
 """
 
 from __future__ import annotations

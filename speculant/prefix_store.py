@@ -45,6 +45,7 @@ MAX_HEADER = 1 << 24  # a header longer than this is not one this module wrote
 # hundredth of computing them on a CPU.
 MIN_GAIN_TOKENS = 16
 GAIN_SHARE = 32  # and at least 1/GAIN_SHARE of the file's tokens
+STALE_WRITE_S = 600
 
 
 def default_disk_bytes(folder: Path) -> int:
@@ -90,7 +91,8 @@ def checksum(tensors: dict[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         t = tensors[name].contiguous()
         h.update(f"{name} {t.dtype} {tuple(t.shape)}\n".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy())
     return h.hexdigest()
 
 
@@ -141,7 +143,7 @@ class DiskEntry:
 def entry_tensors(entry) -> dict[str, torch.Tensor]:
     tensors = {"tokens": torch.from_numpy(np.ascontiguousarray(entry.tokens, dtype=np.int64)),
                "k": entry.k.contiguous(), "v": entry.v.contiguous()}
-    for n, layers in entry.states.items():
+    for n, layers in list(entry.states.items()):  # a copy: the engine's thread may add lengths meanwhile
         for i, (matrix, window) in enumerate(layers):
             # Copies: a state may be a view into a tensor the recurrence made for several positions.
             tensors[f"state.{n}.{i}.matrix"] = matrix.contiguous().clone()
@@ -179,8 +181,8 @@ class PrefixStore:
 
     def _scan(self) -> None:
         for path in self.folder.iterdir():
-            if path.name.endswith(".tmp"):  # a write a stopped process left half done
-                path.unlink(missing_ok=True)
+            if path.name.endswith(".tmp"):
+                self._drop_stale(path)
             elif path.suffix == SUFFIX:
                 try:
                     self.entries.append(self._index(path))
@@ -208,9 +210,19 @@ class PrefixStore:
         lengths = tuple(sorted({int(name.split(".")[1]) for name in header if name.startswith("state.")}))
         return DiskEntry(path, np.frombuffer(raw, dtype=np.int64).copy(), lengths, st.st_size, st.st_mtime_ns)
 
+    @staticmethod
+    def _drop_stale(path: Path) -> None:
+        """A write a stopped process left half done (a live one's, sharing the folder, is younger than this)."""
+        try:
+            if time.time() - path.stat().st_mtime > STALE_WRITE_S:
+                path.unlink()
+        except OSError:
+            pass
+
     def _skip(self, path: Path, why: Exception | str) -> None:
-        log.warning("prefix cache on disk: %s skipped and removed (%s)", path.name, str(why).splitlines()[0][:200]
-                    if str(why) else type(why).__name__)
+        text = str(why).splitlines()[0][:200] if str(why) else ""
+        log.warning("prefix cache on disk: %s skipped and removed (%s)", path.name,
+                    text if isinstance(why, (str, ValueError)) and text else f"{type(why).__name__}: {text}")
         path.unlink(missing_ok=True)
 
     def longest(self, ids: np.ndarray) -> tuple[DiskEntry | None, int]:
@@ -327,7 +339,7 @@ class PrefixStore:
             return
         name = hashlib.sha256(ids.tobytes()).hexdigest()[:32] + SUFFIX
         path = self.folder / name
-        tmp = path.with_name(name + ".tmp")
+        tmp = path.with_name(f"{name}.{os.getpid()}.{threading.get_ident()}.tmp")
         meta = {"format": FORMAT, "identity": json.dumps(self.identity, sort_keys=True),
                 "checksum": checksum(tensors)}
         self._make_room(size)
