@@ -30,7 +30,7 @@ import torch
 
 from speculant.models.kernels import inexact_reason
 from speculant.models.kv_cache import KVCache
-from speculant.prefix_store import PrefixStore
+from speculant.prefix_store import PrefixStore, common_prefix
 
 log = logging.getLogger("speculant")
 
@@ -101,12 +101,6 @@ def live_prefix(cache: KVCache, row: int, n: int) -> int:
     if not hasattr(cache, "state_lengths"):
         return n
     return max((b for b in cache.state_lengths(row) if b <= n), default=0)
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if len(differ) else n
 
 
 @dataclass
@@ -204,11 +198,11 @@ class PrefixCache:
         found, m = self.disk.longest(ids)
         if found is None or not found.worth_reading(m - n):
             return entry, n
-        read = self.disk.read(found)
-        if read is None:
+        stored = self.disk.read(found)
+        if stored is None:
             return entry, n
-        read.last_used = next(self._clock)
-        read.state_bytes = cache.state_bytes if read.states else 0
+        read = Entry(stored.tokens, stored.k, stored.v, next(self._clock), stored.states,
+                     cache.state_bytes if stored.states else 0)
         if read.nbytes <= self.capacity_bytes:  # else it serves this request only
             self.entries = [e for e in self.entries if common_prefix(e.tokens, read.tokens) < len(e.tokens)]
             self._evict(read.nbytes)

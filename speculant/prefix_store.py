@@ -123,6 +123,22 @@ def read_header(path: Path) -> tuple[dict, int]:
         return parse_header(head + f.read(min(n, MAX_HEADER + 1)))
 
 
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+@dataclass
+class Stored:
+    """What a file holds, as prefix_cache.Entry holds it."""
+
+    tokens: np.ndarray
+    k: torch.Tensor
+    v: torch.Tensor
+    states: dict[int, list]
+
+
 @dataclass(eq=False)
 class DiskEntry:
     path: Path
@@ -226,8 +242,6 @@ class PrefixStore:
         path.unlink(missing_ok=True)
 
     def longest(self, ids: np.ndarray) -> tuple[DiskEntry | None, int]:
-        from speculant.prefix_cache import common_prefix
-
         best, best_n = None, 0
         with self._lock:
             for entry in self.entries:
@@ -236,11 +250,9 @@ class PrefixStore:
                     best, best_n = entry, n
         return best, best_n
 
-    def read(self, disk: DiskEntry):
-        """The file's entry (prefix_cache.Entry), checked against this model and its checksum; None (with one
-        line, and the file removed) where any check fails."""
-        from speculant.prefix_cache import Entry
-
+    def read(self, disk: DiskEntry) -> Stored | None:
+        """The file's tokens, keys, values and states, checked against this model and its checksum; None (with
+        one line, and the file removed) where any check fails."""
         try:
             data = disk.path.read_bytes()
             header, _ = parse_header(data)
@@ -250,7 +262,7 @@ class PrefixStore:
             tensors = load_tensors(data)
             if not intact(tensors, meta):
                 raise ValueError("checksum mismatch")
-            entry = Entry(tensors["tokens"].numpy(), tensors["k"], tensors["v"])
+            entry = Stored(tensors["tokens"].numpy(), tensors["k"], tensors["v"], {})
             self._check(entry, disk, tensors)
         except Exception as e:  # noqa: BLE001 (a file that fails any check is skipped, never raised)
             with self._lock:
@@ -268,7 +280,7 @@ class PrefixStore:
         except OSError:
             pass
 
-    def _check(self, entry, disk: DiskEntry, tensors: dict[str, torch.Tensor]) -> None:
+    def _check(self, entry: Stored, disk: DiskEntry, tensors: dict[str, torch.Tensor]) -> None:
         n = len(entry.tokens)
         shape = (self.layers, self.heads, n, self.head_dim)
         if not np.array_equal(entry.tokens, disk.tokens):
@@ -292,8 +304,8 @@ class PrefixStore:
     # -- writing --------------------------------------------------------------------------------
 
     def put(self, entry) -> None:
-        """Write `entry` (a prefix_cache.Entry the memory tier just kept) in the background; entries it extends
-        are removed once it is written."""
+        """Write `entry` (a prefix_cache.Entry the memory tier just kept, or anything with its fields) in the
+        background; the files of entries it extends are removed once it is written."""
         self._jobs.put(entry)
 
     def flush(self) -> None:
@@ -321,8 +333,6 @@ class PrefixStore:
                 self._jobs.task_done()
 
     def _write(self, entry) -> None:
-        from speculant.prefix_cache import common_prefix
-
         ids = entry.tokens
         with self._lock:
             covering = [e for e in self.entries if e.usable(common_prefix(e.tokens, ids)) == len(ids)]
