@@ -18,7 +18,7 @@ from conftest import save_tiny, transformers
 import speculant.prefix_store as prefix_store
 from speculant.arguments import engine_config_from_args
 from speculant.cli import build_parser
-from speculant.config import SamplingParams
+from speculant.config import SamplingParams, SpeculativeConfig
 from speculant.engine import Engine
 from speculant.errors import SpeculantError
 from speculant.models.kernels import inexact_reason
@@ -26,6 +26,7 @@ from speculant.models.kv_cache import KVCache
 from speculant.models.loader import load_model
 from speculant.prefix_cache import PrefixCache
 from speculant.prefix_store import PrefixStore, parse_header
+from speculant.proposers import build_proposer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=6, ignore_eos=True, logprobs=3)
@@ -37,7 +38,8 @@ PATHS = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("float3
 def folders(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("store")
     return {"small": save_tiny(root / "small", seed=5, num_hidden_layers=3),
-            "other": save_tiny(root / "other", seed=7, num_hidden_layers=3)}  # the same shapes, other weights
+            "other": save_tiny(root / "other", seed=7, num_hidden_layers=3),  # the same shapes, other weights
+            "draft": save_tiny(root / "draft", seed=1, num_hidden_layers=1, hidden_size=32, intermediate_size=64)}
 
 
 def fresh(folder: Path, cache_dir: Path | None, dtype: str = "float32", quant: str | None = None) -> Engine:
@@ -97,6 +99,29 @@ def check_equals_cold(folder, cache_dir, params=GREEDY, hit: bool = True, **load
 def test_a_hit_after_a_restart_equals_cold(folders, tmp_path, path, params):
     dtype, quant = PATHS[path]
     check_equals_cold(folders["small"], tmp_path, params, dtype=dtype, quant=quant)
+
+
+def test_a_draft_model_starts_cold_beside_a_target_from_disk(folders, tmp_path):
+    """Only the target's cache goes to disk: after a restart the draft prefills the whole prompt itself, and the
+    answer is plain greedy's."""
+    spec = SpeculativeConfig.parse({"method": "draft_model", "model": str(folders["draft"]),
+                                    "num_speculative_tokens": 3})
+
+    def engine() -> Engine:
+        target = load_model(folders["small"], dtype="float32")
+        proposer = build_proposer(spec, target, 2, 256 + 4)
+        return Engine(target, proposer, 3, max_batch_size=2, max_model_len=256, prefix_cache_bytes=BUDGET,
+                      prefix_cache_dir=str(tmp_path))
+
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    first = engine()
+    if first.prefix_cache is None:
+        pytest.skip("no prefix cache here")
+    turn1 = run(first, FIRST, plain).output_ids
+    second = FIRST + turn1 + [7, 8]
+    warm = run(engine(), second, plain)
+    assert warm.cached_tokens >= len(FIRST)
+    assert warm.output_ids == cold(folders["small"], second, GREEDY)[0]
 
 
 def only_file(cache_dir: Path) -> Path:
