@@ -199,8 +199,8 @@ def test_another_models_file_is_skipped(folders, tmp_path, caplog):
     second = FIRST + [11, 12]
     with caplog.at_level(logging.WARNING, logger="speculant"):
         warm = run(fresh(folders["small"], tmp_path / "mine"), second)
-    assert warm.cached_tokens == 0 and "another model identity" in caplog.text
     assert result(warm) == cold(folders["small"], second)
+    assert warm.cached_tokens == 0 and "another model identity" in caplog.text
 
 
 # -- the mutants ---------------------------------------------------------------------------------
@@ -355,6 +355,8 @@ def test_the_flags_and_llm_reach_the_engine(folders, tmp_path):
     config = engine_config_from_args(parse([*base, "--prefix-cache-dir", str(tmp_path), "--prefix-cache-disk-gb",
                                             "0.5"]))
     assert (config.prefix_cache_dir, config.prefix_cache_disk_bytes) == (str(tmp_path), 2**29)
+    served = engine_config_from_args(parse(["serve", "--model", str(folders["small"]), "--prefix-cache-dir", "d"]))
+    assert (served.prefix_cache_dir, served.prefix_cache_disk_bytes) == ("d", None)
     with pytest.raises(SpeculantError, match="give that too"):
         engine_config_from_args(parse([*base, "--prefix-cache-disk-gb", "1"]))
     with pytest.raises(SpeculantError, match="drop --no-enable-prefix-caching"):
