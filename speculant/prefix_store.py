@@ -358,7 +358,8 @@ class PrefixStore:
             os.replace(tmp, path)  # atomic: a reader sees the whole file or none
         finally:
             tmp.unlink(missing_ok=True)
-        written = DiskEntry(path, ids.copy(), tuple(sorted(entry.states)), path.stat().st_size, 0)
+        lengths = tuple(sorted({int(name.split(".")[1]) for name in tensors if name.startswith("state.")}))
+        written = DiskEntry(path, ids.copy(), lengths, path.stat().st_size, 0)
         self._touch(written)
         with self._lock:
             extended = [e for e in self.entries if common_prefix(e.tokens, ids) == len(e.tokens)]
@@ -367,6 +368,7 @@ class PrefixStore:
         for e in extended:
             if e.path != path:
                 e.path.unlink(missing_ok=True)
+        self._make_room(0)  # the header's bytes, which `size` left out
 
     def _make_room(self, need: int) -> None:
         with self._lock:
