@@ -72,6 +72,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "way reuses (default: an eighth of the memory, at most 4)")
     c.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false",
                    help="recompute every prompt whole")
+    c.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                   help="write the prefix cache's entries to DIR too (in the background), and read them back "
+                        "after a restart; one subfolder per model, dtype, quantization and kernel build")
+    c.add_argument("--prefix-cache-disk-gb", type=float, default=None,
+                   help="with --prefix-cache-dir: the most the folder holds for this model, the least recently "
+                        "used entries dropped first (default: a quarter of the free space, at most 16)")
     c.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                    help=f"the most prompt tokens a pass feeds (default {DEFAULT_PREFILL_CHUNK}; beside decoding, "
                         "about one decode step's worth); 0: every prompt in one pass, running streams wait")
@@ -174,10 +180,17 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     if args.prefix_cache_gb is not None and args.prefix_cache_gb < 0:
         raise SpeculantError(f"--prefix-cache-gb must be at least 0, got {args.prefix_cache_gb:g}")
     cache_bytes = None if args.prefix_cache_gb is None else int(args.prefix_cache_gb * 2**30)
+    disk_gb = args.prefix_cache_disk_gb
+    if disk_gb is not None and (disk_gb < 0 or args.prefix_cache_dir is None):
+        raise SpeculantError(f"--prefix-cache-disk-gb must be at least 0, got {disk_gb:g}" if disk_gb < 0 else
+                             "--prefix-cache-disk-gb bounds the folder --prefix-cache-dir names: give that too")
+    if args.prefix_cache_dir is not None and not args.prefix_caching:
+        raise SpeculantError("--prefix-cache-dir keeps what the prefix cache holds: drop --no-enable-prefix-caching")
     return engine_config(args.model, speculative_config_from_args(args), dtype=args.dtype, device=args.device,
                          quantization=args.quantization, max_batch_size=args.max_batch_size,
                          max_model_len=args.max_model_len, prefix_cache_bytes=cache_bytes if args.prefix_caching else 0,
-                         prefill_chunk=args.prefill_chunk)
+                         prefill_chunk=args.prefill_chunk, prefix_cache_dir=args.prefix_cache_dir,
+                         prefix_cache_disk_bytes=None if disk_gb is None else int(disk_gb * 2**30))
 
 
 def engine_from_args(args: argparse.Namespace):

@@ -314,6 +314,8 @@ class EngineConfig:
     max_batch_size: int = 8
     max_model_len: int | None = None  # None: the model's own, as far as the KV cache fits (context.context_for)
     prefix_cache_bytes: int | None = None  # None: prefix_cache.default_capacity_bytes() on CPU, none on CUDA
+    prefix_cache_dir: str | None = None  # the prefix cache written through to this folder too (prefix_store.py)
+    prefix_cache_disk_bytes: int | None = None  # the most it holds; None: prefix_store.default_disk_bytes
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # 0: every prompt in one pass
 
     def __post_init__(self):
@@ -323,6 +325,15 @@ class EngineConfig:
             raise SpeculantError(f"max_model_len={self.max_model_len!r} is too small")
         if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:
             raise SpeculantError(f"the prefix cache's budget must be at least 0, got {self.prefix_cache_bytes}")
+        if self.prefix_cache_disk_bytes is not None and not (_is_int(self.prefix_cache_disk_bytes)
+                                                             and self.prefix_cache_disk_bytes >= 0):
+            raise SpeculantError(f"the prefix cache's disk budget must be at least 0, got "
+                                 f"{self.prefix_cache_disk_bytes!r}")
+        if self.prefix_cache_dir is not None and not (isinstance(self.prefix_cache_dir, str) and self.prefix_cache_dir):
+            raise SpeculantError(f"prefix_cache_dir must be a folder's path, got {self.prefix_cache_dir!r}")
+        if self.prefix_cache_dir is not None and self.prefix_cache_bytes == 0:
+            raise SpeculantError("a prefix cache folder keeps what the prefix cache holds, and it is off "
+                                 "(prefix_cache_bytes 0, --no-enable-prefix-caching)")
         if not (_is_int(self.prefill_chunk) and self.prefill_chunk >= 0):
             raise SpeculantError(f"prefill chunk must be at least 0 (0: no chunks), got {self.prefill_chunk!r}")
 

@@ -27,6 +27,7 @@ from speculant.models.loader import LoadedModel
 from speculant.models.tokenizer import Detokenizer
 from speculant.output import OutputProcessor, StepOutput, failed, finish, token_logprobs
 from speculant.prefix_cache import prefix_cache_for
+from speculant.prefix_store import open_store
 from speculant.proposers import Proposal, Proposer, TargetHidden
 from speculant.runner import ModelRunner, Scored
 from speculant.sampling import SamplingBatch, request_key
@@ -49,6 +50,8 @@ class Engine:
     log_interval_s: float = 10.0
     adaptive: AdaptiveK | None = None  # choose k per step; None: always num_speculative_tokens
     prefix_cache_bytes: int = 0  # keys and values kept for later requests (prefix_cache.py); 0: none
+    prefix_cache_dir: str | None = None  # where they are written too, for later processes (prefix_store.py)
+    prefix_cache_disk_bytes: int | None = None  # the most that folder holds; None: prefix_store's default
     prefill_chunk: InitVar[int] = DEFAULT_PREFILL_CHUNK  # the most prompt tokens a pass feeds (scheduler/); 0: all
     first_token_alone: bool = True  # a request's first step drafts nothing (drafting.py)
     # With nothing decoding, a prompt's last chunk is fed by its first decode step (Scheduler.plan).
@@ -74,6 +77,11 @@ class Engine:
         self.drafter = Drafter(self.proposer, self.k, self.adaptive, self.first_token_alone, self.device)
         self.outputs = OutputProcessor(self.eos_ids)
         self.prefix_cache = prefix_cache_for(self.model, self.cache, self.proposer, self.prefix_cache_bytes)
+        if self.prefix_cache is not None and self.prefix_cache_dir is not None:
+            self.prefix_cache.disk = open_store(self.prefix_cache_dir, self.prefix_cache_disk_bytes, self.target,
+                                                self.cache)
+        elif self.prefix_cache_dir is not None:
+            log.warning("prefix cache on disk is off: there is no prefix cache to keep (see above)")
         packed = self.model.packs_ragged
         self.scheduler = Scheduler(self.cache, self.max_model_len, self.prefix_cache,
                                    ChunkSizer(tile=native.tile_rows() if packed else 0), prefill_chunk, packed,

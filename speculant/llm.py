@@ -80,12 +80,13 @@ def engine_from_config(config: EngineConfig) -> Engine:
     if prefix_cache_bytes is None:
         prefix_cache_bytes = default_capacity_bytes() if target.model.device.type == "cpu" else 0
     return engine_for(target, config.speculative, config.max_batch_size, context, prefix_cache_bytes,
-                      config.prefill_chunk)
+                      config.prefill_chunk, config.prefix_cache_dir, config.prefix_cache_disk_bytes)
 
 
 def engine_for(target: LoadedModel, spec: SpeculativeConfig | None, max_batch_size: int,
                max_model_len: int, prefix_cache_bytes: int = 0,
-               prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Engine:
+               prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefix_cache_dir: str | None = None,
+               prefix_cache_disk_bytes: int | None = None) -> Engine:
     """An engine over an already-loaded target, with the proposer and adaptive policy `spec` asks for."""
     k = spec.num_speculative_tokens if spec else 0
     proposer = build_proposer(spec, target, max_batch_size, cache_len(max_model_len, k)) if spec else None
@@ -99,22 +100,27 @@ def engine_for(target: LoadedModel, spec: SpeculativeConfig | None, max_batch_si
         adaptive = AdaptiveK(None if batched else load_curve(), k, extra_nodes=extra, from_batch=2 if batched else 1,
                              load_curve=load_curve, extra_at=proposer.extra_nodes_at)
     return Engine(target, proposer, k, max_batch_size, max_model_len, adaptive=adaptive,
-                  prefix_cache_bytes=prefix_cache_bytes, prefill_chunk=prefill_chunk)
+                  prefix_cache_bytes=prefix_cache_bytes, prefill_chunk=prefill_chunk,
+                  prefix_cache_dir=prefix_cache_dir, prefix_cache_disk_bytes=prefix_cache_disk_bytes)
 
 
 class LLM:
     """The defaults are `speculant generate`'s: dtype and quantization "auto" (a GGUF file runs at the
     precision it stores, bfloat16 where the CPU has fast kernels for it), and speculative_config "auto"
     (the bundled model's best shipped proposer, plain decoding for other models; None: plain decoding).
-    `model` is a folder, a .gguf file or a name from `speculant models`; None is the bundled model."""
+    `model` is a folder, a .gguf file or a name from `speculant models`; None is the bundled model.
+    `prefix_cache_dir`: the prefix cache is written to that folder too and read back by later processes."""
 
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "cpu",
                  speculative_config: str | dict | SpeculativeConfig | None = "auto", max_batch_size: int = 8,
                  max_model_len: int | None = None, quantization: str | None = "auto",
-                 prefix_cache_bytes: int | None = None):
+                 prefix_cache_bytes: int | None = None, prefix_cache_dir: str | None = None,
+                 prefix_cache_disk_bytes: int | None = None):
         self.engine = engine_from_config(engine_config(
             model, speculative_config, dtype=dtype, device=device, max_batch_size=max_batch_size,
-            max_model_len=max_model_len, quantization=quantization, prefix_cache_bytes=prefix_cache_bytes))
+            max_model_len=max_model_len, quantization=quantization, prefix_cache_bytes=prefix_cache_bytes,
+            prefix_cache_dir=None if prefix_cache_dir is None else str(prefix_cache_dir),
+            prefix_cache_disk_bytes=prefix_cache_disk_bytes))
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: Prompt | list[Prompt],

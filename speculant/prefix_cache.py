@@ -13,6 +13,9 @@ conversation) is dropped when the newer one arrives, so a conversation holds one
 
 A hit is exact because every pass computes a position's keys and values with the same bits whatever
 the pass (a whole prompt, a chunk, a decode step): the kernels' row invariance, docs/lossless.md.
+
+With a folder (prefix_store.py) every entry kept is written there too, and a miss here looks there: what a
+process computed serves the next one after a restart.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 
 from speculant.models.kernels import inexact_reason
 from speculant.models.kv_cache import KVCache
+from speculant.prefix_store import PrefixStore, common_prefix
 
 log = logging.getLogger("speculant")
 
@@ -99,12 +103,6 @@ def live_prefix(cache: KVCache, row: int, n: int) -> int:
     return max((b for b in cache.state_lengths(row) if b <= n), default=0)
 
 
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if len(differ) else n
-
-
 @dataclass
 class PrefixCache:
     """The past sequences of one model's KV cache (the target's, or a draft model's), at most
@@ -113,6 +111,7 @@ class PrefixCache:
     capacity_bytes: int
     entries: list[Entry] = field(default_factory=list)
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    disk: PrefixStore | None = None  # the entries written through to a folder, read back on a miss (prefix_store.py)
 
     def __post_init__(self):
         self._clock = itertools.count(1)
@@ -145,6 +144,8 @@ class PrefixCache:
         ids = np.asarray(tokens, dtype=np.int64)
         shared = max(((live_prefix(cache, row, common_prefix(np.asarray(held, dtype=np.int64), ids)), row)
                       for held, row in live), default=(0, -1))
+        if self.disk is not None:
+            entry, n = self._from_disk(ids, cache, entry, max(n, shared[0]))
         if shared[0] > n:
             n = shared[0]
             cache.share_prefix(shared[1], [slot], n)
@@ -188,6 +189,25 @@ class PrefixCache:
         self._evict(fits * per_token + len(states) * state_bytes)
         k, v = cache.read_row(slot, fits)
         self.entries.append(Entry(ids, k, v, next(self._clock), states, state_bytes))
+        if self.disk is not None:
+            self.disk.put(self.entries[-1])
+
+    def _from_disk(self, ids: np.ndarray, cache: KVCache, entry: Entry | None, n: int) -> tuple[Entry | None, int]:
+        """The disk's entry where it holds a longer prefix than memory (`entry`, `n` long) and reads back whole,
+        kept in memory from then on; else `entry`, `n`."""
+        found, m = self.disk.longest(ids)
+        if found is None or not found.worth_reading(m - n):
+            return entry, n
+        stored = self.disk.read(found)
+        if stored is None:
+            return entry, n
+        read = Entry(stored.tokens, stored.k, stored.v, next(self._clock), stored.states,
+                     cache.state_bytes if stored.states else 0)
+        if read.nbytes <= self.capacity_bytes:  # else it serves this request only
+            self.entries = [e for e in self.entries if common_prefix(e.tokens, read.tokens) < len(e.tokens)]
+            self._evict(read.nbytes)
+            self.entries.append(read)
+        return read, read.usable(common_prefix(read.tokens, ids))
 
     def _evict(self, need: int) -> None:
         self.entries.sort(key=lambda e: e.last_used)
