@@ -23,7 +23,7 @@ from speculant.models.kernels import vectorized
 from speculant.models.kv_cache import KVCache
 from speculant.models.limits import MAX_VERIFY_WIDTH
 from speculant.models.model_config import FULL, SLIDING, ModelConfig
-from speculant.models.moe import MoE
+from speculant.models.moe import TOPK_SOFTMAX, MoE
 from speculant.models.projections import fuse_on_load, native_projection
 from speculant.models.rope import Rope, apply_rope, permute_rotary_on_load, rope_inv_freq
 from speculant.models.state_cache import HybridCache
@@ -211,20 +211,25 @@ class Block(nn.Module):
             return None
         attn, mlp = self.self_attn, self.mlp
         cfg, layer = attn.cfg, attn.layer
+        routed = isinstance(mlp, MoE)
         norms = [self.input_layernorm.weight, self.post_attention_layernorm.weight]
         qk_norms = [attn.q_norm.weight, attn.k_norm.weight] if cfg.qk_norm else []
         mlp_norms = [self.pre_feedforward_layernorm.weight, self.post_feedforward_layernorm.weight] \
             if self.sandwich else []
         qkv_bias = attn.qkv_proj.bias if isinstance(attn.qkv_proj, GGMLLinear) else None
-        projections = [native_projection(p, bias_ok=p is attn.qkv_proj) for p in
-                       (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        if any(n.dtype != torch.bfloat16 for n in norms + qk_norms + mlp_norms) or None in projections:
+        projections = [native_projection(p, bias_ok=p is attn.qkv_proj) for p in (attn.qkv_proj, attn.o_proj)]
+        projections += [[], []] if routed else [native_projection(p) for p in (mlp.gate_up_proj, mlp.down_proj)]
+        router, experts = mlp.native_parts(norms[1]) if routed else ([], None)
+        if any(n.dtype != torch.bfloat16 for n in norms + qk_norms + mlp_norms) or None in projections or \
+                routed and experts is None:
             return None
         local_rope = cfg.kind(layer) == SLIDING and cfg.local_rope_theta is not None  # Transformer.rope_for's choice
+        routing = (mlp.top_k, mlp.routing == TOPK_SOFTMAX, mlp.renormalise) if routed else (0, False, False)
         form = (cfg.window(layer) or 0, cfg.query_scale or 0.0, cfg.attn_softcap or 0.0,
-                cfg.activation == "gelu_tanh", local_rope)
-        groups = [*([n] for n in norms), *projections, [] if qkv_bias is None else [qkv_bias], qk_norms, mlp_norms]
-        return native.NativeLayer(groups, cfg.norm_eps, form)
+                cfg.activation == "gelu_tanh", local_rope, *routing)
+        groups = [*([n] for n in norms), *projections, [] if qkv_bias is None else [qkv_bias], qk_norms, mlp_norms,
+                  router]
+        return native.NativeLayer(groups, cfg.norm_eps, form, experts)
 
     def forward_native(self, x: torch.Tensor, cache: KVCache, fwd: Pass) -> torch.Tensor:
         """forward in one native call (csrc/decoder.cpp: the same kernels in the same order), for a
@@ -236,9 +241,12 @@ class Block(nn.Module):
 
 
 def native_layer_form(cfg: ModelConfig, layer: int) -> bool:
-    """Whether layer `layer` is a form csrc/decoder.cpp computes: a dense MLP gated by SiLU or GELU (every form of
-    norms, windows, score scales and caps the families here have; not yet a hybrid model's layers)."""
-    return not cfg.routed(layer) and cfg.activation in ("silu", "gelu_tanh") and not cfg.attention_gate
+    """Whether layer `layer` is a form csrc/decoder.cpp computes: a dense MLP gated by SiLU or GELU, or SwiGLU
+    experts without a shared one (every form of norms, windows, score scales and caps the families here have;
+    not yet a hybrid model's layers)."""
+    if cfg.routed(layer):
+        return cfg.activation == "silu" and not cfg.shared_expert_size and not cfg.attention_gate
+    return cfg.activation in ("silu", "gelu_tanh") and not cfg.attention_gate
 
 
 def embedding_table(embed: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from speculant.models import native
-from speculant.models.kernels import vectorized
+from speculant.models.kernels import PackedLinear, vectorized
 from speculant.models.projections import native_projection
 
 # Routing rules (families.Family.routing):
@@ -76,6 +76,17 @@ class MoE(nn.Module):
         if not hasattr(self, "shared_expert"):
             return routed
         return routed + vectorized(torch.sigmoid, self.shared_expert_gate(x)) * self.shared_expert(x)
+
+    def native_parts(self, x: torch.Tensor) -> tuple[list[torch.Tensor], object | None]:
+        """([router weight], experts) as csrc/decoder.cpp's routed layer takes them, for activations like x; the
+        experts None where that layer cannot run this one: a shared expert, a router off the row-exact kernels
+        decoder.cpp runs (PackedLinear's fp32 transposed or unpadded AMX bf16 layouts)."""
+        gate, experts = self.gate, self.native_experts(x)
+        usable = isinstance(gate, PackedLinear) and gate.bias is None and (
+            gate.kind == "transposed" and gate.native or gate.kind == "amx" and not gate.padded_in)
+        if hasattr(self, "shared_expert") or not usable or experts is None:
+            return [], None
+        return [gate.weight], experts
 
     def native_experts(self, x: torch.Tensor) -> object | None:
         """csrc/moe.cpp's Experts over these experts' weights, where every expert is a SwiGLU MLP on native

@@ -457,12 +457,15 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
 class NativeLayer:
     """A decoder layer as decoder.cpp takes it: its tensors in groups (decoder.cpp's Layer: [input norm],
     [post-attention norm], the qkv, o, gate_up and down projections' weights, then [qkv bias], [q norm, k norm],
-    [pre-MLP norm, post-MLP norm], each [] where the layer has none), its norms' eps and its form: (sliding window,
-    0 for none; the scores' scale, 0 for 1/√head_dim; their soft cap, 0 for none; GeGLU rather than SwiGLU; the
-    local layers' own rotary tables)."""
+    [pre-MLP norm, post-MLP norm], [router], each [] where the layer has none; a routed layer's gate_up and down
+    are [] too), its norms' eps, its form: (sliding window, 0 for none; the scores' scale, 0 for 1/√head_dim;
+    their soft cap, 0 for none; GeGLU rather than SwiGLU; the local layers' own rotary tables; a routed layer's
+    top k, 0 for a dense MLP; softmax over the top k logits alone, rather than the top k of the softmax; the
+    top k's weights renormalised), and a routed layer's experts (moe.py's native Experts)."""
     groups: list[list[torch.Tensor]]
     eps: float
-    form: tuple[int, float, float, bool, bool]
+    form: tuple[int, float, float, bool, bool, int, bool, bool]
+    experts: object | None = None
 
 
 def decoder_stack(layers: list[NativeLayer], final_norm: torch.Tensor, n_heads: int, n_kv_heads: int,
@@ -471,8 +474,9 @@ def decoder_stack(layers: list[NativeLayer], final_norm: torch.Tensor, n_heads: 
     the factor its decode pass multiplies the embeddings by (0: none). Its forward(x, cos, sin, k_cache, v_cache,
     slots, n_keys, tree, capture, capture_at, local_cos, local_sin) is a pass over all of them, the whole KV
     cache [layers, rows, Hkv, L, Dh] given at once, and returns the final norm's output."""
-    return kernels().DecoderStack([layer.groups for layer in layers], [layer.form for layer in layers], final_norm,
-                                  layers[0].eps, n_heads, n_kv_heads, embed_scale)
+    return kernels().DecoderStack([layer.groups for layer in layers], [layer.form for layer in layers],
+                                  [layer.experts for layer in layers], final_norm, layers[0].eps, n_heads,
+                                  n_kv_heads, embed_scale)
 
 
 def decoder_layer(x: torch.Tensor, layer: NativeLayer, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
@@ -482,4 +486,4 @@ def decoder_layer(x: torch.Tensor, layer: NativeLayer, cos: torch.Tensor, sin: t
     rotary tables at the pass's rows, k_cache and v_cache one layer of the KV cache [rows, Hkv, L, Dh] (row b's
     keys go to row slots[b], position n_keys[b, t] − 1)."""
     return kernels().decoder_layer(x, layer.groups, layer.form, layer.eps, cos, sin, k_cache, v_cache, slots,
-                                   n_keys, n_heads, n_kv_heads, tree)
+                                   n_keys, n_heads, n_kv_heads, tree, layer.experts)

@@ -302,3 +302,41 @@ def test_a_conversion_streams_in_shards(family, tmp_path, monkeypatch):
     folder, _ = conv.convert_gguf(path)
     assert len(list(folder.glob("model-*.safetensors"))) > 2 and not (folder / "model.safetensors").exists()
     assert torch.equal(logits_of(load_model(path).model, torch.tensor([LONG])), whole)
+
+
+
+# The native attention's smallest head is 32: the families' tiny shapes above run as modules.
+WIDE_HEADS = {"qwen3_moe": dict(head_dim=32), "mixtral": dict(hidden_size=128)}
+
+
+def test_native_stack_runs_routed_layers_with_the_bits_of_the_modules(family, tmp_path, monkeypatch):
+    """Routed layers inside csrc/decoder.cpp's whole-stack decoder: prefill, one token, a verify pass and a ragged
+    batch give the bits the layer modules give; each routing rule dropped from the native layer changes them."""
+    from test_native_families import module_passes, passes, with_form
+
+    from speculant.models import native
+
+    name = family[0]
+    config_cls, overrides = FAMILIES[name]
+    folder = save_tiny(tmp_path / "hf", config_cls, seed=7, **dict(overrides, **WIDE_HEADS[name]))
+    config = transformers.AutoConfig.from_pretrained(folder)
+    path = tmp_path / f"{name}-q8_0.gguf"
+    write_moe_gguf(path, name, config, load_file(folder / "model.safetensors"), Q.Q8_0)
+    model = native_target(path).model
+    assert model.native_stack is not None and model.native_decode
+    fused, _ = passes(model)
+    modules, _ = module_passes(model, monkeypatch)
+    assert all(torch.equal(a, b) for a, b in zip(fused, modules))
+    layers = [block.native_weights for block in model.model.layers]
+    routed = lambda change: [change(layer) if layer.experts else layer for layer in layers]  # noqa: E731
+    mutants = {"one_expert_fewer": lambda layer: with_form(layer, 5, layer.form[5] - 1),
+               # (softmax over the top k equals the top k of the softmax renormalised: the rule flips unnormalised)
+               "other_rule": lambda layer: with_form(with_form(layer, 6, not layer.form[6]), 7, False)}
+    if model.cfg.routing != "topk_softmax":
+        mutants["renormalised"] = lambda layer: with_form(layer, 7, not layer.form[7])
+    for mutant, change in mutants.items():
+        stack = native.decoder_stack(routed(change), model.model.norm.weight, model.cfg.n_heads,
+                                     model.cfg.n_kv_heads, model.embed_scale)
+        monkeypatch.setattr(model, "native_stack", stack)
+        mutated, _ = passes(model)
+        assert any(not torch.equal(a, b) for a, b in zip(mutated, modules)), mutant

@@ -80,37 +80,47 @@ struct Workspace {
 };
 
 // What sets one family's layer apart from Llama's, beside its weights: the sliding window (0: none), the scores'
-// scale and soft cap (0: none, Gemma 2), GeGLU for SwiGLU, and the second rotary table (Gemma 3's local layers).
+// scale and soft cap (0: none, Gemma 2), GeGLU for SwiGLU, the second rotary table (Gemma 3's local layers), and
+// a routed layer's rule (top k: 0 for a dense MLP).
 struct Form {
   int64_t window;
   double scale, softcap;
   bool gelu, local_rope;
+  Routing routing;
 };
-using FormArgs = std::tuple<int64_t, double, double, bool, bool>;  // Form from Python, in its order
+using FormArgs = std::tuple<int64_t, double, double, bool, bool, int64_t, bool, bool>;  // Form, in its order
 
 Form form_of(const FormArgs& f) {
-  return {std::get<0>(f), std::get<1>(f), std::get<2>(f), std::get<3>(f), std::get<4>(f)};
+  return {std::get<0>(f), std::get<1>(f), std::get<2>(f), std::get<3>(f), std::get<4>(f),
+          {std::get<5>(f), std::get<6>(f), std::get<7>(f)}};
 }
 
 // A layer's weights in the groups Python hands over (native.NativeLayer): [input norm], [post-attention norm],
-// the qkv, o, gate_up and down projections, then three optional groups ([] where absent): [qkv bias] (GGUF
-// blocks), [q norm, k norm] (per head, before RoPE), [pre-MLP norm, post-MLP norm] (Gemma's sandwich: the
-// post-attention norm then normalises attention's output before the residual sum).
+// the qkv, o, gate_up and down projections (a routed layer's: []), then four optional groups ([] where absent):
+// [qkv bias] (GGUF blocks), [q norm, k norm] (per head, before RoPE), [pre-MLP norm, post-MLP norm] (Gemma's
+// sandwich: the post-attention norm then normalises attention's output before the residual sum), [router] (a
+// routed layer's, whose experts come apart: moe.cpp's Experts, which Python holds).
 struct Layer {
   torch::Tensor input_norm, post_attention_norm;
   std::vector<torch::Tensor> qkv, o, gate_up, down;
-  c10::optional<torch::Tensor> qkv_bias, q_norm, k_norm, pre_mlp_norm, post_mlp_norm;
+  c10::optional<torch::Tensor> qkv_bias, q_norm, k_norm, pre_mlp_norm, post_mlp_norm, router;
+  const Experts* experts;
   Form form;
 
-  Layer(const std::vector<std::vector<torch::Tensor>>& w, const FormArgs& f) : form(form_of(f)) {
-    TORCH_CHECK(w.size() == 9 && w[0].size() == 1 && w[1].size() == 1 && w[6].size() <= 1 &&
-                    (w[7].empty() || w[7].size() == 2) && (w[8].empty() || w[8].size() == 2),
-                "a layer: two norms, four projections, [qkv bias], [q/k norms], [pre/post-MLP norms]");
+  Layer(const std::vector<std::vector<torch::Tensor>>& w, const FormArgs& f, const Experts* e)
+      : experts(e), form(form_of(f)) {
+    TORCH_CHECK(w.size() == 10 && w[0].size() == 1 && w[1].size() == 1 && w[6].size() <= 1 &&
+                    (w[7].empty() || w[7].size() == 2) && (w[8].empty() || w[8].size() == 2) && w[9].size() <= 1,
+                "a layer: two norms, four projections, [qkv bias], [q/k norms], [pre/post-MLP norms], [router]");
     input_norm = w[0][0], post_attention_norm = w[1][0];
     qkv = w[2], o = w[3], gate_up = w[4], down = w[5];
     if (!w[6].empty()) qkv_bias = w[6][0];
     if (!w[7].empty()) q_norm = w[7][0], k_norm = w[7][1];
     if (!w[8].empty()) pre_mlp_norm = w[8][0], post_mlp_norm = w[8][1];
+    if (!w[9].empty()) router = w[9][0];
+    TORCH_CHECK(router.has_value() == (experts != nullptr) && (experts != nullptr) == (form.routing.top_k > 0) &&
+                    (experts != nullptr) == down.empty(),
+                "a routed layer: its router, its experts and its top k, and no dense MLP");
   }
 };
 
@@ -148,12 +158,16 @@ void layer_rows(const Layer& l, const torch::Tensor& rows, const torch::Tensor& 
   } else {
     add_rms_norm_into(rows, w.o, l.post_attention_norm, p.eps, w.h, w.h_normed);
   }
-  project_into(w.h_normed, l.gate_up, w.gate_up);
-  if (l.form.gelu)
-    gelu_tanh_mul_into(w.gate_up, w.act);
-  else
-    silu_mul_into(w.gate_up, w.act);
-  project_into(w.act, l.down, w.down);
+  if (l.experts) {
+    w.down.copy_(routed_mlp(*l.experts, w.h_normed, *l.router, l.form.routing));
+  } else {
+    project_into(w.h_normed, l.gate_up, w.gate_up);
+    if (l.form.gelu)
+      gelu_tanh_mul_into(w.gate_up, w.act);
+    else
+      silu_mul_into(w.gate_up, w.act);
+    project_into(w.act, l.down, w.down);
+  }
   if (l.post_mlp_norm) rms_norm_into(w.down, *l.post_mlp_norm, p.eps, w.down);
   if (next_norm)
     add_rms_norm_into(w.h, w.down, *next_norm, p.eps, out, out_normed);
@@ -161,9 +175,12 @@ void layer_rows(const Layer& l, const torch::Tensor& rows, const torch::Tensor& 
     torch::add_out(out, w.h, w.down);
 }
 
+// The dense MLPs' widest inner size sizes the workspace (1 where every layer is routed: experts keep their own).
 Workspace workspace_for(const torch::Tensor& rows, const torch::Tensor& n_keys, int64_t head_dim,
-                        const std::vector<torch::Tensor>& down_proj, int64_t n_heads, int64_t n_kv_heads) {
-  const int64_t inner = input_width(down_proj);
+                        const std::vector<Layer>& layers, int64_t n_heads, int64_t n_kv_heads) {
+  int64_t inner = 1;
+  for (const auto& l : layers)
+    if (!l.down.empty()) inner = std::max(inner, input_width(l.down));
   return Workspace(n_keys.size(0), n_keys.size(1), rows.size(1), n_heads, n_kv_heads, head_dim, inner,
                    rows.options());
 }
@@ -177,11 +194,12 @@ Workspace workspace_for(const torch::Tensor& rows, const torch::Tensor& n_keys, 
 torch::Tensor decoder_layer(torch::Tensor x, std::vector<std::vector<torch::Tensor>> weights, FormArgs form, double eps,
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor slots, torch::Tensor n_keys, int64_t n_heads, int64_t n_kv_heads,
-                            c10::optional<torch::Tensor> tree) {
-  const Layer layer(weights, form);
+                            c10::optional<torch::Tensor> tree, const Experts* experts) {
+  const std::vector<Layer> layers = {Layer(weights, form, experts)};
+  const Layer& layer = layers[0];
   const PassArgs p{cos, sin, cos, sin, slots, n_keys, tree, n_heads, n_kv_heads, eps};  // the caller's tables
   auto rows = x.reshape({-1, x.size(2)});
-  Workspace w = workspace_for(rows, n_keys, k_cache.size(3), layer.down, n_heads, n_kv_heads);
+  Workspace w = workspace_for(rows, n_keys, k_cache.size(3), layers, n_heads, n_kv_heads);
   auto out = torch::empty_like(rows);
   torch::Tensor unused;
   layer_rows(layer, rows, rms_norm(rows, layer.input_norm, eps), p, k_cache, v_cache, c10::nullopt, w, out, unused);
@@ -196,11 +214,14 @@ class DecoderStack {
  public:
   // layers[i] and forms[i]: layer i's weights and form (see Layer, Form); embed_scale: decode's embeddings times
   // it (Gemma's √D, rounded to bf16 as transformers rounds it; 0: unscaled).
+  // experts[i]: a routed layer's experts (None for a dense one). They stay Python's: it holds them for the model.
   DecoderStack(std::vector<std::vector<std::vector<torch::Tensor>>> layers, std::vector<FormArgs> forms,
-               torch::Tensor final_norm, double eps, int64_t n_heads, int64_t n_kv_heads, double embed_scale)
+               std::vector<const Experts*> experts, torch::Tensor final_norm, double eps, int64_t n_heads,
+               int64_t n_kv_heads, double embed_scale)
       : final_norm_(final_norm), eps_(eps), n_heads_(n_heads), n_kv_heads_(n_kv_heads), embed_scale_(embed_scale) {
-    TORCH_CHECK(!layers.empty() && layers.size() == forms.size(), "one form per layer");
-    for (size_t i = 0; i < layers.size(); i++) layers_.emplace_back(layers[i], forms[i]);
+    TORCH_CHECK(!layers.empty() && layers.size() == forms.size() && layers.size() == experts.size(),
+                "one form and one experts entry per layer");
+    for (size_t i = 0; i < layers.size(); i++) layers_.emplace_back(layers[i], forms[i], experts[i]);
   }
 
   // x [B, T, D]; k_cache, v_cache the whole KV cache [layers, rows, Hkv, L, Dh]; local_cos, local_sin the local
@@ -232,7 +253,7 @@ class DecoderStack {
         if (capture_at[j] == layer) std::memcpy(keep[j], stream.data_ptr(), row_bytes);
     };
     auto normed = rms_norm(rows, layers_[0].input_norm, eps_);
-    Workspace w = workspace_for(rows, n_keys, k_cache.size(4), layers_[0].down, n_heads_, n_kv_heads_);
+    Workspace w = workspace_for(rows, n_keys, k_cache.size(4), layers_, n_heads_, n_kv_heads_);
     // Each layer's output and its norm, alternating between two pairs: the next layer reads one pair
     // while writing the other. The last norm is the caller's, a tensor of its own.
     torch::Tensor sums[2] = {torch::empty_like(rows), torch::empty_like(rows)};
@@ -353,13 +374,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("decoder_layer", &decoder_layer, kFree, pybind11::arg("x"), pybind11::arg("weights"), pybind11::arg("form"),
           pybind11::arg("eps"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("k_cache"),
           pybind11::arg("v_cache"), pybind11::arg("slots"), pybind11::arg("n_keys"), pybind11::arg("n_heads"),
-          pybind11::arg("n_kv_heads"), pybind11::arg("tree") = pybind11::none());
+          pybind11::arg("n_kv_heads"), pybind11::arg("tree") = pybind11::none(),
+          pybind11::arg("experts") = pybind11::none());
   pybind11::class_<Experts>(mod, "Experts")
       .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<torch::Tensor>>, int64_t>())
       .def("forward", &Experts::forward, kFree);
   pybind11::class_<DecoderStack>(mod, "DecoderStack")
-      .def(pybind11::init<std::vector<std::vector<std::vector<torch::Tensor>>>, std::vector<FormArgs>, torch::Tensor,
-                          double, int64_t, int64_t, double>())
+      .def(pybind11::init<std::vector<std::vector<std::vector<torch::Tensor>>>, std::vector<FormArgs>,
+                          std::vector<const Experts*>, torch::Tensor, double, int64_t, int64_t, double>())
       .def("forward", &DecoderStack::forward, kFree, pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin"),
            pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("slots"), pybind11::arg("n_keys"),
            pybind11::arg("tree") = pybind11::none(), pybind11::arg("capture") = pybind11::none(),

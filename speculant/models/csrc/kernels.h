@@ -81,8 +81,21 @@ class Experts {
           int64_t inner);
   // x [N, D] bf16, chosen [N, k] expert ids, weights [N, k] bf16 → [N, D] bf16.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& chosen, const torch::Tensor& weights) const;
+  int64_t count() const { return (int64_t)gate_up_.size(); }
 
  private:
   std::vector<std::vector<torch::Tensor>> gate_up_, down_;
   int64_t inner_;
 };
+
+// moe.cpp: how a routed layer picks a token's experts (models/moe.py's rules): its top k by the softmax over every
+// expert (renormalised or not), or softmax over the top k logits alone.
+struct Routing {
+  int64_t top_k;
+  bool topk_softmax, renormalise;
+};
+
+// moe.cpp: MoE.forward of models/moe.py for rows x [N, D] bf16: the router's logits (its weight fp32 in f32_mm's
+// transposed layout, or bf16 in bf16_mm's), the rule, the experts → [N, D] bf16, the same ops on the same kernels.
+torch::Tensor routed_mlp(const Experts& experts, const torch::Tensor& x, const torch::Tensor& router,
+                         const Routing& routing);

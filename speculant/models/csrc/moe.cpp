@@ -3,6 +3,8 @@
 // loop computes the same, one PyTorch op at a time: bf16 products and sums rounded as PyTorch rounds them, so
 // the bits are the same whichever runs, and a row's output never depends on the other rows of the pass.
 #include "tensor.h"
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/topk.h>
 
 #include <cstring>
 #include <vector>
@@ -61,4 +63,29 @@ torch::Tensor Experts::forward(const torch::Tensor& x, const torch::Tensor& chos
     }
   }
   return out;
+}
+
+torch::Tensor routed_mlp(const Experts& experts, const torch::Tensor& x, const torch::Tensor& router,
+                         const Routing& routing) {
+  const int64_t E = experts.count();
+  // The router as kernels.PackedLinear computes it: fp32 products on the file's fp32 weights, or bf16 ones on
+  // outputs padded to 16, rounded to the activations' bf16.
+  torch::Tensor logits;
+  if (router.scalar_type() == at::kBFloat16) {
+    logits = torch::empty({x.size(0), router.size(0) * 16}, x.options());
+    project_into(x, {router}, logits);
+    logits = logits.narrow(1, 0, E);
+  } else {
+    logits = f32_mm(x.to(torch::kFloat), router).to(x.scalar_type());
+  }
+  TORCH_CHECK(logits.size(1) == E, "the router scores ", logits.size(1), " experts, the layer has ", E);
+  torch::Tensor weights, chosen;
+  if (routing.topk_softmax) {
+    auto [top, ids] = torch::topk(logits, routing.top_k, -1);
+    weights = torch::softmax(top.to(torch::kFloat), -1), chosen = ids;
+  } else {
+    std::tie(weights, chosen) = torch::topk(torch::softmax(logits.to(torch::kFloat), -1), routing.top_k, -1);
+    if (routing.renormalise) weights = weights.div(weights.sum(-1, true));
+  }
+  return experts.forward(x, chosen, weights.to(x.scalar_type()));
 }
