@@ -31,7 +31,7 @@ def build_proposer(cfg: SpeculativeConfig, target: LoadedModel, max_batch_size: 
         check_chains(cfg, draft)
         warn_if_not_cheaper(target, draft)
         if not same_vocab:
-            return cross_vocab(cfg, target, draft, max_batch_size, max_len)
+            return build_cross_vocab(cfg, target, draft, max_batch_size, max_len)
         if cfg.tree_width > 1:
             from speculant.adaptive import cost_curve_for
             from speculant.proposers.draft_model_tree import DraftModelTreeProposer
@@ -62,7 +62,7 @@ def build_proposer(cfg: SpeculativeConfig, target: LoadedModel, max_batch_size: 
     raise NotImplementedError(f"method {cfg.method!r} is not available yet")
 
 
-def cross_vocab(cfg: SpeculativeConfig, target: LoadedModel, draft: LoadedModel, max_batch_size: int,
+def build_cross_vocab(cfg: SpeculativeConfig, target: LoadedModel, draft: LoadedModel, max_batch_size: int,
                 max_len: int) -> Proposer:
     """A draft of another tokenizer: TLI or string level, said in one line (a draft sharing almost nothing
     with the target is refused in that line)."""
