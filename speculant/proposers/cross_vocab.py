@@ -44,6 +44,7 @@ class CrossVocabProposer(Proposer):
         if self.mapping == "refuse":
             raise SpeculantError(vmap.describe())
         self.vmap = vmap
+        self.vocab_mapping = vmap.summary(self.mapping)
         self.p_min, self.p_chain = p_min, p_chain
         self.vocab_size = target.config.vocab_size  # q's width
         draft_ids, target_ids = vmap.draft_ids, vmap.target_ids

@@ -102,6 +102,13 @@ class VocabMap:
             return "refuse"
         return "tli" if self.same_kind and self.share >= TLI_FROM else "string"
 
+    def summary(self, mapping: str) -> str:
+        """The mapping in a report's few words."""
+        shared = f"{self.share:.0%} of the draft's vocabulary shared"
+        if mapping == "tli":
+            return f"TLI, {shared}"
+        return f"string level for greedy requests ({'TLI' if self.same_kind else 'none'} for sampled), {shared}"
+
     def describe(self) -> str:
         """The one line a user reads at load: how the vocabularies map and why."""
         shared = (f"{self.shared:,} of the draft's {self.draft_size:,} tokens ({self.share:.0%}) are the "

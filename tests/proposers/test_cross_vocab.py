@@ -174,3 +174,26 @@ def test_the_api_says_how_it_maps_and_refuses_a_draft_sharing_almost_nothing(pat
     save_tokenizer(alien, Tokenizer(tok_models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>")))
     with pytest.raises(SpeculantError, match=r"shares almost nothing .*: 3 of the draft's 96 tokens \(3%\)"):
         LLM(str(paths["target"]), speculative_config={**spec, "model": str(alien)})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"])
+def test_smollm2_drafts_for_qwen_exactly(smollm_path, name, capsys):
+    """Real weights, another tokenizer: Qwen2.5-Coder drafted by the bundled SmolLM2-135M (byte-level BPE both,
+    TLI) writes plain greedy's tokens on a chat and a code prompt."""
+    from speculant.models.registry import MODELS, is_installed
+
+    if not is_installed(MODELS[name]):
+        pytest.skip(f"{name} is not in the cache (speculant models --fetch {name}); not fetched by the tests")
+    spec = {"method": "draft", "model": str(smollm_path), "num_speculative_tokens": 4}
+    plain_llm = LLM(name, speculative_config=None)
+    llm = LLM(name, speculative_config=spec)
+    assert "token-level intersection (TLI)" in capsys.readouterr().err
+    prompts = ["Explain in two sentences why the sky is blue.",
+               "Write a Python function that returns the n-th Fibonacci number."]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    plain = [o.token_ids for o in plain_llm.chat(chats, params)]
+    drafted = [o.token_ids for o in llm.chat(chats, params)]
+    assert drafted == plain
+    assert llm.engine.stats.num_accepted_tokens > 0
