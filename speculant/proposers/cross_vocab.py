@@ -26,7 +26,7 @@ from speculant.sampling import SamplingBatch, argmax
 from speculant.sequence import Sequence
 
 # The draft's cache holds this many tokens a target token: a draft tokenizer may need more for the same text.
-DRAFT_LEN_FACTOR = 2
+DRAFT_LEN_FACTOR = 1.5
 
 
 class CrossVocabProposer(Proposer):
@@ -68,7 +68,7 @@ class CrossVocabProposer(Proposer):
         self.draft_bos = draft.tokenizer.bos_id if draft.tokenizer.add_bos else None
         if self.draft_bos is not None:  # every sequence starts with it (add): the target's own is not fed again
             self.bridge.to_draft = {t: None if d == self.draft_bos else d for t, d in self.bridge.to_draft.items()}
-        self.capacity = DRAFT_LEN_FACTOR * max_len
+        self.capacity = int(DRAFT_LEN_FACTOR * max_len)
         self.cache = self.model.new_cache(max_batch_size, self.capacity)
         self.free = list(range(max_batch_size))
         self.slot: dict[str, int] = {}

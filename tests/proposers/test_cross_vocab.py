@@ -19,7 +19,7 @@ from speculant.proposers.retokenize import DraftText, TextBridge, TextCodec, utf
 from speculant.proposers.vocab_map import BYTE_LEVEL, OTHER, SENTENCEPIECE, VocabMap, build_vocab_map, vocab_map
 
 V = 416  # the models' rows: past the tokenizers' ~360 tokens, padding
-GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 TEXTS = ["the cat sat", "def add(a, b):", "日本語の"]
 
 
@@ -116,7 +116,7 @@ def test_greedy_with_the_draft_rules_equals_plain(models, prompts, plain):
 
 
 def test_seeded_requests_write_the_same_tokens_alone_in_a_batch_and_again(models, prompts):
-    params = [SamplingParams(temperature=0.9, top_k=40, seed=s, max_tokens=12, ignore_eos=True) for s in (3, 4, 5)]
+    params = [SamplingParams(temperature=0.9, top_k=40, seed=s, max_tokens=10, ignore_eos=True) for s in (3, 4, 5)]
 
     def seeded(draft, mapping, rows):
         engine = Engine(models["target"], draft and proposer(models, draft, mapping, batch=3), 4 if draft else 0,
@@ -174,6 +174,19 @@ def test_the_api_says_how_it_maps_and_refuses_a_draft_sharing_almost_nothing(pat
     save_tokenizer(alien, Tokenizer(tok_models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>")))
     with pytest.raises(SpeculantError, match=r"shares almost nothing .*: 3 of the draft's 96 tokens \(3%\)"):
         LLM(str(paths["target"]), speculative_config={**spec, "model": str(alien)})
+
+
+def test_bench_and_advise_note_the_mapping(models, paths):
+    from speculant.bench.suite import try_runner
+    from speculant.config import SpeculativeConfig
+
+    notes: list[str] = []
+    spec = SpeculativeConfig.parse({"method": "draft_model", "model": str(paths["sibling"]),
+                                    "num_speculative_tokens": 2})
+    runner = try_runner(models["target"], spec, 1, 64, notes)
+    assert runner is not None and runner.method == "draft_model"
+    assert notes == ["draft_model: a draft of another vocabulary, mapped by TLI, 99% of the draft's vocabulary "
+                     "shared; its acceptance is its row's"]
 
 
 @pytest.mark.slow
