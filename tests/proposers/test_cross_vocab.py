@@ -133,6 +133,22 @@ def test_seeded_requests_write_the_same_tokens_alone_in_a_batch_and_again(models
         assert stats.num_draft_tokens > 0  # string level: the sampled rows draft by TLI (the kinds match)
 
 
+def test_string_level_drafts_no_sampled_row_without_a_map(models, prompts, plain):
+    """Tokenizers of different kinds: greedy rows draft by string level, a sampled row beside them not at all."""
+    from dataclasses import replace
+
+    target, other = models["target"], models["other"]
+    vmap = replace(build_vocab_map(target.tokenizer.hf, other.tokenizer.hf, V, V), draft_kind=SENTENCEPIECE)
+    assert vmap.mapping() == "string"
+    engine = Engine(target, CrossVocabProposer(other, target, vmap, 3, 133), 4, max_batch_size=3, max_model_len=128)
+    sampled = SamplingParams(temperature=0.9, seed=1, max_tokens=12, ignore_eos=True)
+    seqs = [engine.add_request(prompts[0], GREEDY), engine.add_request(prompts[1], sampled),
+            engine.add_request(prompts[2], GREEDY)]
+    engine.generate(seqs)
+    assert [seqs[0].output_ids, seqs[2].output_ids] == [plain[0], plain[2]]
+    assert seqs[0].stats.num_draft_tokens > 0 and seqs[1].stats.num_draft_tokens == 0
+
+
 def test_the_draft_reads_the_target_text_across_split_characters(models):
     """The target's text, fed a token at a time with characters split across byte tokens, is the draft's text
     at every step."""
