@@ -8,6 +8,7 @@ from dataclasses import replace
 import torch
 
 import speculant.verify as verify_module
+from speculant.proposers.cross_vocab import CrossVocabProposer
 from speculant.proposers.draft_model import DraftModelProposer
 from speculant.sampling import DRAFT, probabilities, sample
 
@@ -315,3 +316,33 @@ def patch_state_rollback(name: str, monkeypatch) -> None:
 
 
 STATE_MUTANTS = ["state_one_position_off", "conv_window_forgotten", "stale_state_after_no_drafts"]
+
+
+class TLINotRenormalised(CrossVocabProposer):
+    """Draws from the draft's distribution over the shared tokens, renormalised, but reports q as the draft's
+    whole-vocabulary probabilities of those tokens (summing to less than 1)."""
+
+    def draw(self, logits, sb, vocab=None):
+        token, _ = super().draw(logits, sb, vocab)
+        whole = probabilities(self.model.logits(self._hidden).float(), sb)[:, 0]
+        q = whole.new_zeros(whole.shape[0], self.vocab_size).index_copy_(1, vocab, whole[:, self.map_draft])
+        return token, q
+
+    def _tli_logits(self, hidden, full):
+        self._hidden = hidden
+        return super()._tli_logits(hidden, full)
+
+
+class TLIOneIdWrong(CrossVocabProposer):
+    """Maps its drafts right, but writes q with one shared token (the likeliest in the first row) at a target id
+    the draft cannot propose."""
+
+    def draw(self, logits, sb, vocab=None):
+        token, q = super().draw(logits, sb, vocab)
+        spare = next(i for i in range(self.vocab_size) if i not in set(vocab.tolist()))
+        wrong = vocab.clone()
+        wrong[int(q[0, vocab].argmax())] = spare
+        return token, torch.zeros_like(q).index_copy_(1, wrong, q[:, vocab])
+
+
+CROSS_VOCAB_MUTANTS = {"tli_not_renormalised": TLINotRenormalised, "tli_one_id_wrong": TLIOneIdWrong}

@@ -154,7 +154,7 @@ def headline(result: BenchResult) -> list[str]:
     if cost:
         out.append(f"**Cost:** {cost}.\n")
     if result.notes:
-        out.append("Left out: " + "; ".join(result.notes) + ".\n")
+        out.append("Notes: " + "; ".join(result.notes) + ".\n")
     return out
 
 

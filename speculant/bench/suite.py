@@ -275,7 +275,12 @@ def try_runner(target: LoadedModel, spec: SpeculativeConfig | None, batch: int, 
                notes: list[str]) -> EngineRunner | None:
     """An engine runner, or None with a note when this build cannot run the proposer."""
     try:
-        return engine_runner(target, spec, batch, max_len)
+        runner = engine_runner(target, spec, batch, max_len)
+        mapping = runner.engine.proposer.vocab_mapping if runner.engine.proposer else None
+        if mapping and spec is not None:
+            notes.append(f"{spec.proposer}: a draft of another vocabulary, mapped by {mapping}; its acceptance "
+                         "is its row's")
+        return runner
     except NotImplementedError as e:
         notes.append(f"{spec.proposer} skipped: {e}")
     except SpeculantError as e:

@@ -27,9 +27,11 @@ def build_proposer(cfg: SpeculativeConfig, target: LoadedModel, max_batch_size: 
 
         draft = load_model(cfg.model, dtype=target.model.dtype, device=target.model.device,
                            quantization=target.quantization, requantize_q4_0=cfg.draft_quantization == "q4_0")
-        check_vocab(target, draft)
+        same_vocab = check_vocab(target, draft)
         check_chains(cfg, draft)
         warn_if_not_cheaper(target, draft)
+        if not same_vocab:
+            return build_cross_vocab(cfg, target, draft, max_batch_size, max_len)
         if cfg.tree_width > 1:
             from speculant.adaptive import cost_curve_for
             from speculant.proposers.draft_model_tree import DraftModelTreeProposer
@@ -58,6 +60,25 @@ def build_proposer(cfg: SpeculativeConfig, target: LoadedModel, max_batch_size: 
 
         return MTPProposer(load_mtp(target, cfg.model), target.model, max_batch_size, max_len)
     raise NotImplementedError(f"method {cfg.method!r} is not available yet")
+
+
+def build_cross_vocab(cfg: SpeculativeConfig, target: LoadedModel, draft: LoadedModel, max_batch_size: int,
+                max_len: int) -> Proposer:
+    """A draft of another tokenizer: TLI or string level, said in one line (a draft sharing almost nothing
+    with the target is refused in that line)."""
+    from speculant.models import notice
+    from speculant.proposers.cross_vocab import CrossVocabProposer
+    from speculant.proposers.vocab_map import vocab_map
+
+    if cfg.tree_width > 1:
+        raise SpeculantError(f"tree_width {cfg.tree_width}: a draft of another vocabulary drafts in chains "
+                             "(tree_width 1)")
+    vmap = vocab_map(target.tokenizer.hf, draft.tokenizer.hf, target.config.vocab_size, draft.config.vocab_size)
+    if vmap.mapping() == "refuse":
+        raise SpeculantError(vmap.describe())
+    notice.log.info(vmap.describe())
+    return CrossVocabProposer(draft, target, vmap, max_batch_size, max_len, vocab_size=cfg.draft_vocab_size,
+                              p_min=cfg.draft_p_min, p_chain=cfg.draft_p_chain)
 
 
 def check_chains(cfg: SpeculativeConfig, model: LoadedModel) -> None:

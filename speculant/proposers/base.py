@@ -159,6 +159,8 @@ class Proposer:
     capture: tuple[int, ...] | None = None
     # Drafts a row may get beyond the k asked for: a tree's other candidates (they add width, not depth).
     extra_nodes = 0
+    # How a draft of another vocabulary maps to the target's (cross_vocab.py), as reports name it; None: no map.
+    vocab_mapping: str | None = None
 
     def extra_nodes_at(self, batch_size: int) -> int:
         """The drafts beyond k a row brings to a pass of this batch size (a proposer may draft trees for a

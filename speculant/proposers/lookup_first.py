@@ -30,6 +30,7 @@ class LookupFirstProposer(Proposer):
         self.name = "+".join((method, "lookup", *behind, *options))  # as SpeculativeConfig.proposer names it
         self.extra_nodes = model.extra_nodes
         self.capture = model.capture
+        self.vocab_mapping = model.vocab_mapping
 
     def extra_nodes_at(self, batch_size: int) -> int:
         return self.model.extra_nodes_at(batch_size)

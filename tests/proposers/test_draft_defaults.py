@@ -68,10 +68,9 @@ def test_a_draft_larger_than_its_target_is_warned_about(tiny_pair):
         warn_if_not_cheaper(draft, target)
 
 
-def test_the_bundled_model_cannot_draft_for_the_qwen_target(smollm_path):
+def test_the_bundled_model_drafts_for_the_qwen_target_across_vocabularies(smollm_path):
     name = "qwen2.5-coder-0.5b-instruct"
     if not is_installed(MODELS[name]):
         pytest.skip(f"{name} is not in the cache: speculant models --fetch {name}")
     qwen = load_model(name, dtype="auto", quantization="auto")
-    with pytest.raises(SpeculantError, match="draft and target vocabularies differ"):
-        check_vocab(qwen, load_model(smollm_path, dtype="auto", quantization="auto"))
+    assert check_vocab(qwen, load_model(smollm_path, dtype="auto", quantization="auto")) is False
