@@ -16,9 +16,9 @@ from speculant.config import SamplingParams
 from speculant.engine import Engine
 from speculant.models.loader import load_model
 from speculant.proposers.ngram import NgramProposer
-from speculant.server.auditor import Auditor, AuditSettings, audit_rate, audit_settings_from_args
+from speculant.server.bridge.auditor import Auditor, AuditSettings, audit_rate, audit_settings_from_args
 from speculant.server.cli import add_arguments
-from speculant.server.metrics import ServerMetrics
+from speculant.server.http.metrics import ServerMetrics
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 

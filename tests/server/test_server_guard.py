@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from speculant.errors import SpeculantError
-from speculant.server.guard import ServerLimits, allowed_host_names, host_name
+from speculant.server.http.guard import ServerLimits, allowed_host_names, host_name
 
 KEY = "k-123"
 
 
 def app_for(limits: ServerLimits, api_key: str | None = KEY, bind_host: str | None = None):
-    from speculant.server.app import create_app
+    from speculant.server.http.app import create_app
 
     engine = SimpleNamespace(tokenizer=None, k=0, max_batch_size=2, max_model_len=16, proposer=None, proposer_name=None,
                              scheduler=SimpleNamespace(policy=None),
@@ -68,7 +68,7 @@ def serve_args(*argv: str) -> argparse.Namespace:
 
 
 def test_limit_flags():
-    from speculant.server.guard import limits_from_args
+    from speculant.server.http.guard import limits_from_args
 
     limits = limits_from_args(serve_args("--max-body-bytes", "1000", "--max-request-sequences", "8",
                                          "--max-request-tokens", "4096", "--request-timeout", "30",

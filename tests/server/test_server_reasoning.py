@@ -174,7 +174,7 @@ def test_a_constrained_answer_is_all_answer(engine):
     """response_format or a required call constrains the whole answer (its grammar starts at the first token), so
     no part of it is a thought, even where the prompt opened one: no parser for such a request."""
     from speculant.config import StructuredOutputsParams
-    from speculant.server.core import OpenAIServer
+    from speculant.server.bridge.core import OpenAIServer
 
     server = OpenAIServer(engine, ["thinker"])
     opened = engine.tokenizer.encode_chat([{"role": "user", "content": "hi"}], template_kwargs={"open_thought": True})

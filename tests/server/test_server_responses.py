@@ -10,7 +10,7 @@ import pytest
 from conftest import server_engine
 from test_server import openai_client
 
-from speculant.server.store import ResponseStore
+from speculant.server.responses.store import ResponseStore
 
 openai = pytest.importorskip("openai")
 
@@ -140,8 +140,8 @@ def test_bad_requests_get_openai_errors(client):
 
 
 def test_the_store_takes_its_bounds_from_the_serve_flags(engine):
-    from speculant.server.core import OpenAIServer
-    from speculant.server.guard import ServerLimits
+    from speculant.server.bridge.core import OpenAIServer
+    from speculant.server.http.guard import ServerLimits
 
     server = OpenAIServer(engine, ["smollm"], ServerLimits(responses_store_size=2, responses_store_age_s=60))
     assert (server.responses.size, server.responses.max_age_s) == (2, 60)
@@ -170,7 +170,7 @@ def test_auto_tool_prompt_lets_the_model_answer_in_text():
 
 
 def test_parallel_calls_in_one_answer_are_separate_items():
-    from speculant.server.responses import output_items
+    from speculant.server.responses.routes import output_items
     from speculant.structured.tools import SMOLLM2
 
     text = ('<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '

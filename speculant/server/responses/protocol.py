@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from speculant.config import StructuredOutputsParams
-from speculant.server.protocol import FunctionName, SamplingRequest
+from speculant.server.openai.protocol import FunctionName, SamplingRequest
 
 
 class Lenient(BaseModel):
@@ -89,9 +89,9 @@ class TextConfig(BaseModel):
 
 
 class ResponsesRequest(SamplingRequest):
-    input: str | list[dict] = Field(min_length=1)  # items are checked one by one (responses.py: input_items)
+    input: str | list[dict] = Field(min_length=1)  # items are checked one by one (routes.py: input_items)
     instructions: str | None = None
-    tools: list[dict] | None = None  # checked in responses.py: only type "function" runs here
+    tools: list[dict] | None = None  # checked in routes.py: only type "function" runs here
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
@@ -153,7 +153,7 @@ class ReasoningText(BaseModel):
 
 
 class OutputReasoning(BaseModel):
-    """A thinking model's thought (reasoning.py), as OpenAI and vLLM write it: no summary, its text as content."""
+    """A thinking model's thought (chat/reasoning.py), as OpenAI and vLLM write it: no summary, its text as content."""
 
     type: Literal["reasoning"] = "reasoning"
     id: str

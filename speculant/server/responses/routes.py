@@ -3,7 +3,7 @@
 A request's input items (messages, function calls, their outputs) become chat messages, after the conversation
 of its previous_response_id where it names one; the whole goes through the chat template as a chat completion
 does, so a continued conversation's prompt starts with the one before it and its keys come from the prefix
-cache. Tools, tool_choice and text.format are chat's (completions.py: the same tool prompt, the same grammars,
+cache. Tools, tool_choice and text.format are chat's (chat/prompt.py: the same tool prompt, the same grammars,
 exact under speculation). Only `function` tools run here: other types are refused with a 400 naming them.
 Stored responses live in memory (store.py), bounded in count and age; `store: false` keeps nothing.
 """
@@ -19,12 +19,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
-from speculant.server.completions import chat_prompt, request_template_kwargs, structured_output
-from speculant.server.core import OpenAIServer
-from speculant.server.http import ERROR_RESPONSES, APIError, api_error, parse_body
-from speculant.server.protocol import tool_mode
-from speculant.server.reasoning import ReasoningParser, reasoning_tokens
-from speculant.server.responses_protocol import (
+from speculant.server.bridge.core import OpenAIServer
+from speculant.server.bridge.worker import Delta, EngineFailure, RequestStream, RequestTimedOut, ShuttingDown
+from speculant.server.chat.prompt import chat_prompt, request_template_kwargs, structured_output, tool_mode
+from speculant.server.chat.reasoning import ReasoningParser, reasoning_tokens
+from speculant.server.http.errors import ERROR_RESPONSES, APIError, api_error, parse_body
+from speculant.server.responses.protocol import (
     DeletedResponse,
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -43,8 +43,7 @@ from speculant.server.responses_protocol import (
     ResponsesRequest,
     ResponseUsage,
 )
-from speculant.server.store import Stored
-from speculant.server.worker import Delta, EngineFailure, RequestStream, RequestTimedOut, ShuttingDown
+from speculant.server.responses.store import Stored
 from speculant.structured.tools import ToolCallStream, ToolFormat, tool_format
 
 router = APIRouter()
@@ -260,7 +259,7 @@ class Events:
 
 async def stream_events(server: OpenAIServer, run: Run, stream: RequestStream) -> AsyncIterator[str]:
     """response.created, .in_progress; a thought as a reasoning item (its deltas streamed, held back where a
-    tag may be starting: reasoning.py); the text as one message item (its deltas streamed while no call may be
+    tag may be starting: chat/reasoning.py); the text as one message item (its deltas streamed while no call may be
     starting: ToolCallStream); then a function_call item per call; response.completed."""
     event, out = Events(), StreamedItems()
     yield event("response.created", response=run.response(server, "in_progress"))

@@ -1,12 +1,12 @@
 """The OpenAI-compatible HTTP API over one engine: the FastAPI app, its routes and its error handlers.
 
-POST /v1/completions, POST /v1/chat/completions (completions.py), GET /v1/models, GET /health, GET /metrics
-(info.py), POST /tokenize, POST /detokenize (tokens.py), POST /v1/responses, GET and DELETE
-/v1/responses/{id} (responses.py). Requests first pass the guard (guard.py: host, key,
+POST /v1/completions, POST /v1/chat/completions (openai/routes.py), GET /v1/models, GET /health, GET /metrics
+(info.py), POST /tokenize, POST /detokenize (tokens/routes.py), POST /v1/responses, GET and DELETE
+/v1/responses/{id} (responses/routes.py). Requests first pass the guard (guard.py: host, key,
 content type, body size and time). Handlers validate, tokenize (in a thread: the event loop keeps answering)
-and hand the request to the engine thread (core.py, worker.py); they never touch the engine themselves. Every
-error leaves as the OpenAI error body with a 4xx/5xx status; a 5xx says only which request failed, the log
-says why.
+and hand the request to the engine thread (bridge/core.py, bridge/worker.py); they never touch the engine
+themselves. Every error leaves as the OpenAI error body with a 4xx/5xx status; a 5xx says only which request
+failed, the log says why.
 """
 
 from __future__ import annotations
@@ -22,13 +22,17 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from speculant.engine import Engine
-from speculant.server import completions, info, responses, tokens
-from speculant.server.auditor import AuditSettings
-from speculant.server.core import OpenAIServer, default_model_name
-from speculant.server.guard import RequestGuard, ServerLimits, allowed_host_names, header_timeout_protocol
-from speculant.server.http import APIError, error_response, internal_error
-from speculant.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from speculant.server.responses_protocol import ResponsesRequest
+from speculant.server.bridge.auditor import AuditSettings
+from speculant.server.bridge.core import OpenAIServer, default_model_name
+from speculant.server.http import info
+from speculant.server.http.errors import APIError, error_response, internal_error
+from speculant.server.http.guard import RequestGuard, ServerLimits, allowed_host_names, header_timeout_protocol
+from speculant.server.openai import routes as completions
+from speculant.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from speculant.server.responses import routes as responses
+from speculant.server.responses.protocol import ResponsesRequest
+from speculant.server.tokens import routes as tokens
+from speculant.server.tokens.protocol import DetokenizeRequest, TokenizeRequest
 
 log = logging.getLogger("speculant.server")
 
@@ -54,7 +58,7 @@ def create_app(engine: Engine, served_model_names: list[str] | None = None, api_
                audit: AuditSettings | None = None, reasoning_parser: str = "auto") -> FastAPI:
     """The FastAPI app behind its guard (the returned app's `.state.server` is the OpenAIServer). The engine
     thread starts and stops with the app's lifespan. `audit`: the lossless audit and the record file
-    (auditor.py; default off); `reasoning_parser`: reasoning.py's REASONING_PARSERS."""
+    (bridge/auditor.py; default off); `reasoning_parser`: chat/reasoning.py's REASONING_PARSERS."""
     limits = limits or ServerLimits()
     server = OpenAIServer(engine, served_model_names or [default_model_name(engine)], limits, audit, reasoning_parser)
 

@@ -25,7 +25,7 @@ from speculant.engine import Engine
 from speculant.errors import SpeculantError
 from speculant.output import StepOutput
 from speculant.sequence import Sequence
-from speculant.server.metrics import ServerMetrics
+from speculant.server.http.metrics import ServerMetrics
 
 log = logging.getLogger("speculant.audit")
 

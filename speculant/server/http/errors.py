@@ -4,16 +4,30 @@ parsing, server-sent events."""
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from speculant.errors import SpeculantError
-from speculant.server.protocol import ErrorInfo, ErrorResponse, SamplingRequest
-from speculant.server.worker import EngineFailure, Overloaded, RequestTimedOut, ShuttingDown
+from speculant.server.bridge.worker import EngineFailure, Overloaded, RequestTimedOut, ShuttingDown
+
+if TYPE_CHECKING:
+    from speculant.server.openai.protocol import SamplingRequest
 
 log = logging.getLogger("speculant.server")
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
 
 ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": why} for status, why in {
     400: "invalid request, or one asking for more than this server's limits",

@@ -41,7 +41,7 @@ class ServerLimits:
     public_metrics: bool = False  # /metrics without the API key, for a scraper
     # Requests beyond the batch's rows that may wait for one; more get a 429 with Retry-After. None: no bound.
     max_waiting_requests: int | None = 256
-    # The Responses API's stored responses (store.py): at most this many, none older; the oldest go first.
+    # The Responses API's stored responses (responses/store.py): at most this many, none older; the oldest go first.
     responses_store_size: int = 1000
     responses_store_age_s: float = 3600.0
 
