@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from speculant.errors import SpeculantError
 from speculant.server.bridge.worker import EngineFailure, Overloaded, RequestTimedOut, ShuttingDown
+from speculant.server.http.guard import anthropic_error, anthropic_path
 
 if TYPE_CHECKING:
     from speculant.server.openai.protocol import SamplingRequest
@@ -52,8 +53,11 @@ class APIError(Exception):
         self.headers = headers
 
 
-def error_response(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(ErrorResponse(error=err.info).model_dump(), status_code=err.status, headers=headers)
+def error_response(err: APIError, headers: dict[str, str] | None = None, path: str = "") -> JSONResponse:
+    """The error as the surface at `path` writes it: Anthropic's shape on the Messages API, else OpenAI's."""
+    body = anthropic_error(err.status, err.info.message) if anthropic_path(path) \
+        else ErrorResponse(error=err.info).model_dump()
+    return JSONResponse(body, status_code=err.status, headers=headers)
 
 
 def internal_error(request_id: str) -> APIError:
