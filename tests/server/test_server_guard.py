@@ -109,3 +109,20 @@ def test_top_k_is_bounded_where_the_request_is_made():
     for bad in (MAX_TOP_K + 1, 2**63, -2):
         with pytest.raises(SpeculantError, match="top_k"):
             SamplingParams(top_k=bad)
+
+
+def test_anthropics_key_header_and_error_shape():
+    """x-api-key (Anthropic's clients) opens the same door as the bearer token; on the Messages API's routes a
+    refusal has Anthropic's body, elsewhere OpenAI's."""
+    app = app_for(ServerLimits())
+    assert get(app, "/v1/models", {"x-api-key": KEY}).status_code == 200
+    assert get(app, "/v1/models", {"x-api-key": "wrong"}).status_code == 401
+    assert get(app, "/v1/models", {"x-api-key": "wrong", "Authorization": f"Bearer {KEY}"}).status_code == 200
+    refused = get(app, "/v1/messages")
+    assert refused.status_code == 401 and refused.json() == {"type": "error", "error": {
+        "type": "authentication_error", "message": refused.json()["error"]["message"]}}
+    assert "x-api-key" in refused.json()["error"]["message"]
+    wrong_method = get(app, "/v1/messages", {"x-api-key": KEY, "anthropic-version": "2023-06-01"})
+    assert wrong_method.status_code == 405 and wrong_method.json()["type"] == "error"
+    assert get(app, "/v1/messages/nope", {"x-api-key": KEY}).json()["error"]["type"] == "not_found_error"
+    assert get(app, "/v1/models/nope", {"x-api-key": KEY}).json()["error"]["code"] is None  # OpenAI's shape
