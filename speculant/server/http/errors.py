@@ -1,5 +1,5 @@
-"""What every endpoint shares: the OpenAI error body, the HTTP face of the engine's errors, strict body
-parsing, server-sent events."""
+"""What every endpoint shares: the error body (OpenAI's; Anthropic's on the Messages API's routes), the HTTP
+face of the engine's errors, strict body parsing, server-sent events."""
 
 from __future__ import annotations
 
