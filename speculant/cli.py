@@ -17,7 +17,7 @@ from speculant.models.loader import CUDA_GRAPHS_ENV
 
 # Subcommands that live with their feature: module path → it defines add_arguments(p) and run(args).
 FEATURE_COMMANDS = {
-    "serve": ("speculant.server.cli", "OpenAI-compatible HTTP server with speculative decoding"),
+    "serve": ("speculant.server.cli", "OpenAI- and Anthropic-compatible HTTP server with speculative decoding"),
     "bench": ("speculant.bench.cli", "side-by-side benchmark: speed-up per k, batch size, proposer"),
     "advise": ("speculant.bench.advise", "short run that says whether speculation pays on this setup"),
     "train-draft": ("speculant.training.cli", "train an EAGLE-style head or a distilled draft model"),

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 import torch
 
 from speculant.adaptive import AdaptiveK
+from speculant.grammar_steps import forced_drafts
 from speculant.proposers import Proposal, Proposer, TargetHidden
 from speculant.proposers.base import merged
 from speculant.sampling import SamplingBatch
 from speculant.sequence import Sequence
-from speculant.structured.steps import forced_drafts
 
 log = logging.getLogger("speculant")
 

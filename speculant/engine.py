@@ -22,6 +22,7 @@ from speculant.config import SamplingParams
 from speculant.context import cache_len, resolve_max_model_len
 from speculant.drafting import Drafter
 from speculant.errors import SpeculantError
+from speculant.grammar_steps import constrain_logits, drop_forbidden, settle_grammars
 from speculant.models import native
 from speculant.models.loader import LoadedModel
 from speculant.models.tokenizer import Detokenizer
@@ -33,7 +34,6 @@ from speculant.runner import ModelRunner, Scored
 from speculant.sampling import SamplingBatch, request_key
 from speculant.scheduler import DEFAULT_PREFILL_CHUNK, ChunkSizer, Prefill, Scheduler
 from speculant.sequence import Sequence, SpecStats, TokenLogprob, check_prompt
-from speculant.structured.steps import constrain_logits, drop_forbidden, settle_grammars
 from speculant.timing import EngineTiming, SpecMetricsLog
 from speculant.verify import verify_proposal
 

@@ -110,10 +110,11 @@ def cut_at_stop_string(seq: Sequence, searched: int) -> bool:
     finish the sequence."""
     longest = max(len(s) for s in seq.params.stop)
     start = max(0, searched - longest + 1)
-    hits = [i for i in (seq.text.find(s, start) for s in seq.params.stop) if i >= 0]
+    hits = [(i, s) for s in seq.params.stop if (i := seq.text.find(s, start)) >= 0]
     if not hits:
         return False
-    seq.text = seq.text[:min(hits)]
+    at, seq.stop_string = min(hits, key=lambda hit: hit[0])
+    seq.text = seq.text[:at]
     finish(seq, "stop")
     return True
 

@@ -113,6 +113,7 @@ class Sequence:
     # One per prompt token, the first None (nothing predicts it), if asked; set once the prompt is fed.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: str | None = None
+    stop_string: str | None = None  # the stop string that ended it, where one did (Anthropic's stop_sequence)
     stats: SpecStats = field(default_factory=SpecStats)
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None

@@ -53,7 +53,7 @@ class GrammarOnTargetOnly(DraftModelProposer):
 
 
 def patch_grammar(name: str, monkeypatch) -> None:
-    """Break the target's grammar masks (structured.steps.constrain_logits, GrammarState.masks_along)."""
+    """Break the target's grammar masks (grammar_steps.constrain_logits, GrammarState.masks_along)."""
     from speculant.structured.grammar import GrammarState
 
     if name == "mask_at_committed_state":  # every draft position masked as if no draft came before it

@@ -84,3 +84,36 @@ def test_a_cycle_is_found():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert find_cycle(graph) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+UPPER = ("speculant.engine", "speculant.drafting", "speculant.grammar_steps", "speculant.scheduler", "speculant.server",
+         "speculant.llm", "speculant.runner", "speculant.cli", "speculant.arguments", "speculant.bench",
+         "speculant.training", "speculant.audit")
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for dep in graph[todo.pop()] - seen:
+            seen.add(dep)
+            todo.append(dep)
+    return seen
+
+
+def test_grammars_proposers_and_models_reach_nothing_of_the_engine_or_server():
+    """structured/, proposers/ and models/ are the engine's parts: not one of their imports, however indirect,
+    leads back up into the engine, its scheduler, the server or the tools above them."""
+    graph = import_graph()
+    up = {name: sorted(d for d in reachable(graph, name) if d.startswith(UPPER))
+          for name in graph if name.startswith(("speculant.structured", "speculant.proposers", "speculant.models"))}
+    assert not any(up.values()), {name: deps for name, deps in up.items() if deps}
+
+
+def test_structured_stands_on_config_and_models_alone():
+    """Grammars and tool formats know the request's settings (config.py) and the models' tokenizers, nothing of how
+    a step drafts or samples: the step's grammar hooks live beside the drafting step (grammar_steps.py)."""
+    graph = import_graph()
+    below = ("speculant.structured", "speculant.config", "speculant.defaults", "speculant.errors", "speculant.models")
+    up = {name: sorted(d for d in reachable(graph, name) if not d.startswith(below))
+          for name in graph if name.startswith("speculant.structured")}
+    assert not any(up.values()), {name: deps for name, deps in up.items() if deps}

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import httpx
 import psutil
 
-from speculant.server.loadtest import PROMPTS
+from speculant.bench.loadtest import PROMPTS
 
 NGINX_CONF = """worker_processes 1; daemon off; pid {root}/nginx.pid; error_log {root}/error.log;
 events {{}}

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from speculant.arguments import whole_number
 from speculant.bench.peers import LlamaServer, _free_port, _stop, llama_server_binary
-from speculant.server.replicas import REPLICA_HEADER, wait_for_replicas
+from speculant.server.scaleout.replicas import REPLICA_HEADER, wait_for_replicas
 
 WORKLOADS = ("conversation", "system", "concurrent", "long-prompt")
 START_S = 900  # a fresh machine builds the kernels and measures the cost curve before the server answers

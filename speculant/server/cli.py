@@ -10,11 +10,11 @@ import socket
 
 from speculant.arguments import add_model_arguments, engine_from_args, speculative_config_from_args, whole_number
 from speculant.errors import SpeculantError
-from speculant.server.auditor import audit_rate, audit_settings_from_args
-from speculant.server.guard import ServerLimits, limits_from_args
-from speculant.server.reasoning import REASONING_PARSERS
-from speculant.server.replicas import check_replicas, cpu_count
-from speculant.server.routing import DEFAULT_IMBALANCE
+from speculant.server.bridge.auditor import audit_rate, audit_settings_from_args
+from speculant.server.chat.reasoning import REASONING_PARSERS
+from speculant.server.http.guard import ServerLimits, limits_from_args
+from speculant.server.scaleout.replicas import check_replicas, cpu_count
+from speculant.server.scaleout.routing import DEFAULT_IMBALANCE
 
 log = logging.getLogger("speculant.server")
 
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> None:
     import uvicorn
 
     from speculant.models.loader import check_model_path
-    from speculant.server.app import Server, create_app
+    from speculant.server.http.app import Server, create_app
 
     if args.model_tag:
         args.model = args.model_tag
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> None:
     threads = check_replicas(args.replicas, args.threads, None if os.environ.get("RAY_ADDRESS") else cpu_count())
     check_port_free(args.host, args.port)
     if args.replicas > 1:
-        from speculant.server.ray_serve import serve_replicas
+        from speculant.server.scaleout.ray_serve import serve_replicas
 
         return serve_replicas(args, args.replicas, threads)
     engine = engine_from_args(args)

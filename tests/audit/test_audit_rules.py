@@ -16,9 +16,9 @@ from speculant.config import SamplingParams
 from speculant.engine import Engine
 from speculant.models.loader import load_model
 from speculant.proposers.ngram import NgramProposer
-from speculant.server.auditor import Auditor, AuditSettings, audit_rate, audit_settings_from_args
+from speculant.server.bridge.auditor import Auditor, AuditSettings, audit_rate, audit_settings_from_args
 from speculant.server.cli import add_arguments
-from speculant.server.metrics import ServerMetrics
+from speculant.server.http.metrics import ServerMetrics
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -110,3 +110,46 @@ def test_the_auditor_waits_for_a_spare_row_with_no_live_request_waiting(target):
                 auditor.observe(out)
     assert metrics.audit.labels("m", "match")._value.get() == 1
     assert job.seq.output_ids == done.output_ids and job.seq.stats.num_draft_tokens == 0
+
+
+def test_a_re_decode_given_up_for_live_requests_is_retried(target):
+    """Live requests that need the re-decode's row preempt it; it goes back to the queue's front and runs again
+    once rows are spare, MAX_TRIES times before it counts as skipped."""
+    from speculant.server.bridge import auditor as audit_module
+
+    tries = getattr(audit_module, "MAX_TRIES", 3)
+    engine = Engine(target, proposer=NgramProposer(1, 6), num_speculative_tokens=4, max_batch_size=2,
+                    max_model_len=128)
+    metrics = ServerMetrics("m", engine.k)
+    auditor = Auditor(engine, metrics, AuditSettings(rate=1.0))
+
+    def step() -> None:
+        for out in engine.step():
+            if auditor.owns(out.seq):
+                auditor.observe(out)
+
+    def preempt() -> None:
+        """The re-decode starts; two live requests then want both rows."""
+        auditor.admit()
+        (job,) = auditor.running.values()
+        seq = job.seq
+        step()
+        live = [engine.add_request([9, 10, 11], GREEDY), engine.add_request([12, 13], GREEDY)]
+        step()
+        assert seq.finish_reason == "abort" and not auditor.running
+        engine.generate(live)
+
+    done = engine.generate([engine.add_request([5, 6, 7, 5, 6, 7], GREEDY, "live-0")])[0]
+    auditor.offer(done, "live")
+    preempt()
+    assert len(auditor.backlog) == 1 and auditor.backlog[0].tries == 1
+    auditor.admit()
+    while auditor.running:
+        step()
+    assert metrics.audit.labels("m", "match")._value.get() == 1
+    assert metrics.audit_skipped.labels("m", "preempted")._value.get() == 0
+
+    auditor.offer(done, "live")
+    for _ in range(tries):
+        preempt()
+    assert not auditor.backlog and metrics.audit_skipped.labels("m", "preempted")._value.get() == 1

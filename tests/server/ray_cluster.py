@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from speculant.server.replicas import wait_for_replicas
+from speculant.server.scaleout.replicas import wait_for_replicas
 
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -1,4 +1,4 @@
-"""The reasoning parser (speculant/server/reasoning.py) on piece sequences: every way to cut an answer into pieces
+"""The reasoning parser (speculant/server/chat/reasoning.py) on piece sequences: every way to cut an answer into pieces
 gives the whole answer's split; a tag split across pieces never leaks; broken splitters are caught."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from speculant.server.reasoning import (
+from speculant.server.chat.reasoning import (
     THINK,
     ReasoningParser,
     ThoughtSplitter,

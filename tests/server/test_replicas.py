@@ -20,7 +20,7 @@ import pytest
 from ray_cluster import AUTH, free_port, need_ray_on_loopback, two_replicas, wait_until
 
 from speculant.errors import SpeculantError
-from speculant.server.replicas import (
+from speculant.server.scaleout.replicas import (
     REPLICA_HEADER,
     REPLICA_LOST,
     SESSION_HEADER,
@@ -134,8 +134,8 @@ class EngineThatDies:
 
 
 def dead_worker():
-    from speculant.server.metrics import ServerMetrics
-    from speculant.server.worker import EngineWorker
+    from speculant.server.bridge.worker import EngineWorker
+    from speculant.server.http.metrics import ServerMetrics
 
     worker = EngineWorker(EngineThatDies(), ServerMetrics("m"))
     worker.start()
@@ -148,7 +148,7 @@ def test_rays_health_check_fails_once_the_engine_thread_died():
     pytest.importorskip("ray.serve", reason="ray is not installed")
     from types import SimpleNamespace
 
-    from speculant.server.ray_serve import EngineReplica
+    from speculant.server.scaleout.ray_serve import EngineReplica
 
     worker = dead_worker()
     assert not worker.alive
@@ -216,7 +216,7 @@ def test_label_sample_puts_the_replica_first():
 
 
 def replica_metrics(prompt_tokens: int, finished: int) -> str:
-    from speculant.server.metrics import ServerMetrics
+    from speculant.server.http.metrics import ServerMetrics
 
     m = ServerMetrics("smollm", num_speculative_tokens=2)
     m.observe_admitted(prompt_tokens)

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from ray_cluster import AUTH, two_replicas, wait_until
 
-from speculant.server.replicas import REPLICA_HEADER
+from speculant.server.scaleout.replicas import REPLICA_HEADER
 
 prom_parser = pytest.importorskip("prometheus_client.parser")
 

@@ -1,4 +1,4 @@
-"""Prefix-aware routing across replicas (speculant/server/routing.py): a prompt's chain of block hashes, a
+"""Prefix-aware routing across replicas (speculant/server/scaleout/routing.py): a prompt's chain of block hashes, a
 replica's ledger of what its prefix cache holds, the choice with its load rule, the proxy's hint and the
 replica's record, without Ray; the router on Ray Serve's RequestRouter with stub replicas where Ray is
 installed. The slow suite against a real `speculant serve --replicas 2` is tests/server/test_replicas_routing.py.
@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from speculant.server import routing
-from speculant.server.routing import (
+from speculant.server.scaleout import routing
+from speculant.server.scaleout.routing import (
     BLOCK_CHARS,
     MAX_BODY_BYTES,
     PREFIX_HEADER,
@@ -293,7 +293,7 @@ def stub_replica(uid: str, hashes: list[int]):
 
 def stub_router(imbalance: int = 4, queues: dict | None = None):
     pytest.importorskip("ray.serve", reason="ray is not installed")
-    from speculant.server.ray_serve import PrefixAffinityRouter
+    from speculant.server.scaleout.ray_serve import PrefixAffinityRouter
 
     router = object.__new__(PrefixAffinityRouter)
     router.initialize_state(imbalance=imbalance)
@@ -311,7 +311,7 @@ def pending(request_id: str, chain: list[int] = (), session: str = ""):
 
 def test_the_ray_router_ranks_the_holder_first():
     pytest.importorskip("ray.serve", reason="ray is not installed")
-    from speculant.server.ray_serve import request_chain
+    from speculant.server.scaleout.ray_serve import request_chain
 
     held, _, a2 = ledgers()
     r1, r2 = stub_replica("r1", sorted(held["r1"])), stub_replica("r2", sorted(held["r2"]))
@@ -367,7 +367,7 @@ def test_the_holder_is_tried_alone_while_it_has_room_then_with_the_others(caplog
     held, _, a2 = ledgers()
     r1, r2 = stub_replica("r1", sorted(held["r1"])), stub_replica("r2", sorted(held["r2"]))
     router = stub_router(queues={"r1": 1, "r2": 0})
-    from speculant.server.ray_serve import HOME_TRIES
+    from speculant.server.scaleout.ray_serve import HOME_TRIES
 
     request = pending("q", a2)
     tries = [asyncio.run(router.choose_replicas([r1, r2], request)) for _ in range(HOME_TRIES + 1)]

@@ -34,7 +34,7 @@ GREEDY = dict(temperature=0)
 @contextmanager
 def serving(app, shutdown_timeout_s: float = 5):
     """uvicorn on a free loopback port in a background thread; yields the base URL and the server."""
-    from speculant.server.app import Server
+    from speculant.server.http.app import Server
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -64,7 +64,7 @@ def openai_client(engine, name: str = "smollm"):
     """The OpenAI client against a live server of `engine` under `name`, as a user's code would hold it."""
     import openai
 
-    from speculant.server.app import create_app
+    from speculant.server.http.app import create_app
 
     with live_server(create_app(engine, [name])) as base:
         yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
@@ -89,7 +89,7 @@ def engine(smollm_path):
 
 @pytest.fixture(scope="module")
 def url(engine):
-    from speculant.server.app import create_app
+    from speculant.server.http.app import create_app
 
     with live_server(create_app(engine, ["smollm"], api_key=API_KEY)) as base:
         yield base
@@ -384,7 +384,7 @@ def test_startup_errors_fail_with_one_line_before_binding(args, says):
 def test_shutdown_ends_in_flight_requests_with_a_clean_error(tmp_path, monkeypatch):
     """The drain gives in-flight requests 0.2 s, then ends them with an error event, not a cut connection."""
     from speculant.llm import build_engine
-    from speculant.server.app import create_app
+    from speculant.server.http.app import create_app
 
     engine = build_engine(str(save_tiny(tmp_path / "tiny", seed=5)), max_model_len=512)
     slow_steps(monkeypatch, engine)  # 500 tokens, one a step: 25 s
@@ -463,7 +463,7 @@ def test_answer_history_spans_requests(smollm_path):
     """With "history_tokens" the server's proposer keeps answers across requests: the same question
     again gets the same answer, drafted from the first one."""
     from speculant.llm import build_engine
-    from speculant.server.app import create_app
+    from speculant.server.http.app import create_app
 
     spec = {"method": "ngram", "num_speculative_tokens": 6, "history_tokens": 100_000}
     engine = build_engine(str(smollm_path), speculative_config=spec, max_model_len=MAX_MODEL_LEN)

@@ -15,8 +15,8 @@ from mutants import flip_verified_token
 from test_server import grew, live_server, metric, scrape
 
 from speculant.cli import main
-from speculant.server.app import create_app
-from speculant.server.auditor import AuditSettings
+from speculant.server.bridge.auditor import AuditSettings
+from speculant.server.http.app import create_app
 
 MAX_MODEL_LEN = 512
 PROMPT = "Repeat after me: one two three four five, one two three four five, one two three four five,"

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from speculant.errors import SpeculantError
-from speculant.server.guard import ServerLimits, allowed_host_names, host_name
+from speculant.server.http.guard import ServerLimits, allowed_host_names, host_name
 
 KEY = "k-123"
 
 
 def app_for(limits: ServerLimits, api_key: str | None = KEY, bind_host: str | None = None):
-    from speculant.server.app import create_app
+    from speculant.server.http.app import create_app
 
     engine = SimpleNamespace(tokenizer=None, k=0, max_batch_size=2, max_model_len=16, proposer=None, proposer_name=None,
                              scheduler=SimpleNamespace(policy=None),
@@ -68,7 +68,7 @@ def serve_args(*argv: str) -> argparse.Namespace:
 
 
 def test_limit_flags():
-    from speculant.server.guard import limits_from_args
+    from speculant.server.http.guard import limits_from_args
 
     limits = limits_from_args(serve_args("--max-body-bytes", "1000", "--max-request-sequences", "8",
                                          "--max-request-tokens", "4096", "--request-timeout", "30",
@@ -109,3 +109,20 @@ def test_top_k_is_bounded_where_the_request_is_made():
     for bad in (MAX_TOP_K + 1, 2**63, -2):
         with pytest.raises(SpeculantError, match="top_k"):
             SamplingParams(top_k=bad)
+
+
+def test_anthropics_key_header_and_error_shape():
+    """x-api-key (Anthropic's clients) opens the same door as the bearer token; on the Messages API's routes a
+    refusal has Anthropic's body, elsewhere OpenAI's."""
+    app = app_for(ServerLimits())
+    assert get(app, "/v1/models", {"x-api-key": KEY}).status_code == 200
+    assert get(app, "/v1/models", {"x-api-key": "wrong"}).status_code == 401
+    assert get(app, "/v1/models", {"x-api-key": "wrong", "Authorization": f"Bearer {KEY}"}).status_code == 200
+    refused = get(app, "/v1/messages")
+    assert refused.status_code == 401 and refused.json() == {"type": "error", "error": {
+        "type": "authentication_error", "message": refused.json()["error"]["message"]}}
+    assert "x-api-key" in refused.json()["error"]["message"]
+    wrong_method = get(app, "/v1/messages", {"x-api-key": KEY, "anthropic-version": "2023-06-01"})
+    assert wrong_method.status_code == 405 and wrong_method.json()["type"] == "error"
+    assert get(app, "/v1/messages/nope", {"x-api-key": KEY}).json()["error"]["type"] == "not_found_error"
+    assert get(app, "/v1/models/nope", {"x-api-key": KEY}).json()["error"]["code"] is None  # OpenAI's shape

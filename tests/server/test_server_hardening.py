@@ -34,8 +34,8 @@ def engine(smollm_path):
 
 @pytest.fixture(scope="module")
 def app(engine):
-    from speculant.server.app import create_app
-    from speculant.server.guard import ServerLimits
+    from speculant.server.http.app import create_app
+    from speculant.server.http.guard import ServerLimits
 
     limits = ServerLimits(header_timeout_s=1.0, body_timeout_s=1.0, allowed_hosts=["speculant.test"])
     return create_app(engine, ["smollm"], limits=limits)

@@ -12,8 +12,8 @@ from conftest import save_tiny
 from test_server import API_KEY, AUTH, grew, live_server, metric, scrape
 
 from speculant.llm import build_engine
-from speculant.server.app import create_app
-from speculant.server.guard import ServerLimits
+from speculant.server.http.app import create_app
+from speculant.server.http.guard import ServerLimits
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import transformers
-from test_server import openai_client
+from test_server import live_server, openai_client
 
 openai = pytest.importorskip("openai")
 tokenizers = pytest.importorskip("tokenizers")
@@ -174,7 +174,7 @@ def test_a_constrained_answer_is_all_answer(engine):
     """response_format or a required call constrains the whole answer (its grammar starts at the first token), so
     no part of it is a thought, even where the prompt opened one: no parser for such a request."""
     from speculant.config import StructuredOutputsParams
-    from speculant.server.core import OpenAIServer
+    from speculant.server.bridge.core import OpenAIServer
 
     server = OpenAIServer(engine, ["thinker"])
     opened = engine.tokenizer.encode_chat([{"role": "user", "content": "hi"}], template_kwargs={"open_thought": True})
@@ -227,3 +227,30 @@ def test_a_tokenizer_llguidance_cannot_read_is_a_400_not_a_500(client):
     assert "structured output cannot use this model's tokenizer" in error["message"], error
     assert error["type"] == "invalid_request_error"
     assert client.chat.completions.create(**ask()).choices[0].finish_reason in ("stop", "length")
+
+
+def test_messages_hold_thinking_blocks_whole_and_streamed(engine):
+    """Anthropic's Messages API through the `anthropic` SDK: the thought as a thinking block, before the text and
+    the tool_use; `thinking` disabled reaches the template's switch."""
+    anthropic = pytest.importorskip("anthropic")
+    from speculant.server.http.app import create_app
+
+    kwargs = dict(model="thinker", extra_body={"temperature": 0}, max_tokens=40,
+                  messages=[{"role": "user", "content": "Weather?"}],
+                  tools=[{"name": "get_weather", "input_schema": {"type": "object"}}],
+                  thinking={"type": "enabled", "budget_tokens": 1024})
+    with live_server(create_app(engine, ["thinker"])) as base:
+        client = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
+        out = client.messages.create(**kwargs)
+        with client.messages.stream(**kwargs) as stream:
+            events = list(stream)
+            final = stream.get_final_message()
+        off = client.messages.create(**{**kwargs, "thinking": {"type": "disabled"}})
+    assert [b.type for b in out.content] == ["thinking", "text", "tool_use"]
+    assert out.content[0].thinking == " let me see " and out.content[1].text == "Paris"
+    assert out.content[2].input == json.loads(CALL)["arguments"] and out.stop_reason == "tool_use"
+    assert "".join(e.delta.thinking for e in events if e.type == "content_block_delta"
+                   and e.delta.type == "thinking_delta") == " let me see "
+    assert [b.type for b in final.content] == ["thinking", "text", "tool_use"]
+    assert final.content[2].input == out.content[2].input and final.content[1].text.strip() == "Paris"
+    assert [b.type for b in off.content] == ["text", "tool_use"]  # the template wrote an empty thought

@@ -10,7 +10,7 @@ import pytest
 from conftest import server_engine
 from test_server import openai_client
 
-from speculant.server.store import ResponseStore
+from speculant.server.responses.store import ResponseStore
 
 openai = pytest.importorskip("openai")
 
@@ -95,7 +95,9 @@ def test_a_function_tool_round_trip_through_previous_response_id(client):
 
 
 def test_stream_events_in_the_order_the_client_reads_them(client):
-    with client.responses.stream(model="smollm", input="Name a colour.", max_output_tokens=10, **GREEDY) as stream:
+    kwargs = dict(model="smollm", input="Name a colour.", instructions="Answer in one word.", max_output_tokens=16,
+                  **GREEDY)  # an answer that ends by itself (one cut short: response.incomplete, below)
+    with client.responses.stream(**kwargs) as stream:
         events = list(stream)
         final = stream.get_final_response()
     types = [e.type for e in events]
@@ -105,8 +107,8 @@ def test_stream_events_in_the_order_the_client_reads_them(client):
                           "response.completed"]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
-    assert deltas == final.output_text == client.responses.create(
-        model="smollm", input="Name a colour.", max_output_tokens=10, **GREEDY).output_text
+    assert final.status == "completed"
+    assert deltas == final.output_text == client.responses.create(**kwargs).output_text
 
 
 def test_a_streamed_call(client):
@@ -139,9 +141,64 @@ def test_bad_requests_get_openai_errors(client):
     refused("'include'", input="Hi", include=["message.output_text.logprobs"])
 
 
+
+# -- the edges: each of these passed through (or was refused) before -------------------------------------
+
+
+def test_max_tokens_is_refused_not_ignored(client):
+    """Chat's max_tokens, accepted and ignored, let an answer run to the context's end."""
+    with pytest.raises(openai.BadRequestError, match="send max_output_tokens"):
+        client.responses.create(model="smollm", input="Hi", extra_body={"max_tokens": 4}, **GREEDY)
+
+
+@pytest.mark.parametrize("fmt", [{"type": "json_schema", "name": "person"}, {"type": "json_schema", "schema": PERSON}])
+def test_a_json_schema_format_needs_its_name_and_schema(client, fmt):
+    with pytest.raises(openai.BadRequestError, match="needs a name and its schema"):
+        client.responses.create(model="smollm", input="Hi", text={"format": fmt}, max_output_tokens=2)
+
+
+def test_an_answer_cut_short_is_incomplete_whole_and_streamed(client):
+    kwargs = dict(model="smollm", input="Tell me about Paris.", max_output_tokens=3, **GREEDY)
+    whole = client.responses.create(**kwargs)
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert [i.status for i in whole.output] == ["incomplete"]
+    with client.responses.stream(**kwargs) as stream:
+        events = list(stream)
+    last = events[-1]
+    assert last.type == "response.incomplete" and last.response.status == "incomplete"
+    assert [i.status for i in last.response.output] == ["incomplete"]
+    assert [e.item.status for e in events if e.type == "response.output_item.done"] == ["incomplete"]
+    assert "response.completed" not in [e.type for e in events]
+
+
+def test_neutral_values_are_accepted_and_others_refused(client):
+    out = client.responses.create(model="smollm", input="Hi", max_output_tokens=2, truncation="disabled",
+                                  background=False, top_logprobs=0, **GREEDY)
+    assert out.status in ("completed", "incomplete")
+    for field, value in (("truncation", "auto"), ("background", True), ("top_logprobs", 3)):
+        with pytest.raises(openai.BadRequestError, match=f"'{field}'"):
+            client.responses.create(model="smollm", input="Hi", max_output_tokens=2, extra_body={field: value})
+
+
+def test_an_empty_previous_response_id_is_refused(client):
+    """Any other id that names no stored response is a 404; an empty one started a new conversation."""
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        client.responses.create(model="smollm", input="Hi", previous_response_id="", max_output_tokens=2)
+
+
+def test_a_forced_call_cut_short_leaves_no_raw_markup(client):
+    kwargs = dict(model="smollm", input="What is the weather like in Paris?", tools=[WEATHER],
+                  tool_choice="required", max_output_tokens=5, **GREEDY)
+    whole = client.responses.create(**kwargs)
+    assert whole.status == "incomplete" and whole.output == [] and whole.output_text == ""
+    with client.responses.stream(**kwargs) as stream:
+        events = list(stream)
+    assert events[-1].type == "response.incomplete" and events[-1].response.output == []
+    assert not [e for e in events if e.type == "response.output_text.delta"]
+
 def test_the_store_takes_its_bounds_from_the_serve_flags(engine):
-    from speculant.server.core import OpenAIServer
-    from speculant.server.guard import ServerLimits
+    from speculant.server.bridge.core import OpenAIServer
+    from speculant.server.http.guard import ServerLimits
 
     server = OpenAIServer(engine, ["smollm"], ServerLimits(responses_store_size=2, responses_store_age_s=60))
     assert (server.responses.size, server.responses.max_age_s) == (2, 60)
@@ -170,7 +227,7 @@ def test_auto_tool_prompt_lets_the_model_answer_in_text():
 
 
 def test_parallel_calls_in_one_answer_are_separate_items():
-    from speculant.server.responses import output_items
+    from speculant.server.responses.routes import output_items
     from speculant.structured.tools import SMOLLM2
 
     text = ('<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '

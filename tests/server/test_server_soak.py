@@ -28,8 +28,8 @@ def fuzz_url(smollm_path):
     """A server whose limits keep any one schema-generated request small: the fuzzing exercises validation
     and the guard, not the CPU."""
     from speculant.llm import build_engine
-    from speculant.server.app import create_app
-    from speculant.server.guard import ServerLimits
+    from speculant.server.http.app import create_app
+    from speculant.server.http.guard import ServerLimits
 
     engine = build_engine(str(smollm_path), speculative_config={"method": "ngram", "num_speculative_tokens": 4},
                           max_batch_size=8, max_model_len=FUZZ_MODEL_LEN)
@@ -88,7 +88,7 @@ def test_soak_mixed_traffic(smollm_path):
     ones, and clients that hang up mid-answer. Every request gets its answer (0 lost, 0 5xx), every greedy
     answer equals its lone run, and the resident memory after warm-up stays flat."""
     from speculant.llm import build_engine
-    from speculant.server.app import create_app
+    from speculant.server.http.app import create_app
 
     engine = build_engine(str(smollm_path), speculative_config={"method": "ngram", "num_speculative_tokens": 4},
                           max_batch_size=16, max_model_len=512)

@@ -34,7 +34,7 @@ def engine(smollm_path):
 
 @pytest.fixture(scope="module")
 def url(engine):
-    from speculant.server.app import create_app
+    from speculant.server.http.app import create_app
 
     with live_server(create_app(engine, ["smollm"])) as base:
         yield base

@@ -1,12 +1,13 @@
 """The OpenAI-compatible HTTP API over one engine: the FastAPI app, its routes and its error handlers.
 
-POST /v1/completions, POST /v1/chat/completions (completions.py), GET /v1/models, GET /health, GET /metrics
-(info.py), POST /tokenize, POST /detokenize (tokens.py), POST /v1/responses, GET and DELETE
-/v1/responses/{id} (responses.py). Requests first pass the guard (guard.py: host, key,
+POST /v1/completions, POST /v1/chat/completions (openai/routes.py), GET /v1/models, GET /health, GET /metrics
+(info.py), POST /tokenize, POST /detokenize (tokens/routes.py), POST /v1/responses, GET and DELETE
+/v1/responses/{id} (responses/routes.py), POST /v1/messages and /v1/messages/count_tokens (messages/routes.py:
+Anthropic's API, its errors in Anthropic's shape). Requests first pass the guard (guard.py: host, key,
 content type, body size and time). Handlers validate, tokenize (in a thread: the event loop keeps answering)
-and hand the request to the engine thread (core.py, worker.py); they never touch the engine themselves. Every
-error leaves as the OpenAI error body with a 4xx/5xx status; a 5xx says only which request failed, the log
-says why.
+and hand the request to the engine thread (bridge/core.py, bridge/worker.py); they never touch the engine
+themselves. Every error leaves as the OpenAI error body with a 4xx/5xx status; a 5xx says only which request
+failed, the log says why.
 """
 
 from __future__ import annotations
@@ -22,19 +23,27 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from speculant.engine import Engine
-from speculant.server import completions, info, responses, tokens
-from speculant.server.auditor import AuditSettings
-from speculant.server.core import OpenAIServer, default_model_name
-from speculant.server.guard import RequestGuard, ServerLimits, allowed_host_names, header_timeout_protocol
-from speculant.server.http import APIError, error_response, internal_error
-from speculant.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from speculant.server.responses_protocol import ResponsesRequest
+from speculant.server.bridge.auditor import AuditSettings
+from speculant.server.bridge.core import OpenAIServer, default_model_name
+from speculant.server.http import info
+from speculant.server.http.errors import APIError, error_response, internal_error
+from speculant.server.http.guard import RequestGuard, ServerLimits, allowed_host_names, header_timeout_protocol
+from speculant.server.messages import routes as messages
+from speculant.server.messages.protocol import CountTokensRequest, MessagesRequest
+from speculant.server.openai import routes as completions
+from speculant.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from speculant.server.responses import routes as responses
+from speculant.server.responses.protocol import ResponsesRequest
+from speculant.server.tokens import routes as tokens
+from speculant.server.tokens.protocol import DetokenizeRequest, TokenizeRequest
 
 log = logging.getLogger("speculant.server")
 
 
 BODIES = (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest),
-          ("/v1/responses", ResponsesRequest), ("/tokenize", TokenizeRequest), ("/detokenize", DetokenizeRequest))
+          ("/v1/responses", ResponsesRequest), ("/v1/messages", MessagesRequest),
+          ("/v1/messages/count_tokens", CountTokensRequest), ("/tokenize", TokenizeRequest),
+          ("/detokenize", DetokenizeRequest))
 
 
 def add_request_bodies(schema: dict) -> dict:
@@ -54,7 +63,7 @@ def create_app(engine: Engine, served_model_names: list[str] | None = None, api_
                audit: AuditSettings | None = None, reasoning_parser: str = "auto") -> FastAPI:
     """The FastAPI app behind its guard (the returned app's `.state.server` is the OpenAIServer). The engine
     thread starts and stops with the app's lifespan. `audit`: the lossless audit and the record file
-    (auditor.py; default off); `reasoning_parser`: reasoning.py's REASONING_PARSERS."""
+    (bridge/auditor.py; default off); `reasoning_parser`: chat/reasoning.py's REASONING_PARSERS."""
     limits = limits or ServerLimits()
     server = OpenAIServer(engine, served_model_names or [default_model_name(engine)], limits, audit, reasoning_parser)
 
@@ -67,7 +76,7 @@ def create_app(engine: Engine, served_model_names: list[str] | None = None, api_
 
     app = FastAPI(title="Speculant", version="0.1.0", lifespan=lifespan)
     app.state.server = server
-    for router in (completions.router, responses.router, info.router, tokens.router):
+    for router in (completions.router, responses.router, messages.router, info.router, tokens.router):
         app.include_router(router)
 
     def openapi() -> dict:
@@ -80,19 +89,19 @@ def create_app(engine: Engine, served_model_names: list[str] | None = None, api_
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc, exc.headers)
+        return error_response(exc, exc.headers, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # Keeps the exception's headers: a 405 names the allowed methods in Allow.
-        return error_response(APIError(exc.status_code, str(exc.detail)), exc.headers)
+        return error_response(APIError(exc.status_code, str(exc.detail)), exc.headers, request.url.path)
 
     @app.exception_handler(Exception)
     async def on_bug(request: Request, exc: Exception) -> JSONResponse:
         request_id = f"err-{uuid.uuid4().hex}"
         log.error("unhandled error in %s (request id %s)", request.url.path, request_id,
                   exc_info=(type(exc), exc, exc.__traceback__))
-        return error_response(internal_error(request_id))
+        return error_response(internal_error(request_id), path=request.url.path)
 
     app.add_middleware(RequestGuard, limits=limits, api_key=api_key,
                        hosts=allowed_host_names(bind_host, limits.allowed_hosts))

@@ -80,7 +80,7 @@ class ServerMetrics:
         self._seen = SpecStats()
 
     def enable_audit(self) -> None:
-        """The lossless audit's series (server/auditor.py), zero-valued from the start."""
+        """The lossless audit's series (server/bridge/auditor.py), zero-valued from the start."""
         label = ["model_name"]
         self.audit = Counter("speculant:audit_requests", "Sequences decoded again without speculation, by result: "
                              "match, mismatch, skipped (not compared).", label + ["result"], registry=self.registry)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from speculant.config import StructuredOutputsParams
-from speculant.server.protocol import FunctionName, SamplingRequest
+from speculant.server.openai.protocol import FunctionName, SamplingRequest
 
 
 class Lenient(BaseModel):
@@ -74,11 +74,17 @@ class TextFormat(BaseModel):
     description: str | None = None
     strict: bool | None = None
 
+    @model_validator(mode="after")
+    def schema_given(self) -> TextFormat:
+        if self.type == "json_schema" and (self.name is None or self.schema_ is None):
+            raise ValueError("type json_schema needs a name and its schema")
+        return self
+
     def structured(self) -> StructuredOutputsParams | None:
         if self.type == "json_object":
             return StructuredOutputsParams(json_object=True)
         if self.type == "json_schema":
-            return StructuredOutputsParams(json=self.schema_ or {})
+            return StructuredOutputsParams(json=self.schema_)
         return None
 
 
@@ -89,9 +95,9 @@ class TextConfig(BaseModel):
 
 
 class ResponsesRequest(SamplingRequest):
-    input: str | list[dict] = Field(min_length=1)  # items are checked one by one (responses.py: input_items)
+    input: str | list[dict] = Field(min_length=1)  # items are checked one by one (routes.py: input_items)
     instructions: str | None = None
-    tools: list[dict] | None = None  # checked in responses.py: only type "function" runs here
+    tools: list[dict] | None = None  # checked in routes.py: only type "function" runs here
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
@@ -102,7 +108,11 @@ class ResponsesRequest(SamplingRequest):
     chat_template_kwargs: dict | None = None  # as chat's (vLLM's)
     enable_thinking: bool | None = None
     store: bool = True
-    previous_response_id: str | None = None
+    previous_response_id: str | None = Field(None, min_length=1)
+    # Accepted at their neutral values (what OpenAI's clients send by default), refused at any other.
+    truncation: Literal["disabled", "auto"] | None = None
+    background: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     # Extra output the client asks for (the Agents SDK always sends the field): only what needs nothing is
     # accepted, "reasoning.encrypted_content" (a reasoning item's text is already in the clear here).
     include: list[str] | None = None
@@ -115,6 +125,12 @@ class ResponsesRequest(SamplingRequest):
             return "n"
         if any(value not in INCLUDABLE for value in self.include or []):
             return "include"
+        if self.truncation == "auto":
+            return "truncation"
+        if self.background:
+            return "background"
+        if self.top_logprobs:
+            return "top_logprobs"
         return super().unsupported()
 
 
@@ -153,7 +169,7 @@ class ReasoningText(BaseModel):
 
 
 class OutputReasoning(BaseModel):
-    """A thinking model's thought (reasoning.py), as OpenAI and vLLM write it: no summary, its text as content."""
+    """A thinking model's thought (chat/reasoning.py), as OpenAI and vLLM write it: no summary, its text as content."""
 
     type: Literal["reasoning"] = "reasoning"
     id: str

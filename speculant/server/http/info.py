@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from speculant.server.core import OpenAIServer
-from speculant.server.http import ERROR_RESPONSES, APIError, error_response
-from speculant.server.protocol import ModelCard, ModelList
+from speculant.server.bridge.core import OpenAIServer
+from speculant.server.http.errors import ERROR_RESPONSES, APIError, error_response
+from speculant.server.openai.protocol import ModelCard, ModelList
 
 router = APIRouter()
 

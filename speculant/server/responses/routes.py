@@ -3,7 +3,7 @@
 A request's input items (messages, function calls, their outputs) become chat messages, after the conversation
 of its previous_response_id where it names one; the whole goes through the chat template as a chat completion
 does, so a continued conversation's prompt starts with the one before it and its keys come from the prefix
-cache. Tools, tool_choice and text.format are chat's (completions.py: the same tool prompt, the same grammars,
+cache. Tools, tool_choice and text.format are chat's (chat/prompt.py: the same tool prompt, the same grammars,
 exact under speculation). Only `function` tools run here: other types are refused with a 400 naming them.
 Stored responses live in memory (store.py), bounded in count and age; `store: false` keeps nothing.
 """
@@ -19,12 +19,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
-from speculant.server.completions import chat_prompt, request_template_kwargs, structured_output
-from speculant.server.core import OpenAIServer
-from speculant.server.http import ERROR_RESPONSES, APIError, api_error, parse_body
-from speculant.server.protocol import tool_mode
-from speculant.server.reasoning import ReasoningParser, reasoning_tokens
-from speculant.server.responses_protocol import (
+from speculant.server.bridge.core import OpenAIServer
+from speculant.server.bridge.worker import Delta, EngineFailure, RequestStream, RequestTimedOut, ShuttingDown
+from speculant.server.chat.prompt import chat_prompt, request_template_kwargs, structured_output, tool_mode
+from speculant.server.chat.reasoning import ReasoningParser, reasoning_tokens
+from speculant.server.http.errors import ERROR_RESPONSES, APIError, api_error, parse_body
+from speculant.server.responses.protocol import (
     DeletedResponse,
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -43,8 +43,7 @@ from speculant.server.responses_protocol import (
     ResponsesRequest,
     ResponseUsage,
 )
-from speculant.server.store import Stored
-from speculant.server.worker import Delta, EngineFailure, RequestStream, RequestTimedOut, ShuttingDown
+from speculant.server.responses.store import Stored
 from speculant.structured.tools import ToolCallStream, ToolFormat, tool_format
 
 router = APIRouter()
@@ -127,16 +126,19 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def output_items(text: str, tools: ToolFormat | None, thought: str | None = None) -> tuple[list, list[dict]]:
+def output_items(text: str, tools: ToolFormat | None, thought: str | None = None, forced: bool = False,
+                 finish: str | None = None) -> tuple[list, list[dict]]:
     """An answer (its thought apart, where it had one) → (its output items: a reasoning item where it thought, a
-    message where it wrote text, a function_call per call; its calls as chat tool_calls)."""
+    message where it wrote text, `incomplete` where max_output_tokens cut it, a function_call per call; its calls
+    as chat tool_calls). A `forced` call cut short is no call and no text: left out, not sent as raw markup."""
     parsed = tools.parse(text) if tools is not None else None
-    content, calls = parsed if parsed is not None else (text, [])
+    content, calls = parsed if parsed is not None else ("" if forced and finish == "length" else text, [])
     items: list = []
     if thought is not None:
         items.append(OutputReasoning(id=new_id("rs"), content=[ReasoningText(text=thought)]))
     if content:
-        items.append(OutputMessage(id=new_id("msg"), content=[OutputText(text=content)]))
+        items.append(OutputMessage(id=new_id("msg"), content=[OutputText(text=content)],
+                                   status="incomplete" if finish == "length" else "completed"))
     items += [OutputFunctionCall(id=new_id("fc"), call_id=c["id"], name=c["function"]["name"],
                                  arguments=c["function"]["arguments"]) for c in calls]
     return items, calls
@@ -152,6 +154,7 @@ class Run:
     tools: ToolFormat | None  # the tool format, where tools are in play
     prompt_tokens: int
     reasoning: ReasoningParser | None  # where the model's thought is kept apart
+    forced: bool = False  # tool_choice requires a call: the answer's grammar is a call's
 
     def response(self, server: OpenAIServer, status: str = "completed", output: list | None = None,
                  usage: ResponseUsage | None = None, finish: str | None = None) -> ResponseObject:
@@ -178,7 +181,7 @@ class Run:
 
     def finish(self, server: OpenAIServer, stream: RequestStream, answer: Delta) -> ResponseObject:
         thought, text, end = self.reasoning.split(answer.text) if self.reasoning is not None else (None, answer.text, 0)
-        items, calls = output_items(text, self.tools, thought)
+        items, calls = output_items(text, self.tools, thought, self.forced, answer.finish_reason)
         thought_tokens = reasoning_tokens(answer.token_ids, end, server.tokenizer.decode)
         response = self.response(server, output=items, usage=self.usage(stream, len(answer.token_ids), thought_tokens),
                                  finish=answer.finish_reason)
@@ -197,6 +200,8 @@ class Run:
 async def create_response(request: Request) -> Response:
     server: OpenAIServer = request.app.state.server
     req = await parse_body(request, ResponsesRequest)
+    if req.max_tokens is not None:  # SamplingRequest's field, chat's name: refused rather than ignored
+        raise APIError(400, "max_tokens is not a Responses API field: send max_output_tokens", param="max_tokens")
     server.check_model(req.model)
     server.need_chat_template("input")
     tools = function_tools(req.tools)
@@ -218,7 +223,8 @@ async def create_response(request: Request) -> Response:
     ids = await chat_prompt(server, system + messages, mode, specs, fmt, "input", template_kwargs=kwargs)
     server.check_context(ids, req.max_new_tokens(), "input")
     server.check_work([ids], req)
-    run = Run(new_id("resp"), req, messages, fmt if mode else None, len(ids), server.reasoning_for(ids, structured))
+    run = Run(new_id("resp"), req, messages, fmt if mode else None, len(ids), server.reasoning_for(ids, structured),
+              forced=mode not in (None, "auto"))
     stream = await server.start(run.rid, req, [ids], structured, request)
     if req.stream:
         return StreamingResponse(stream_events(server, run, stream), media_type="text/event-stream",
@@ -260,8 +266,9 @@ class Events:
 
 async def stream_events(server: OpenAIServer, run: Run, stream: RequestStream) -> AsyncIterator[str]:
     """response.created, .in_progress; a thought as a reasoning item (its deltas streamed, held back where a
-    tag may be starting: reasoning.py); the text as one message item (its deltas streamed while no call may be
-    starting: ToolCallStream); then a function_call item per call; response.completed."""
+    tag may be starting: chat/reasoning.py); the text as one message item (its deltas streamed while no call may be
+    starting: ToolCallStream); then a function_call item per call; response.completed, or response.incomplete
+    where max_output_tokens cut the answer."""
     event, out = Events(), StreamedItems()
     yield event("response.created", response=run.response(server, "in_progress"))
     yield event("response.in_progress", response=run.response(server, "in_progress"))
@@ -282,7 +289,8 @@ async def stream_events(server: OpenAIServer, run: Run, stream: RequestStream) -
                     yield e
             piece = text_stream.push(text) if text_stream is not None else text
             if d.finish_reason is not None and text_stream is not None:
-                piece += text_stream.finish()[0]
+                rest, calls = text_stream.finish()
+                piece += "" if not calls and run.forced and d.finish_reason == "length" else rest
             if piece:
                 for e in out.say(event, piece):
                     yield e
@@ -296,7 +304,7 @@ async def stream_events(server: OpenAIServer, run: Run, stream: RequestStream) -
     final = run.finish(server, stream, answer)
     for e in out.close_thought(event):
         yield e
-    for e in out.close_message(event, run.tools is not None):
+    for e in out.close_message(event, run.tools is not None, answer.finish_reason):
         yield e
     # The final items, with the streamed items' ids: what was streamed is what response.completed holds.
     items = out.items()
@@ -314,7 +322,8 @@ async def stream_events(server: OpenAIServer, run: Run, stream: RequestStream) -
     entry = server.responses.entries.get(run.rid) if run.req.store else None
     if entry is not None:  # the stored copy holds the streamed ids (unless a full store has dropped it already)
         entry.response = final.model_dump()
-    yield event("response.completed", response=final)
+    # OpenAI's last event names the status: a response cut by max_output_tokens ends with response.incomplete.
+    yield event("response.incomplete" if final.status == "incomplete" else "response.completed", response=final)
 
 
 class StreamedItems:
@@ -363,14 +372,14 @@ class StreamedItems:
                 event("response.content_part.done", content_index=0, part=done, **at),
                 event("response.output_item.done", output_index=at["output_index"], item=item)]
 
-    def close_message(self, event: Events, with_tools: bool) -> list[str]:
+    def close_message(self, event: Events, with_tools: bool, finish: str | None) -> list[str]:
         item = self.message
         if item.id not in self.index:
             return []
         text = self.texts[item.id]
         done, at = OutputText(text=text.strip() if with_tools else text), dict(item_id=item.id,
                                                                                 output_index=self.index[item.id])
-        item.content, item.status = [done], "completed"
+        item.content, item.status = [done], "incomplete" if finish == "length" else "completed"
         return [event("response.output_text.done", content_index=0, text=done.text, logprobs=[], **at),
                 event("response.content_part.done", content_index=0, part=done, **at),
                 event("response.output_item.done", output_index=at["output_index"], item=item)]

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from speculant.sequence import TokenLogprob
-from speculant.server.protocol import (
+from speculant.server.bridge.worker import Delta
+from speculant.server.chat.reasoning import ReasoningParser, ThoughtSplitter, reasoning_tokens, thought_end
+from speculant.server.openai.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
@@ -29,8 +31,6 @@ from speculant.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from speculant.server.reasoning import ReasoningParser, ThoughtSplitter, reasoning_tokens, thought_end
-from speculant.server.worker import Delta
 from speculant.structured.tools import ToolCallStream, ToolFormat
 
 
@@ -120,7 +120,7 @@ class CompletionFormat:
 class ChatFormat:
     """Chat's shapes. With `tools` (the tool format of a request whose tools are in play) an answer's calls
     leave as tool_calls, finish_reason "tool_calls"; a stream holds the text from where a call may begin. With
-    `reasoning` (reasoning.py) a thought leaves as reasoning_content, and the tools are looked for after it."""
+    `reasoning` (chat/reasoning.py) a thought leaves as reasoning_content, and the tools are looked for after it."""
 
     id_prefix = "chatcmpl"
 

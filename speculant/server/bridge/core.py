@@ -1,6 +1,6 @@
 """The server's engine-facing core, which every endpoint family shares: limits and checks, tokenization off
 the event loop, a request's run through the engine thread (worker.py), whole or streamed, its usage and
-speculative statistics. The endpoints' handlers (completions.py, info.py, responses.py) are thin over it."""
+speculative statistics. The surfaces' handlers (openai/, responses/, messages/, tokens/) are thin over it."""
 
 from __future__ import annotations
 
@@ -21,22 +21,9 @@ from speculant.audit.rules import describe_path
 from speculant.config import StructuredOutputsParams
 from speculant.engine import Engine
 from speculant.sequence import Sequence, SpecStats
-from speculant.server.auditor import Auditor, AuditSettings
-from speculant.server.formats import ChatFormat, CompletionFormat
-from speculant.server.guard import ServerLimits
-from speculant.server.http import APIError, api_error, sse, wait_for_disconnect
-from speculant.server.metrics import ServerMetrics
-from speculant.server.protocol import (
-    ErrorResponse,
-    PromptTokensDetails,
-    SamplingRequest,
-    SpeculativeStats,
-    UsageInfo,
-)
-from speculant.server.reasoning import ReasoningParser, opens_thought, reasoning_tags
-from speculant.server.recorder import Recorder
-from speculant.server.store import ResponseStore
-from speculant.server.worker import (
+from speculant.server.bridge.auditor import Auditor, AuditSettings
+from speculant.server.bridge.recorder import Recorder
+from speculant.server.bridge.worker import (
     Delta,
     EngineFailure,
     EngineWorker,
@@ -45,6 +32,18 @@ from speculant.server.worker import (
     RequestTimedOut,
     ShuttingDown,
 )
+from speculant.server.chat.reasoning import ReasoningParser, opens_thought, reasoning_tags
+from speculant.server.http.errors import APIError, ErrorResponse, api_error, sse, wait_for_disconnect
+from speculant.server.http.guard import ServerLimits
+from speculant.server.http.metrics import ServerMetrics
+from speculant.server.openai.formats import ChatFormat, CompletionFormat
+from speculant.server.openai.protocol import (
+    PromptTokensDetails,
+    SamplingRequest,
+    SpeculativeStats,
+    UsageInfo,
+)
+from speculant.server.responses.store import ResponseStore
 
 
 def sum_stats(seqs: list[Sequence]) -> SpecStats:
@@ -72,7 +71,7 @@ class OpenAIServer:
                                    self.limits.max_waiting_requests, auditor, recorder, self.described())
         # Tokenization and template rendering: off the event loop, two at a time (the engine needs the rest).
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="speculant-tokenize")
-        # POST /v1/responses' stored answers (responses.py)
+        # POST /v1/responses' stored answers (responses/store.py)
         self.responses = ResponseStore(self.limits.responses_store_size, self.limits.responses_store_age_s)
         tok = self.tokenizer
         self.think_tags = None if tok is None else reasoning_tags(reasoning_parser, tok.vocab, tok.chat_template)

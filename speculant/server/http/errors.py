@@ -1,19 +1,34 @@
-"""What every endpoint shares: the OpenAI error body, the HTTP face of the engine's errors, strict body
-parsing, server-sent events."""
+"""What every endpoint shares: the error body (OpenAI's; Anthropic's on the Messages API's routes), the HTTP
+face of the engine's errors, strict body parsing, server-sent events."""
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from speculant.errors import SpeculantError
-from speculant.server.protocol import ErrorInfo, ErrorResponse, SamplingRequest
-from speculant.server.worker import EngineFailure, Overloaded, RequestTimedOut, ShuttingDown
+from speculant.server.bridge.worker import EngineFailure, Overloaded, RequestTimedOut, ShuttingDown
+from speculant.server.http.guard import anthropic_error, anthropic_path
+
+if TYPE_CHECKING:
+    from speculant.server.openai.protocol import SamplingRequest
 
 log = logging.getLogger("speculant.server")
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
 
 ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": why} for status, why in {
     400: "invalid request, or one asking for more than this server's limits",
@@ -38,8 +53,11 @@ class APIError(Exception):
         self.headers = headers
 
 
-def error_response(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(ErrorResponse(error=err.info).model_dump(), status_code=err.status, headers=headers)
+def error_response(err: APIError, headers: dict[str, str] | None = None, path: str = "") -> JSONResponse:
+    """The error as the surface at `path` writes it: Anthropic's shape on the Messages API, else OpenAI's."""
+    body = anthropic_error(err.status, err.info.message) if anthropic_path(path) \
+        else ErrorResponse(error=err.info).model_dump()
+    return JSONResponse(body, status_code=err.status, headers=headers)
 
 
 def internal_error(request_id: str) -> APIError:

@@ -188,6 +188,6 @@ def proxy_middlewares() -> list:
     errors for lost replicas, and the prompt's prefix chain in a header for the router (routing.py)."""
     from starlette.middleware import Middleware
 
-    from speculant.server.routing import AddPrefixHint
+    from speculant.server.scaleout.routing import AddPrefixHint
 
     return [Middleware(EndLostResponses), Middleware(AddPrefixHint)]

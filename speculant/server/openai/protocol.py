@@ -14,19 +14,9 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from speculant.config import MAX_LOGPROBS, MAX_TOP_K, SamplingParams, StructuredOutputsParams
+from speculant.server.chat.prompt import tool_mode
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
 
 
 # -- requests ---------------------------------------------------------------------------------
@@ -267,63 +257,6 @@ class ChatCompletionRequest(SamplingRequest):
         choice = self.tool_choice
         named = choice.function.name if isinstance(choice, NamedToolChoice) else None
         return tool_mode([t.function.name for t in self.tools or []], named or choice)
-
-
-def template_kwargs(kwargs: dict | None, enable_thinking: bool | None) -> dict | None:
-    """A request's chat_template_kwargs, with its top-level enable_thinking where it gives one (the two must
-    agree); raises ValueError where they do not."""
-    out = dict(kwargs or {})
-    if enable_thinking is not None:
-        if out.get("enable_thinking", enable_thinking) != enable_thinking:
-            raise ValueError("enable_thinking and chat_template_kwargs.enable_thinking disagree")
-        out["enable_thinking"] = enable_thinking
-    return out or None
-
-
-def tool_mode(names: list[str], choice: str | None) -> str | None:
-    """None (no tools in play), "auto", "required" or the name of the function that must be called, for tools
-    `names` and a tool_choice ("none", "auto", "required", a function's name, or None); raises ValueError naming
-    a tool_choice that cannot be honoured."""
-    if len(set(names)) < len(names):
-        raise ValueError("tools: two tools share a function name")
-    if choice not in (None, "none", "auto", "required"):
-        if choice not in names:
-            raise ValueError(f"tool_choice names the function '{choice}', which is not in tools")
-        return choice
-    if not names or choice == "none":
-        if choice == "required":
-            raise ValueError("tool_choice 'required' needs tools")
-        return None
-    return choice or "auto"
-
-
-class TokenizeRequest(BaseModel):
-    """vLLM's POST /tokenize: a prompt, or messages through the chat template."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
-    add_special_tokens: bool = True  # for a prompt: the BOS token where the model wants one
-    tools: list[ToolSpec] | None = None
-    chat_template_kwargs: dict | None = None
-
-
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-    model: str | None = None
-    tokens: list[int]
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
 
 
 # -- responses --------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from speculant.engine import Engine
 from speculant.errors import SpeculantError
 from speculant.output import StepOutput
 from speculant.sequence import Sequence
-from speculant.server.metrics import ServerMetrics
+from speculant.server.http.metrics import ServerMetrics
 
 log = logging.getLogger("speculant.audit")
 
@@ -82,6 +82,12 @@ class Job:
     params: SamplingParams  # the re-decode's
     expected: list[int]  # the tokens the request was sent
     seq: Sequence | None = None
+    tries: int = 0  # re-decodes started, given up for live requests but the last
+
+
+# A re-decode given up for live requests goes back to the queue's front this many times before it counts as
+# skipped: a burst of traffic delays the audit rather than thinning it.
+MAX_TRIES = 3
 
 
 class Auditor:
@@ -136,6 +142,7 @@ class Auditor:
                 log.warning("audit of %s not started: %s", job.request_id, e)
                 self.metrics.observe_audit("skipped", "failed")
                 continue
+            job.tries += 1
             self.running[job.seq.request_id] = job
 
     def observe(self, out: StepOutput) -> None:
@@ -144,7 +151,11 @@ class Auditor:
         if not seq.finished:
             return
         job = self.running.pop(seq.request_id)
-        if seq.finish_reason == "abort":  # live requests needed its row
+        if seq.finish_reason == "abort":  # live requests needed its row: again once rows are spare
+            if job.tries < MAX_TRIES:
+                job.seq = None
+                self.backlog.appendleft(job)
+                return
             self.metrics.observe_audit("skipped", "preempted")
             return
         if out.error is not None or seq.finish_reason == "error":

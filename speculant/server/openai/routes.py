@@ -1,24 +1,22 @@
 """POST /v1/completions and POST /v1/chat/completions. Chat's prompt (template, tools) and structured output
-are built here for the Responses API too (responses.py)."""
+come from chat/prompt.py, which the Responses and Messages APIs share."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from speculant.config import StructuredOutputsParams
-from speculant.errors import SpeculantError
-from speculant.server.core import OpenAIServer
-from speculant.server.formats import ChatFormat, CompletionFormat, Echo
-from speculant.server.http import ERROR_RESPONSES, APIError, parse_body
-from speculant.server.protocol import (
+from speculant.server.bridge.core import OpenAIServer
+from speculant.server.chat.prompt import chat_prompt, request_template_kwargs, structured_output
+from speculant.server.http.errors import ERROR_RESPONSES, APIError, parse_body
+from speculant.server.openai.formats import ChatFormat, CompletionFormat, Echo
+from speculant.server.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
-    template_kwargs,
 )
-from speculant.structured.tools import ToolFormat, tool_format
+from speculant.structured.tools import tool_format
 
 router = APIRouter()
 
@@ -78,51 +76,6 @@ async def chat_completions(request: Request) -> Response:
     fmt = ChatFormat(server.token_text, tools if mode else None, ids, req.prompt_logprobs,
                      server.reasoning_for(ids, structured), server.tokenizer.decode)
     return await server.generate(request, req, [ids], fmt, structured)
-
-
-def request_template_kwargs(kwargs: dict | None, enable_thinking: bool | None) -> dict | None:
-    try:
-        return template_kwargs(kwargs, enable_thinking)
-    except ValueError as e:
-        raise APIError(400, str(e), param="chat_template_kwargs") from None
-
-
-async def chat_prompt(server: OpenAIServer, messages: list[dict], mode: str | None, tool_specs: list[dict],
-                      tools: ToolFormat, param: str, add_generation_prompt: bool = True,
-                      template_kwargs: dict | None = None) -> list[int]:
-    """The conversation through the chat template, the tools (OpenAI tool objects) in play when `mode` is, and
-    the request's own template variables (chat_template_kwargs)."""
-    functions = [t["function"] for t in tool_specs] if mode else None
-    messages = tools.messages_for_template(messages, functions, auto=mode == "auto")
-    rendered = tool_specs if mode and tools.template_renders_tools else None
-    try:
-        return await server.off_loop(server.tokenizer.encode_chat, messages, rendered, add_generation_prompt,
-                                     template_kwargs)
-    except SpeculantError as e:
-        raise APIError(400, str(e), param=param) from None
-
-
-async def structured_output(server: OpenAIServer, wanted: StructuredOutputsParams | None, mode: str | None,
-                            functions: list[dict], parallel: bool, tools: ToolFormat,
-                            format_param: str) -> StructuredOutputsParams | None:
-    """The grammar the answer must follow: the asked format's (`wanted`), or a call for tool_choice "required"
-    or a named function; compiled here (a bad schema is this request's 400, and the engine finds it cached)."""
-    param = format_param
-    if wanted is not None and mode is not None:
-        raise APIError(400, f"{format_param} (json_object, json_schema) with tools is not supported: the answer "
-                            f"could not be both; send tool_choice 'none' or no {format_param}", param=format_param)
-    if mode == "required":
-        wanted, param = tools.constraint(functions, parallel), "tools"
-    elif mode not in (None, "auto"):
-        named = [f for f in functions if f["name"] == mode]
-        wanted, param = tools.constraint(named, False), "tools"
-    if wanted is None:
-        return None
-    try:
-        await server.off_loop(server.engine.grammars.compile, wanted)
-    except SpeculantError as e:
-        raise APIError(400, str(e), param=param) from None
-    return wanted
 
 
 async def completion_prompts(server: OpenAIServer, prompt: str | list) -> list[list[int]]:

@@ -32,9 +32,9 @@ from speculant.engine import Engine
 from speculant.errors import SpeculantError
 from speculant.scheduler import RoundRobin
 from speculant.sequence import Sequence, TokenLogprob
-from speculant.server.auditor import Auditor
-from speculant.server.metrics import ServerMetrics
-from speculant.server.recorder import Recorder
+from speculant.server.bridge.auditor import Auditor
+from speculant.server.bridge.recorder import Recorder
+from speculant.server.http.metrics import ServerMetrics
 
 log = logging.getLogger("speculant.server")
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from speculant.server.completions import chat_prompt
-from speculant.server.core import OpenAIServer
-from speculant.server.http import ERROR_RESPONSES, APIError, parse_json
-from speculant.server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from speculant.server.bridge.core import OpenAIServer
+from speculant.server.chat.prompt import chat_prompt
+from speculant.server.http.errors import ERROR_RESPONSES, APIError, parse_json
+from speculant.server.tokens.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from speculant.structured.tools import tool_format
 
 router = APIRouter()

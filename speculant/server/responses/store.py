@@ -1,4 +1,4 @@
-"""The Responses API's stored responses: in memory, bounded in count and age (responses.py)."""
+"""The Responses API's stored responses: in memory, bounded in count and age (routes.py)."""
 
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ class ServerLimits:
     public_metrics: bool = False  # /metrics without the API key, for a scraper
     # Requests beyond the batch's rows that may wait for one; more get a 429 with Retry-After. None: no bound.
     max_waiting_requests: int | None = 256
-    # The Responses API's stored responses (store.py): at most this many, none older; the oldest go first.
+    # The Responses API's stored responses (responses/store.py): at most this many, none older; the oldest go first.
     responses_store_size: int = 1000
     responses_store_age_s: float = 3600.0
 
@@ -73,7 +73,27 @@ class Refused(Exception):
         self.close = close  # the body was not read: the connection cannot carry another request
 
 
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> bytes:
+# Anthropic's error types by status, as its SDKs map them to exceptions.
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
+                         429: "rate_limit_error", 529: "overloaded_error"}
+
+
+def anthropic_path(path: str) -> bool:
+    """The Messages API's routes, whose errors leave in Anthropic's shape."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def anthropic_error(status: int, message: str) -> dict:
+    kind = ANTHROPIC_ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None,
+               status: int | None = None, path: str = "") -> bytes:
+    """OpenAI's error body, or Anthropic's on the Messages API's routes (`status` then picks its type)."""
+    if anthropic_path(path) and status is not None:
+        return json.dumps(anthropic_error(status, message)).encode()
     return json.dumps({"error": {"message": message, "type": type, "param": param, "code": code}}).encode()
 
 
@@ -82,6 +102,7 @@ class RequestGuard:
         self.app = app
         self.limits = limits
         self.expected_auth = None if api_key is None else f"Bearer {api_key}".encode()
+        self.expected_key = None if api_key is None else api_key.encode()  # Anthropic's clients send x-api-key
         self.hosts = hosts
 
     async def __call__(self, scope, receive, send) -> None:
@@ -91,7 +112,7 @@ class RequestGuard:
         try:
             body = await self.check(scope, receive)
         except Refused as e:
-            await self.refuse(send, e)
+            await self.refuse(send, e, scope["path"])
             return
         if body is None:  # nothing to read, or the client left while sending
             await self.app(scope, receive, send)
@@ -123,9 +144,13 @@ class RequestGuard:
         if self.expected_auth is not None and path != "/health" \
                 and not (path == "/metrics" and self.limits.public_metrics):
             given = headers.get("authorization", "").encode("latin-1")
-            if not secrets.compare_digest(given, self.expected_auth):
-                raise Refused(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
-                              code="invalid_api_key")
+            key = headers.get("x-api-key", "").encode("latin-1")
+            # Both compared, always: the time taken says nothing about which header was sent.
+            by_bearer = secrets.compare_digest(given, self.expected_auth)
+            by_key = secrets.compare_digest(key, self.expected_key)
+            if not (by_bearer or by_key):
+                raise Refused(401, "missing or incorrect API key: send 'Authorization: Bearer <key>' or "
+                                   "'x-api-key: <key>'", code="invalid_api_key")
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return None
         media_type = headers.get("content-type", "").partition(";")[0].strip().lower()
@@ -162,8 +187,8 @@ class RequestGuard:
                 return b"".join(chunks)
 
     @staticmethod
-    async def refuse(send, e: Refused) -> None:
-        body = error_body(e.message, e.type, None, e.code)
+    async def refuse(send, e: Refused, path: str = "") -> None:
+        body = error_body(e.message, e.type, None, e.code, e.status, path)
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if e.close:
             headers.append((b"connection", b"close"))

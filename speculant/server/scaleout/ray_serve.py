@@ -39,9 +39,9 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
 
 from speculant.errors import SpeculantError
-from speculant.server.guard import WILDCARD_ADDRESSES, RequestGuard, allowed_host_names, error_body
-from speculant.server.replicas import REPLICA_HEADER, merge_metrics, session_replica, wait_for_replicas
-from speculant.server.routing import (
+from speculant.server.http.guard import WILDCARD_ADDRESSES, RequestGuard, allowed_host_names, error_body
+from speculant.server.scaleout.replicas import REPLICA_HEADER, merge_metrics, session_replica, wait_for_replicas
+from speculant.server.scaleout.routing import (
     DEFAULT_IMBALANCE,
     PrefixLedger,
     RecordPrefix,
@@ -261,9 +261,9 @@ class EngineReplica:
 
     def __init__(self, args: argparse.Namespace, threads: int):
         from speculant.arguments import engine_from_args
-        from speculant.server.app import create_app
-        from speculant.server.auditor import audit_settings_from_args
-        from speculant.server.guard import limits_from_args
+        from speculant.server.bridge.auditor import audit_settings_from_args
+        from speculant.server.http.app import create_app
+        from speculant.server.http.guard import limits_from_args
 
         torch.set_num_threads(threads)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -344,7 +344,7 @@ class MetricsHub:
     """Every replica's latest metrics, served as one exposition at /metrics; the shutdown's drain order."""
 
     def __init__(self, args: argparse.Namespace):
-        from speculant.server.guard import limits_from_args
+        from speculant.server.http.guard import limits_from_args
 
         self.args, self.limits = args, limits_from_args(args)
         self.reports: dict[str, Report] = {}
@@ -402,7 +402,8 @@ def start_ray(replicas: int, threads: int) -> None:
     import ray
 
     # Read by Ray's proxy when it starts: it inherits this process's environment on a cluster started here.
-    os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "speculant.server.replicas:proxy_middlewares")
+    os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH",
+                          "speculant.server.scaleout.replicas:proxy_middlewares")
 
     if os.environ.get("RAY_ADDRESS"):  # an existing cluster: it says what it has
         ray.init(address=os.environ["RAY_ADDRESS"], logging_level=logging.WARNING)

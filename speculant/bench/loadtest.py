@@ -1,7 +1,7 @@
 """Load test: N concurrent clients against two live servers, without and with speculation, same run.
 
-    python -m speculant.server.loadtest                          # bundled model, ngram k=4, 1/4/16 clients
-    python -m speculant.server.loadtest --model PATH --clients 1 8 --speculative-config '{"method": ...}'
+    python -m speculant.bench.loadtest                          # bundled model, ngram k=4, 1/4/16 clients
+    python -m speculant.bench.loadtest --model PATH --clients 1 8 --speculative-config '{"method": ...}'
 
 Both servers run side by side (an idle one sleeps) and each concurrency level is measured on the
 baseline then on the speculative server, so a drift in the machine's load hits both alike. Requests
@@ -126,7 +126,7 @@ def run_level(url: str, clients: int, per_client: int, max_tokens: int) -> Level
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m speculant.server.loadtest",
+    p = argparse.ArgumentParser(prog="python -m speculant.bench.loadtest",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model path (default: the bundled SmolLM2)")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16],
