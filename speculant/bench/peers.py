@@ -71,6 +71,7 @@ class TransformersRunner(Runner):
     model: Any = None
     assistant: Any = None
     eos_ids: tuple[int, ...] = ()
+    tokenizers: tuple[Any, Any] | None = None  # (target's, draft's) where they differ: universal assisted decoding
 
     def run(self, prompts: list[list[int]], params: list[SamplingParams]) -> Measurement:
         (prompt,), (sp,) = prompts, params
@@ -85,6 +86,8 @@ class TransformersRunner(Runner):
             # A fixed k, as the other configurations: transformers would otherwise adapt it per step.
             self.assistant.generation_config.num_assistant_tokens = self.k
             self.assistant.generation_config.num_assistant_tokens_schedule = "constant"
+            if self.tokenizers is not None:
+                kwargs["tokenizer"], kwargs["assistant_tokenizer"] = self.tokenizers
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(torch.tensor([prompt], device=self.model.device),
@@ -122,8 +125,16 @@ def transformers_peers(model_path: Path, draft_path: Path | None, ks: list[int],
         skipped.append("transformers assistant_model skipped: no draft model (pass --draft-model)")
     else:
         assistant = load(draft_path)
-        runners += [TransformersRunner(f"transformers assistant k={k}", method="assistant", k=k,
-                                       assistant=assistant, **common) for k in ks]
+        tokenizers = [transformers.AutoTokenizer.from_pretrained(hf_folder_for(p)) for p in (model_path, draft_path)]
+        differ = tokenizers[0].get_vocab() != tokenizers[1].get_vocab()
+        if differ and assistant.config.vocab_size == model.config.vocab_size:
+            # transformers takes equal embedding sizes for one tokenizer and refuses to re-tokenize.
+            skipped.append("transformers assistant_model skipped: the draft's tokenizer differs from the target's "
+                           "but its vocabulary size is the target's, which transformers reads as one tokenizer")
+        else:
+            runners += [TransformersRunner(f"transformers assistant k={k}", method="assistant", k=k,
+                                           assistant=assistant, tokenizers=tuple(tokenizers) if differ else None,
+                                           **common) for k in ks]
     return runners, skipped
 
 

@@ -226,3 +226,23 @@ def test_smollm2_drafts_for_qwen_exactly(smollm_path, name, capsys):
     drafted = [o.token_ids for o in llm.chat(chats, params)]
     assert drafted == plain
     assert llm.engine.stats.num_accepted_tokens > 0
+
+
+
+def test_the_transformers_peer_drafts_across_vocabularies(paths, prompts, tmp_path):
+    """bench's transformers peer with a draft of another tokenizer: universal assisted decoding (its tokenizers
+    passed), whose greedy output is transformers' plain greedy output; a draft transformers cannot tell apart
+    (the same embedding size) is skipped with the reason."""
+    from speculant.bench.peers import transformers_peers
+
+    draft = save_tokenizer(save_tiny(tmp_path / "draft", seed=1, num_hidden_layers=1, hidden_size=32,
+                                     intermediate_size=64, vocab_size=400), byte_level(CORPUS_B, 400))
+    runners, _ = transformers_peers(paths["target"], draft, [3], [2], torch.float32, torch.device("cpu"))
+    by_name = {r.name: r for r in runners}
+    assistant, plain = by_name["transformers assistant k=3"], by_name["transformers plain"]
+    assert assistant.tokenizers is not None
+    params = [SamplingParams(temperature=0, max_tokens=8)]
+    assert assistant.run(prompts[:1], params).output_ids == plain.run(prompts[:1], params).output_ids
+    runners, skipped = transformers_peers(paths["target"], paths["other"], [3], [2], torch.float32,
+                                          torch.device("cpu"))
+    assert not any(r.method == "assistant" for r in runners) and "vocabulary size is the target's" in skipped[0]
