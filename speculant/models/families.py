@@ -57,6 +57,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("llama", ("LlamaForCausalLM",), "LlamaConfig", "llama", permuted_qk=True),
     Family("mistral", ("MistralForCausalLM",), "MistralConfig", "mistral", window_by_default=True,
            permuted_qk=True),
+    # SmolLM3: Llama with every layer `no_rope_layers` marks 0 unrotated (llama.cpp fixes every fourth).
+    Family("smollm3", ("SmolLM3ForCausalLM",), "SmolLM3Config", "smollm3", permuted_qk=True,
+           gguf_tokenizer_as="llama"),
     Family("qwen2", ("Qwen2ForCausalLM",), "Qwen2Config", "qwen2", qkv_bias=True),
     Family("qwen3", ("Qwen3ForCausalLM",), "Qwen3Config", "qwen3", qk_norm=True),
     Family("qwen3_moe", ("Qwen3MoeForCausalLM",), "Qwen3MoeConfig", "qwen3moe", qk_norm=True,

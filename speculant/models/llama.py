@@ -108,7 +108,10 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).view(B, T, -1, cfg.head_dim)  # [B, T, Hq + 2 Hkv (+ Hq gates), Dh]
         q, k, v, *gate = qkv.split(self.split + [cfg.n_heads] * self.gated, dim=2)
         qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=2) if cfg.qk_norm else qkv
-        q, k = apply_rope(qk, cfg.n_heads + cfg.n_kv_heads, fwd.cos, fwd.sin).split(self.split[:2], dim=2)
+        if self.layer in cfg.nope_layers:
+            q, k = qk[:, :, :cfg.n_heads + cfg.n_kv_heads].split(self.split[:2], dim=2)
+        else:
+            q, k = apply_rope(qk, cfg.n_heads + cfg.n_kv_heads, fwd.cos, fwd.sin).split(self.split[:2], dim=2)
         keys, values = cache.update(self.kv_layer, fwd.at, k.transpose(1, 2), v.transpose(1, 2))
         out = attend(q, keys, values, fwd, cfg.n_kv_heads != cfg.n_heads, cfg.query_scale, cfg.attn_softcap)
         out = out.reshape(B, T, cfg.n_heads * cfg.head_dim)
@@ -237,8 +240,10 @@ class Block(nn.Module):
 
 def native_layer_form(cfg: ModelConfig, layer: int) -> bool:
     """Whether layer `layer` is a form csrc/decoder.cpp computes: a dense MLP gated by SiLU or GELU (every form of
-    norms, windows, score scales and caps the families here have; not yet a hybrid model's layers)."""
-    return not cfg.routed(layer) and cfg.activation in ("silu", "gelu_tanh") and not cfg.attention_gate
+    norms, windows, score scales and caps the families here have; not yet a hybrid model's layers, nor a layer
+    without RoPE: SmolLM3's run as modules)."""
+    return (not cfg.routed(layer) and cfg.activation in ("silu", "gelu_tanh") and not cfg.attention_gate
+            and layer not in cfg.nope_layers)
 
 
 def embedding_table(embed: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,6 +41,7 @@ class ModelConfig:
     sliding_window: int | None = None
     rope_scale: float = 1.0  # cos and sin multiplied by it: LongRoPE's attention factor
     rotary_dim: int | None = None  # the dims of each head that rotate (Phi-4-mini: 3/4 of them); None: all
+    nope_layers: tuple[int, ...] = ()  # layers whose q and k are not rotated at all (SmolLM3's NoPE layers)
     # What the family changes (families.Family, copied here so that a config alone builds the model).
     norm_offset: float = 0.0
     activation: str = "silu"
@@ -166,6 +167,7 @@ class ModelConfig:
             shared_expert_size=(cfg.get("shared_expert_intermediate_size") or 0) if n_experts else 0,
             **hybrid_shape(cfg, family),
             mtp_layers=mtp_layers,
+            nope_layers=tuple(i for i, r in enumerate(cfg.get("no_rope_layers") or []) if not r),
         )
 
     def window(self, layer: int) -> int | None:
