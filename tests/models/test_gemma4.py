@@ -233,3 +233,13 @@ def test_gguf_matches_transformers(gguf_folder, tmp_path, monkeypatch):
     ngram = {"method": "ngram", "num_speculative_tokens": 4}
     assert greedy_tokens(target, prompts, ngram, max_batch_size=3, n_tokens=16) == \
         [reference_greedy_tokens(ref, p, 16) for p in prompts]
+
+
+def test_bfloat16_batches_and_speculation_equal_plain(tmp_path):
+    """bf16 on the native attention kernel (head sizes 64 and 128), KV sharing on: a batch of 3 and prompt lookup
+    give each prompt its plain tokens."""
+    target = load_model(save_gemma4(tmp_path / "wide", head_dim=64, global_head_dim=128), dtype="bfloat16")
+    plain = [greedy_tokens(target, [p], n_tokens=16)[0] for p in PROMPTS]
+    assert greedy_tokens(target, PROMPTS, max_batch_size=3, n_tokens=16) == plain
+    ngram = {"method": "ngram", "num_speculative_tokens": 4}
+    assert greedy_tokens(target, PROMPTS, ngram, max_batch_size=3, n_tokens=16) == plain
