@@ -66,14 +66,15 @@ def native_attention_usable(dtype: torch.dtype, device: torch.device, head_dim: 
 
 def prepare_pass(cache: KVCache, slots: torch.Tensor, T: int, n_new: torch.Tensor | None, rope: Rope,
                  inv_freq: torch.Tensor, dtype: torch.dtype, window: int | None = None,
-                 parents: list[list[int]] | None = None) -> Pass:
+                 parents: list[list[int]] | None = None, native_ok: bool = True) -> Pass:
     """Row b's T inputs go at positions cache.lengths[slots[b]] onward; only its first n_new[b]
     (default T) are real, the rest is padding whose keys are never attended to and are overwritten
     later; padding past the last position goes to the cache's sink (KVCache).
 
     With `parents` (see tree_layout) the inputs are a draft tree: each is rotated for its depth and sees
     the cache and its own ancestors only, as if its branch had been decoded alone; the caller moves
-    the keys of the branch it keeps into place (KVCache.move)."""
+    the keys of the branch it keeps into place (KVCache.move). `native_ok` False: never the native kernel
+    (attention sinks, which it does not add)."""
     start = cache.lengths[slots]  # [B]
     end = start + (T if n_new is None else n_new)
     span = int(end.max())
@@ -96,7 +97,7 @@ def prepare_pass(cache: KVCache, slots: torch.Tensor, T: int, n_new: torch.Tenso
     # speculative output drifts from plain output and a cached prefix (prefix_cache.py) differs from a
     # cold prefill. The native kernel attends each row over its own keys alone, in every pass; without
     # it, one sequence's passes attend row by row (linear kernels are row-invariant, models/kernels.py).
-    if native_attention_usable(dtype, slots.device, 2 * len(inv_freq)):
+    if native_ok and native_attention_usable(dtype, slots.device, 2 * len(inv_freq)):
         n_keys = positions + 1
     elif slots.device.type != "cpu" and (T > MAX_VERIFY_WIDTH or len(slots) > 1 or T == 1 or dtype == torch.float32
                                          or window is not None):
@@ -173,14 +174,36 @@ def capped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ values
 
 
+def sink_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                   enable_gqa: bool = False, scale: float | None = None, sinks: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """Attention whose softmax has one more logit per head, `sinks` [Hq], that weighs no value (gpt-oss): the
+    scores written out as transformers' eager attention computes them."""
+    if enable_gqa:
+        group = q.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    scores = q @ keys.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if attn_mask is not None:
+        scores = scores + attn_mask
+    sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    combined = torch.cat((scores, sink), dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(values.dtype) @ values
+
+
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, fwd: Pass, gqa: bool,
-           scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+           scale: float | None = None, softcap: float | None = None,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, T, Hq, Dh], keys/values [B, Hkv, span, Dh] → [B, T, Hq, Dh]; scores scaled by `scale` (1/√Dh) and
-    soft-capped by `softcap`."""
+    soft-capped by `softcap`; `sinks` [Hq]: a sink logit per head in the softmax (the pass never native)."""
     if fwd.n_keys is not None:
+        if sinks is not None:
+            raise ValueError("attention sinks need a pass prepared off the native kernel (prepare_pass native_ok)")
         return native.attention(q, keys, values, fwd.n_keys, fwd.tree, fwd.window, scale, softcap)
     q = q.transpose(1, 2)
     sdpa = F.scaled_dot_product_attention if softcap is None else functools.partial(capped_attention, softcap=softcap)
+    if sinks is not None:
+        sdpa = functools.partial(sink_attention, sinks=sinks)
     if fwd.row_keys is None:
         out = sdpa(q, keys, values, attn_mask=fwd.mask, enable_gqa=gqa, scale=scale)
     else:

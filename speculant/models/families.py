@@ -45,6 +45,21 @@ class Family:
     grouped_linear_checkpoint: bool = False
     # llama.cpp's converter reorders the DeltaNet value heads from grouped by key head to tiled (qwen35, qwen35moe).
     gguf_tiled_value_heads: bool = False
+    # gpt-oss: a learned sink logit per head in every softmax of attention (attention.attend), a bias on o_proj
+    # too, biases on the router and the experts, whose SwiGLU is clamped (`swiglu_limit`) and stored with gate and
+    # up interleaved, transposed and stacked (moe.expert_state).
+    attention_sinks: bool = False
+    output_bias: bool = False
+    expert_bias: bool = False
+    # The GGUF block tensors every layer must have, where they are not the Llama family's (gguf.REQUIRED_BLOCK).
+    gguf_block: tuple[str, ...] = ()
+    # gguf.py merges these into a converted config's rope_scaling (llama.cpp's files state only type, factor and
+    # the pretrained context).
+    gguf_rope_scaling: dict = field(default_factory=dict)
+    # Gemma 4: a weightless norm on v, each layer's output times its `layer_scalar`, scores unscaled (1.0).
+    value_norm: bool = False
+    layer_scalar: bool = False
+    query_scale: float | None = None
     # The GGUF architecture whose tokenizer transformers' reader takes for this family's files, where it refuses
     # the family's own (the tokenizer fields are the same).
     gguf_tokenizer_as: str | None = None
@@ -80,6 +95,9 @@ FAMILIES: tuple[Family, ...] = (
            norm_offset=1.0, activation="gelu_tanh", scale_embeddings=True, sandwich_norms=True, qk_norm=True,
            window_by_default=True, sliding_pattern=6, gguf_names=GEMMA_GGUF_NAMES,
            gguf_width_scaled_layers=62, gguf_defaults={"rope_local_base_freq": 10000.0}),
+    # SmolLM3: Llama with every layer `no_rope_layers` marks 0 unrotated (llama.cpp fixes every fourth).
+    Family("smollm3", ("SmolLM3ForCausalLM",), "SmolLM3Config", "smollm3", permuted_qk=True,
+           gguf_tokenizer_as="llama"),
 )
 # llama.cpp's names for the hybrid layers (gguf.LINEAR_PARAMS: the two that are no module's weight); a norm after
 # attention is the MLP's input norm; the shared expert and its gate (`_shexp`).
@@ -100,9 +118,31 @@ FAMILIES += (
     Family("qwen3_next", ("Qwen3NextForCausalLM",), "Qwen3NextConfig", "qwen3next", routing="softmax_topk",
            grouped_linear_checkpoint=True, gguf_tokenizer_as="qwen3", **QWEN35),
 )
+# gpt-oss: every layer routed (softmax over the top 4 logits), sliding and full layers alternating, YaRN RoPE.
+# Its GGUF files (`gpt-oss`) keep the experts MXFP4; transformers' checkpoint leaves YaRN's range untruncated.
+FAMILIES += (
+    Family("gpt_oss", ("GptOssForCausalLM",), "GptOssConfig", "gpt-oss", activation="swiglu_clamped",
+           window_by_default=True, routing="topk_softmax", qkv_bias=True, attention_sinks=True, output_bias=True,
+           expert_bias=True, gguf_tokenizer_as="llama",
+           gguf_names={"post_attention_norm": "post_attention_layernorm"},
+           gguf_block=("attn_q", "attn_k", "attn_v", "attn_output", "attn_norm", "post_attention_norm", "attn_sinks"),
+           gguf_rope_scaling={"beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}),
+)
+# Gemma 4 (text): norms scale by w (no offset), global layers with their own head size (`per_layer_config`) and
+# proportional RoPE on a share of their angles; per-layer embeddings and KV sharing read from the config; with
+# `enable_moe_block` (26B-A4B) routed experts beside every layer's MLP (moe.SCALED_SOFTMAX_TOPK).
+FAMILIES += (
+    Family("gemma4", ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), "Gemma4TextConfig", "gemma4",
+           activation="gelu_tanh", scale_embeddings=True, sandwich_norms=True, qk_norm=True, window_by_default=True,
+           value_norm=True, layer_scalar=True, query_scale=1.0, routing="scaled_softmax_topk",
+           gguf_tokenizer_as="llama", gguf_block=("attn_q", "attn_output", "attn_q_norm", "attn_norm"),
+           gguf_names={**GEMMA_GGUF_NAMES, "inp_gate": "per_layer_input_gate", "proj": "per_layer_projection",
+                       "post_norm": "post_per_layer_input_norm"}),
+)
 BY_ARCHITECTURE = {a: f for f in FAMILIES for a in f.architectures}
 BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES}
 BY_MODEL_TYPE["gemma3_text"] = BY_MODEL_TYPE["gemma3"]
+BY_MODEL_TYPE["gemma4_text"] = BY_MODEL_TYPE["gemma4"]
 BY_MODEL_TYPE["qwen3_5_text"] = BY_MODEL_TYPE["qwen3_5"]
 BY_MODEL_TYPE["qwen3_5_moe_text"] = BY_MODEL_TYPE["qwen3_5_moe"]
 BY_GGUF = {f.gguf: f for f in FAMILIES if f.gguf}

@@ -179,6 +179,8 @@ def hf_tensors(reader: gguf.GGUFReader, config: dict, arch: str, src: Path) -> I
 
 
 def required_tensors(config: dict, arch: str, layer: int) -> list[str]:
+    if BY_GGUF[arch].gguf_block:
+        return list(BY_GGUF[arch].gguf_block)
     if BY_GGUF[arch].linear_attention:
         return HYBRID_LINEAR if config["layer_types"][layer] == "linear_attention" else HYBRID_ATTENTION
     return FUSED_BLOCK if BY_GGUF[arch].fused_checkpoint else REQUIRED_BLOCK

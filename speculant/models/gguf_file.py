@@ -39,7 +39,11 @@ PERMUTED_QK = {name for name, f in BY_GGUF.items() if f.permuted_qk}
 FORMAT_VERSION = 3
 
 
-TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+             # Gemma 4's per-layer embeddings
+             "per_layer_token_embd": "model.embed_tokens_per_layer",
+             "per_layer_model_proj": "model.per_layer_model_projection",
+             "per_layer_proj_norm": "model.per_layer_projection_norm"}
 
 
 BLOCK_NAMES = {
@@ -60,7 +64,7 @@ BLOCK_NAMES = {
 
 # An MoE layer's experts, stacked [n_expert, rows, cols] (llama.cpp's layout), or one tensor each
 # (blk.N.ffn_gate.E.weight, older Mixtral files): each expert becomes its own mlp.experts.E.
-EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)(?:_exps|\.(\d+))\.weight")
+EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)(?:_exps|\.(\d+))\.(weight|bias)")
 
 
 def block_names(arch: str) -> dict[str, str]:
@@ -172,7 +176,9 @@ def hf_config(reader: gguf.GGUFReader, meta: dict, arch: str, src: Path) -> dict
         "model_type": arch,
         "vocab_size": int(embd.shape[1]),  # the weights are the truth; metadata vocab_size is optional
         "hidden_size": hidden,
-        "intermediate_size": req("feed_forward_length"),
+        # One per layer in a Gemma 4 file whose shared layers' MLPs are twice as wide (gemma4_config).
+        "intermediate_size": (array_field(reader, f"{arch}.feed_forward_length") or [None])[0]
+        or req("feed_forward_length"),
         # The MTP layers a file carries (`nextn`) are blocks after the decoder's own.
         "num_hidden_layers": req("block_count") - meta.get(f"{arch}.nextn_predict_layers", 0),
         "num_attention_heads": n_heads,
@@ -208,6 +214,9 @@ def hf_config(reader: gguf.GGUFReader, meta: dict, arch: str, src: Path) -> dict
     if family.gguf_width_scaled_layers:  # llama.cpp scales the 27B's scores by its width per head, not head_dim
         wide = config["num_hidden_layers"] == family.gguf_width_scaled_layers
         config["query_pre_attn_scalar"] = hidden // n_heads if wide else head_dim
+    if family.value_norm:  # Gemma 4: its rope_freqs mark the unrotated angles of its global layers
+        config.update(gemma4_config(reader, meta, arch, config))
+        return config
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     factors = {ROPE_FACTORS[t.name]: dequantize(t).flatten().tolist() for t in reader.tensors
                if t.name in ROPE_FACTORS}
@@ -224,7 +233,55 @@ def hf_config(reader: gguf.GGUFReader, meta: dict, arch: str, src: Path) -> dict
         if f"{arch}.rope.scaling.original_context_length" in meta:
             orig = meta[f"{arch}.rope.scaling.original_context_length"]
             config["rope_scaling"]["original_max_position_embeddings"] = orig
+        config["rope_scaling"].update(family.gguf_rope_scaling)
     return config
+
+
+def array_field(reader: gguf.GGUFReader, key: str) -> list | None:
+    field = reader.fields.get(key)
+    if field is None or field.types[0] != gguf.GGUFValueType.ARRAY:
+        return None
+    return [field.parts[i].tolist()[0] for i in field.data]
+
+
+def gemma4_config(reader: gguf.GGUFReader, meta: dict, arch: str, config: dict) -> dict:
+    """A Gemma 4 file's shape under transformers' names, as llama.cpp's converter writes it: the global layers' head
+    size (key_length) beside the sliding ones' (key_length_swa), the layer types (sliding_window_pattern), KV heads
+    and MLP widths per layer where they differ, KV sharing, the per-layer embeddings' width, and proportional RoPE
+    (rope_freqs: 1 for a rotated angle, 1e30 for one that stays)."""
+    n = config["num_hidden_layers"]
+    swa = array_field(reader, f"{arch}.attention.sliding_window_pattern") or [False] * n
+    types = ["sliding_attention" if s else "full_attention" for s in swa[:n]]
+    global_dim = config["head_dim"]
+    head_dim = meta.get(f"{arch}.attention.key_length_swa", global_dim)
+    out = {"layer_types": types, "head_dim": head_dim, "global_head_dim": global_dim,
+           "num_kv_shared_layers": meta.get(f"{arch}.attention.shared_kv_layers", 0),
+           "hidden_size_per_layer_input": meta.get(f"{arch}.embedding_length_per_layer_input", 0)}
+    names = {t.name for t in reader.tensors}
+    unshared = range(n - out["num_kv_shared_layers"])
+    # k = v: a global layer with keys of its own and no value projection.
+    out["attention_k_eq_v"] = any(types[i] == "full_attention" and f"blk.{i}.attn_k.weight" in names
+                                  and f"blk.{i}.attn_v.weight" not in names for i in unshared)
+    kv = array_field(reader, f"{arch}.attention.head_count_kv")
+    if kv:  # one per layer: the sliding layers' count, and the global layers' (which transformers reads with k = v)
+        out["num_key_value_heads"] = next(h for h, t in zip(kv, types) if t == "sliding_attention")
+        out["num_global_key_value_heads"] = next(h for h, t in zip(kv, types) if t == "full_attention")
+    ff = array_field(reader, f"{arch}.feed_forward_length")
+    if ff:  # twice as wide on the KV-shared layers
+        out["intermediate_size"], out["use_double_wide_mlp"] = ff[0], len(set(ff)) > 1
+    if out["hidden_size_per_layer_input"]:
+        embd = next(t for t in reader.tensors if t.name == "per_layer_token_embd.weight")
+        out["vocab_size_per_layer_input"] = int(embd.shape[1])
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    rotated = int((dequantize(freqs) < 1e29).sum()) if freqs is not None else global_dim // 2
+    out["rope_parameters"] = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": float(meta.get(f"{arch}.rope.freq_base_swa",
+                                                                                    10000.0))},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 2 * rotated / global_dim,
+                           "rope_theta": config["rope_theta"]}}
+    if f"{arch}.final_logit_softcapping" in meta:
+        out["final_logit_softcapping"] = float(meta[f"{arch}.final_logit_softcapping"])
+    return out
 
 
 def expert_config(meta: dict, arch: str, config: dict, names: set[str]) -> dict:
@@ -314,7 +371,9 @@ def dequantize(t, expert: int | None = None) -> torch.Tensor:
 
 
 # Gated DeltaNet parameters whose GGUF names are no module's weight or bias.
-LINEAR_PARAMS = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
+LINEAR_PARAMS = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias",
+                 "attn_sinks.weight": "self_attn.sinks",  # and gpt-oss's sink logits, Gemma 4's layer scalar
+                 "layer_output_scale.weight": "layer_scalar"}
 # An MTP layer's own tensors (`blk.L.nextn.*`, L the decoder's layer count), beside an ordinary block.
 NEXTN = {"eh_proj": "fc", "enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "shared_head_norm": "norm"}
 
@@ -350,8 +409,8 @@ def named_tensors(reader: gguf.GGUFReader, config: dict, arch: str, src: Path) -
         if m := EXPERTS.fullmatch(t.name):
             i = int(m[1])
             prefix = f"mtp.layers.{i - n}." if i >= n else f"model.layers.{i}."
-            for e in range(int(t.shape[2])) if m[3] is None else [int(m[3])]:
-                yield f"{prefix}mlp.experts.{e}.{m[2]}_proj.weight", t, e if m[3] is None else None
+            for e in range(int(t.shape[-1])) if m[3] is None else [int(m[3])]:  # ggml's last dim: the expert
+                yield f"{prefix}mlp.experts.{e}.{m[2]}_proj.{m[4]}", t, e if m[3] is None else None
         elif (name := hf_name(t.name, src, arch, n)) is not None:
             yield name, t, None
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from speculant.errors import SpeculantError
 from speculant.models import ggml, native, notice
-from speculant.models.families import BY_MODEL_TYPE, GGUF_EXPERTS
+from speculant.models.families import BY_GGUF, BY_MODEL_TYPE, GGUF_EXPERTS
 from speculant.models.gguf_file import (
     ARCHITECTURES,
     EXPERTS,
@@ -137,7 +137,10 @@ def native_loadable(src: Path) -> bool:
             return False
         elif len(t.shape) == 2 and not usable(t):
             return False
-    return read_metadata(reader).get("general.architecture") in ARCHITECTURES
+    arch = read_metadata(reader).get("general.architecture")
+    # gpt-oss (sinks, biases, clamped experts) and Gemma 4 (per-layer embeddings, KV sharing, head sizes by layer)
+    # are no form the packed model assembles yet: their float folders run.
+    return arch in ARCHITECTURES and not BY_GGUF[arch].attention_sinks and not BY_GGUF[arch].value_norm
 
 
 def usable(t) -> bool:

@@ -90,16 +90,30 @@ class KVCache:
 
     def update(self, layer: int, at: CacheIndex, k: torch.Tensor,
                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [B, Hkv, T, Dh] where `at` says; return the rows' keys and values [B, Hkv, span, Dh]."""
+        """Write k, v [B, Hkv, T, Dh] where `at` says; return the rows' keys and values [B, Hkv, span, Dh]. A layer
+        with fewer heads or a narrower head than the cache's (Gemma 4's sliding layers beside its global ones) uses
+        the first of each."""
+        H, D = k.shape[1], k.shape[-1]
+        narrow = (H, D) != (self.k.shape[2], self.k.shape[-1])
         if at.one_row:
             (k_new, v_new), (keys, values) = at.write, at.read
-            k_new[layer].copy_(k[0])
-            v_new[layer].copy_(v[0])
-            return keys[layer], values[layer]
-        kc, vc = self.k[layer], self.v[layer]
-        kc[at.write] = k
-        vc[at.write] = v
-        return kc[at.read], vc[at.read]
+            k_new[layer, :H, :, :D].copy_(k[0])
+            v_new[layer, :H, :, :D].copy_(v[0])
+            return keys[layer][:, :H, :, :D], values[layer][:, :H, :, :D]
+        kc, vc = self.k[layer][..., :D], self.v[layer][..., :D]
+        write = (at.write[0], at.write[1][:, :H], at.write[2]) if narrow else at.write
+        kc[write] = k
+        vc[write] = v
+        return kc[at.read][:, :H], vc[at.read][:, :H]
+
+    def read(self, layer: int, at: CacheIndex, n_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' keys and values [B, n_heads, span, head_dim] of cache layer `layer`, as update returns them,
+        writing nothing: a KV-shared layer reads its source's (Gemma 4)."""
+        H, D = n_heads, head_dim
+        if at.one_row:
+            keys, values = at.read
+            return keys[layer][:, :H, :, :D], values[layer][:, :H, :, :D]
+        return self.k[layer][..., :D][at.read][:, :H], self.v[layer][..., :D][at.read][:, :H]
 
     def rollback(self, slot: int, length: int) -> None:
         self.set_lengths([slot], [length])

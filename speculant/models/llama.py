@@ -81,14 +81,22 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.cfg, self.layer = cfg, layer
-        # Its place in the KV cache: hybrid models keep keys for their attention layers alone.
-        self.kv_layer = layer - sum(i < layer for i in cfg.linear_layers)
-        d, hd = cfg.dim, cfg.head_dim
-        self.split = [cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads]
+        # Its place in the KV cache: hybrid models keep keys for their attention layers alone, and a KV-shared
+        # layer (Gemma 4) reads its source layer's.
+        source = cfg.kv_source[layer] if cfg.kv_source else layer
+        owners = cfg.cache_layers
+        self.kv_layer = owners.index(source) if source in owners else layer - sum(i < layer for i in cfg.linear_layers)
+        self.shared = cfg.shared(layer)
+        d, hd, hkv = cfg.dim, cfg.head_dim_of(layer), cfg.kv_heads_of(layer)
+        self.hd, self.hkv = hd, hkv
+        self.k_eq_v = cfg.k_eq_v and cfg.kind(layer) == FULL  # v is k's projection, before k's norm
+        self.split = [cfg.n_heads, hkv, hkv]
         self.gated = cfg.attention_gate
         if self.gated:  # the output gate's rows follow v's in the fused projection
             split_gate_on_load(self, cfg.n_heads, hd)
-        parts = {"q_proj": cfg.n_heads * hd, "k_proj": cfg.n_kv_heads * hd, "v_proj": cfg.n_kv_heads * hd}
+        parts = {"q_proj": cfg.n_heads * hd}
+        if not self.shared:
+            parts |= {"k_proj": hkv * hd} if self.k_eq_v else {"k_proj": hkv * hd, "v_proj": hkv * hd}
         if self.gated:
             parts["q_gate"] = cfg.n_heads * hd
         self.qkv_proj = nn.Linear(d, sum(parts.values()), bias=cfg.qkv_bias)
@@ -97,24 +105,44 @@ class Attention(nn.Module):
             permute_rotary_on_load(self, cfg)
         if self.gated:
             join_gate_on_save(self, cfg.n_heads, hd)
-        self.o_proj = nn.Linear(cfg.n_heads * hd, d, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * hd, d, bias=cfg.o_bias)
+        if cfg.attention_sinks:  # a logit per head that weighs no value (attention.sink_attention)
+            self.sinks = nn.Parameter(torch.zeros(cfg.n_heads))
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.norm_eps, cfg.norm_offset)
-            self.k_norm = RMSNorm(hd, cfg.norm_eps, cfg.norm_offset)
+            if not self.shared:
+                self.k_norm = RMSNorm(hd, cfg.norm_eps, cfg.norm_offset)
 
     def forward(self, x: torch.Tensor, cache: KVCache, fwd: Pass) -> torch.Tensor:
         B, T, _ = x.shape
-        cfg = self.cfg
-        qkv = self.qkv_proj(x).view(B, T, -1, cfg.head_dim)  # [B, T, Hq + 2 Hkv (+ Hq gates), Dh]
-        q, k, v, *gate = qkv.split(self.split + [cfg.n_heads] * self.gated, dim=2)
+        cfg, H, hd, hkv = self.cfg, self.cfg.n_heads, self.hd, self.hkv
+        qkv = self.qkv_proj(x).view(B, T, -1, hd)  # [B, T, Hq + 2 Hkv (+ Hq gates), Dh]
+        if self.shared:  # queries only: the keys and values are the source layer's, written earlier in the pass
+            q = apply_rope(self.q_norm(qkv) if cfg.qk_norm else qkv, H, fwd.cos, fwd.sin)
+            keys, values = cache.read(self.kv_layer, fwd.at, hkv, hd)
+            return self.o_proj(self.attend(q, keys, values, fwd).reshape(B, T, H * hd))
+        if self.k_eq_v:
+            q, k = qkv.split(self.split[:2], dim=2)
+            v, gate = k, []
+        else:
+            q, k, v, *gate = qkv.split(self.split + [H] * self.gated, dim=2)
+        if cfg.value_norm:  # weightless
+            v = F.rms_norm(v, (hd,), None, cfg.norm_eps)
         qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=2) if cfg.qk_norm else qkv
-        q, k = apply_rope(qk, cfg.n_heads + cfg.n_kv_heads, fwd.cos, fwd.sin).split(self.split[:2], dim=2)
+        if self.layer in cfg.nope_layers:
+            q, k = qk[:, :, :H + hkv].split(self.split[:2], dim=2)
+        else:
+            q, k = apply_rope(qk, H + hkv, fwd.cos, fwd.sin).split(self.split[:2], dim=2)
         keys, values = cache.update(self.kv_layer, fwd.at, k.transpose(1, 2), v.transpose(1, 2))
-        out = attend(q, keys, values, fwd, cfg.n_kv_heads != cfg.n_heads, cfg.query_scale, cfg.attn_softcap)
-        out = out.reshape(B, T, cfg.n_heads * cfg.head_dim)
+        out = self.attend(q, keys, values, fwd).reshape(B, T, H * hd)
         if self.gated:
             out = out * vectorized(torch.sigmoid, gate[0].reshape(out.shape))
         return self.o_proj(out)
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, fwd: Pass) -> torch.Tensor:
+        cfg = self.cfg
+        return attend(q, keys, values, fwd, self.hkv != cfg.n_heads, cfg.query_scale, cfg.attn_softcap,
+                      self.sinks if cfg.attention_sinks else None)
 
 
 def split_gate_on_load(attn: nn.Module, n_heads: int, head_dim: int) -> None:
@@ -155,9 +183,14 @@ class MLP(nn.Module):
         fuse_on_load(self, "gate_up_proj", {"gate_proj": n, "up_proj": n})
         self.down_proj = nn.Linear(n, cfg.dim, bias=cfg.mlp_bias)
         self.activation = cfg.activation
+        self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.activation == "swiglu_clamped":  # gpt-oss: both halves clamped, σ(α·gate), up shifted by 1
+            gate, up = gate_up.chunk(2, dim=-1)
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+            return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
         if native.layer_ops_usable(gate_up):  # the native layer's own kernels (decoder.cpp), the same bits
             return self.down_proj(native.gelu_tanh_mul(gate_up) if self.activation == "gelu_tanh"
                                   else native.silu_mul(gate_up))
@@ -183,22 +216,45 @@ class Block(nn.Module):
             self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = norm()
         shared = MLP(cfg, cfg.shared_expert_size) if cfg.shared_expert_size else None
-        self.mlp = (MoE(cfg.dim, cfg.n_experts, cfg.experts_per_token, cfg.routing, cfg.renormalise,
-                        lambda: MLP(cfg, cfg.expert_size), shared) if cfg.routed(layer) else MLP(cfg))
+        wide = 2 * cfg.intermediate_size if cfg.double_wide_shared_mlp and cfg.shared(layer) else None
+        experts = functools.partial(MoE, cfg.dim, cfg.n_experts, cfg.experts_per_token, cfg.routing, cfg.renormalise,
+                                    lambda: MLP(cfg, cfg.expert_size), shared, cfg.router_bias)
+        self.mlp = experts() if cfg.routed(layer) and not cfg.moe_beside_mlp else MLP(cfg, wide)
+        if cfg.routed(layer) and cfg.moe_beside_mlp:  # Gemma 4's experts, each side normed before and after
+            self.moe = experts()
+            self.post_feedforward_layernorm_1 = norm()
+            self.pre_feedforward_layernorm_2 = norm()
+            self.post_feedforward_layernorm_2 = norm()
         self.sandwich = cfg.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
+        if cfg.ple_dim:  # Gemma 4's per-layer input: gated by the layer's output, projected back, normed, added
+            self.per_layer_input_gate = nn.Linear(cfg.dim, cfg.ple_dim, bias=False)
+            self.per_layer_projection = nn.Linear(cfg.ple_dim, cfg.dim, bias=False)
+            self.post_per_layer_input_norm = norm()
+        if cfg.layer_scalar:
+            self.register_buffer("layer_scalar", torch.ones(1))
 
     @property
     def mixer(self) -> nn.Module:
         """What mixes the positions: attention, or a hybrid model's Gated DeltaNet."""
         return self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
 
-    def forward(self, x: torch.Tensor, cache: KVCache, fwd: Pass) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache, fwd: Pass, per_layer: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """`per_layer` [B, T, P]: this layer's per-layer input (Gemma 4)."""
         if self.sandwich:
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cache, fwd))
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            h = self.mlp(self.pre_feedforward_layernorm(x))
+            if hasattr(self, "moe"):  # the experts read the layer's input to the MLP, before its norm
+                h = self.post_feedforward_layernorm_1(h) + \
+                    self.post_feedforward_layernorm_2(self.moe(self.pre_feedforward_layernorm_2(x), x))
+            x = x + self.post_feedforward_layernorm(h)
+            if per_layer is not None:
+                gated = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * per_layer
+                x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+            return x * self.layer_scalar if hasattr(self, "layer_scalar") else x
         x = x + self.mixer(self.input_layernorm(x), cache, fwd)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -243,10 +299,13 @@ class Block(nn.Module):
 def native_layer_form(cfg: ModelConfig, layer: int) -> bool:
     """Whether layer `layer` is a form csrc/decoder.cpp computes: a dense MLP gated by SiLU or GELU, or SwiGLU
     experts without a shared one (every form of norms, windows, score scales and caps the families here have;
-    not yet a hybrid model's layers)."""
+    not yet a hybrid model's layers, a layer without RoPE (SmolLM3's), attention sinks (gpt-oss) or Gemma 4's
+    layers: they run as modules)."""
+    if cfg.attention_gate or layer in cfg.nope_layers or cfg.value_norm or cfg.attention_sinks:
+        return False
     if cfg.routed(layer):
-        return cfg.activation == "silu" and not cfg.shared_expert_size and not cfg.attention_gate
-    return cfg.activation in ("silu", "gelu_tanh") and not cfg.attention_gate
+        return cfg.activation == "silu" and not cfg.shared_expert_size
+    return cfg.activation in ("silu", "gelu_tanh")
 
 
 def embedding_table(embed: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,6 +324,21 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim))
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_offset)
+        if cfg.ple_dim:  # Gemma 4's per-layer embeddings: a token's row of every layer's input, and a projection
+            width = cfg.n_layers * cfg.ple_dim
+            self.embed_tokens_per_layer = nn.Embedding(cfg.ple_vocab, width, _weight=torch.empty(cfg.ple_vocab, width))
+            self.per_layer_model_projection = nn.Linear(cfg.dim, width, bias=False)
+            self.per_layer_projection_norm = RMSNorm(cfg.ple_dim, cfg.norm_eps, cfg.norm_offset)
+
+    def per_layer_inputs(self, tokens: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """[B, T] tokens and their scaled embeddings [B, T, D] → every layer's input [B, T, L, P]: the normed
+        projection of the embeddings plus the token's per-layer row (times √P), over √2, as transformers."""
+        B, T = tokens.shape
+        L, P = len(self.layers), self.per_layer_projection_norm.weight.shape[0]
+        rows = self.embed_tokens_per_layer(tokens) * torch.tensor(P ** 0.5, dtype=x.dtype)
+        proj = self.per_layer_model_projection(x) * x.shape[-1] ** -0.5
+        proj = self.per_layer_projection_norm(proj.reshape(B, T, L, P))
+        return (proj + rows.reshape(B, T, L, P)) * 2.0 ** -0.5
 
 
 def keep_input(kept: torch.Tensor | None, capture: tuple[int, ...], layer: int, x: torch.Tensor) -> None:
@@ -319,7 +393,10 @@ class Transformer(nn.Module):
             shapes = self.model.layers[c.linear_layers[0]].linear_attn.state_shapes()
             return HybridCache(c.n_layers - len(c.linear_layers), max_batch, c.n_kv_heads, max_len, c.head_dim,
                                self.dtype, self.device, len(c.linear_layers), shapes)
-        return KVCache(c.n_layers, max_batch, c.n_kv_heads, max_len, c.head_dim, self.dtype, self.device)
+        # Gemma 4: the layers that keep keys, each as wide as the widest (its sliding layers use their first dims).
+        heads = max(c.kv_heads_of(i) for i in c.cache_layers)
+        dim = max(c.head_dim_of(i) for i in c.cache_layers)
+        return KVCache(len(c.cache_layers), max_batch, heads, max_len, dim, self.dtype, self.device)
 
     def set_rope_frequencies(self, device: torch.device | str = "cpu") -> None:
         """The rotary frequencies again, in fp32 whatever the weights' dtype (a model built on the meta device
@@ -357,7 +434,8 @@ class Transformer(nn.Module):
         for kind in self.cfg.attention_kinds:
             rope, inv_freq = self.rope_for(kind)
             window = self.cfg.sliding_window if kind == SLIDING else None
-            passes[kind] = prepare_pass(cache, slots, T, n_new, rope, inv_freq, self.dtype, window, parents)
+            passes[kind] = prepare_pass(cache, slots, T, n_new, rope, inv_freq, self.dtype, window, parents,
+                                        native_ok=not self.cfg.attention_sinks)
         return passes
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, slots: torch.Tensor,
@@ -400,9 +478,10 @@ class Transformer(nn.Module):
             hidden = self.native_stack.forward(x.contiguous() if capture else x, glob.cos, glob.sin, cache.k, cache.v,
                                                fwd.slots, fwd.n_keys, fwd.tree, kept, list(capture), *local)
         else:
+            per_layer = self.model.per_layer_inputs(tokens, x) if self.cfg.ple_dim else None
             for i, block in enumerate(self.model.layers):
                 keep_input(kept, capture, i, x)
-                x = block(x, cache, passes[block.kind])
+                x = block(x, cache, passes[block.kind], None if per_layer is None else per_layer[:, :, i])
             keep_input(kept, capture, self.cfg.n_layers, x)
             hidden = self.model.norm(x)
         cache.lengths[slots] = fwd.end
@@ -451,8 +530,10 @@ class Transformer(nn.Module):
     @functools.cached_property
     def native_decode(self) -> bool:
         """Whether a chain pass of decoding or verification with the native stack runs as one native call
-        from the cache's lengths (DecoderStack.decode): prepare_pass's native case."""
-        return native_attention_usable(self.dtype, self.device, 2 * len(self.inv_freq))
+        from the cache's lengths (DecoderStack.decode): prepare_pass's native case (never with attention sinks,
+        which the native kernels do not add)."""
+        return not self.cfg.attention_sinks and native_attention_usable(self.dtype, self.device,
+                                                                        2 * len(self.inv_freq))
 
     @functools.cached_property
     def native_stack(self) -> object | None:

@@ -25,7 +25,7 @@ from speculant.models.hugepages import move_to_huge_pages
 from speculant.models.kernels import bf16_linear_kernel, fast_bfloat16, pack_linears
 from speculant.models.llama import Transformer
 from speculant.models.model_config import ModelConfig
-from speculant.models.moe import expert_state
+from speculant.models.moe import expert_state, gemma4_expert_state, gpt_oss_expert_state
 from speculant.models.quantize import QUANTIZATIONS, matching_quantization, quantize
 from speculant.models.tokenizer import Tokenizer
 
@@ -297,7 +297,8 @@ def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> tupl
     if BY_MODEL_TYPE[cfg.model_type].grouped_linear_checkpoint:
         state = ungroup_linear_projections(state, cfg)
     if cfg.n_experts:
-        state = expert_state(state)
+        state = gpt_oss_expert_state(state) if cfg.router_bias else gemma4_expert_state(state) \
+            if cfg.moe_beside_mlp else expert_state(state)
     # The checkpoint's names (state_dict() gives them even where layers are stored fused).
     expected = set(model.state_dict()) - ({"lm_head.weight"} if cfg.tie_embeddings else set())
     missing = sorted(expected - state.keys())

@@ -41,6 +41,7 @@ class ModelConfig:
     sliding_window: int | None = None
     rope_scale: float = 1.0  # cos and sin multiplied by it: LongRoPE's attention factor
     rotary_dim: int | None = None  # the dims of each head that rotate (Phi-4-mini: 3/4 of them); None: all
+    nope_layers: tuple[int, ...] = ()  # layers whose q and k are not rotated at all (SmolLM3's NoPE layers)
     # What the family changes (families.Family, copied here so that a config alone builds the model).
     norm_offset: float = 0.0
     activation: str = "silu"
@@ -73,6 +74,25 @@ class ModelConfig:
     # The value heads in tiled order (head j reads key head j mod k_heads: llama.cpp's converter), else grouped.
     linear_heads_tiled: bool = False
     mtp_layers: int = 0  # multi-token-prediction layers the checkpoint carries (proposers/mtp.py)
+    # gpt-oss (families.Family): a sink logit per head, o_proj's bias, the router's, the clamped SwiGLU's constants.
+    attention_sinks: bool = False
+    o_bias: bool = False
+    router_bias: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    # Gemma 4 (families.Family): per-layer head sizes and KV heads where layers differ (None: head_dim, n_kv_heads
+    # everywhere); the layer whose keys and values each layer reads (its own, or a KV-shared layer's source); the
+    # per-layer embeddings' width and vocabulary; k = v on global layers; shared layers' MLP twice as wide.
+    layer_head_dims: tuple[int, ...] | None = None
+    layer_kv_heads: tuple[int, ...] | None = None
+    kv_source: tuple[int, ...] = ()
+    ple_dim: int = 0
+    ple_vocab: int = 0
+    k_eq_v: bool = False
+    double_wide_shared_mlp: bool = False
+    value_norm: bool = False
+    layer_scalar: bool = False
+    moe_beside_mlp: bool = False  # the routed experts run beside each layer's dense MLP, not in its place (Gemma 4)
 
     @classmethod
     def from_hf(cls, cfg: dict, source: str = "config.json") -> ModelConfig:
@@ -103,11 +123,16 @@ class ModelConfig:
         max_positions, rope_scale = cfg["max_position_embeddings"], 1.0
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
-            if kind not in ("default", "llama3", "longrope", "linear"):
+            if kind not in ("default", "llama3", "longrope", "linear", "yarn", "proportional"):
                 raise SpeculantError(f"{source}: unsupported rope_scaling type '{kind}' (supported: llama3, "
-                                     "longrope, linear).")
+                                     "longrope, linear, yarn).")
             if kind == "default":
                 scaling = None
+            elif kind == "proportional":  # Gemma 4's global layers: the first angles rotate, the rest stay
+                scaling = {"rope_type": "proportional", "factor": float(scaling.get("factor") or 1.0),
+                           "partial_rotary_factor": float(scaling.get("partial_rotary_factor") or 1.0)}
+            elif kind == "yarn":
+                scaling, rope_scale = yarn(cfg, scaling, source)
             elif kind == "linear":
                 scaling = {"rope_type": "linear", "factor": float(scaling["factor"])}
             elif kind == "longrope":
@@ -119,7 +144,8 @@ class ModelConfig:
         if layer_types is None and pattern and sliding:
             layer_types = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(cfg["num_hidden_layers"])]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
-        rotary_dim = partial_rotary_dim(cfg, rope, scaling or {}, head_dim, source)
+        rotary_dim = None if (scaling or {}).get("rope_type") == "proportional" else \
+            partial_rotary_dim(cfg, rope, scaling or {}, head_dim, source)
         scalar = cfg.get("query_pre_attn_scalar")
         # GGUF folders converted by gguf.py hold Gemma's norms as llama.cpp stores them, with the 1 added.
         offset = 0.0 if cfg.get("norm_weights_include_offset") else family.norm_offset
@@ -144,7 +170,7 @@ class ModelConfig:
             rotary_dim=rotary_dim,
             tie_embeddings=bool(cfg["tie_word_embeddings"]),
             qkv_bias=bool(cfg.get("attention_bias") or family.qkv_bias),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False) or family.expert_bias),
             qk_norm=family.qk_norm,
             sliding_window=sliding,
             norm_offset=offset,
@@ -153,11 +179,11 @@ class ModelConfig:
             sandwich_norms=family.sandwich_norms,
             layer_types=tuple(layer_types) if layer_types and sliding and SLIDING in layer_types else None,
             local_rope_theta=cfg.get("rope_local_base_freq") or local_rope.get("rope_theta"),
-            query_scale=None if scalar is None or scalar == head_dim else scalar ** -0.5,
+            query_scale=family.query_scale if scalar is None or scalar == head_dim else scalar ** -0.5,
             attn_softcap=cfg.get("attn_logit_softcapping"),
             logit_softcap=cfg.get("final_logit_softcapping"),
             n_experts=n_experts,
-            experts_per_token=cfg["num_experts_per_tok"] if n_experts else 0,
+            experts_per_token=(cfg.get("num_experts_per_tok") or cfg.get("top_k_experts")) if n_experts else 0,
             expert_size=(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if n_experts else 0,
             routing=family.routing if n_experts else None,
             # Qwen3.5-MoE's router renormalises always (its config has no norm_topk_prob).
@@ -166,6 +192,13 @@ class ModelConfig:
             shared_expert_size=(cfg.get("shared_expert_intermediate_size") or 0) if n_experts else 0,
             **hybrid_shape(cfg, family),
             mtp_layers=mtp_layers,
+            nope_layers=tuple(i for i, r in enumerate(cfg.get("no_rope_layers") or []) if not r),
+            attention_sinks=family.attention_sinks,
+            o_bias=family.output_bias and bool(cfg.get("attention_bias", True)),
+            router_bias=family.expert_bias,
+            swiglu_alpha=float(cfg.get("swiglu_alpha") or 1.702),
+            swiglu_limit=float(cfg.get("swiglu_limit") or 7.0),
+            **gemma4_shape(cfg, family, head_dim, layer_types),
         )
 
     def window(self, layer: int) -> int | None:
@@ -191,6 +224,25 @@ class ModelConfig:
 
     def kind(self, layer: int) -> str:
         return self.attention_kinds[0] if self.layer_types is None else self.layer_types[layer]
+
+    def head_dim_of(self, layer: int) -> int:
+        return self.head_dim if self.layer_head_dims is None else self.layer_head_dims[layer]
+
+    def kv_heads_of(self, layer: int) -> int:
+        return self.n_kv_heads if self.layer_kv_heads is None else self.layer_kv_heads[layer]
+
+    def kind_head_dim(self, kind: str) -> int:
+        """The head size of layers of `kind` (a pass's rotary tables are that wide)."""
+        return next((self.head_dim_of(i) for i in range(self.n_layers) if self.kind(i) == kind), self.head_dim)
+
+    def shared(self, layer: int) -> bool:
+        """Whether layer `layer` reads an earlier layer's keys and values and keeps none of its own (Gemma 4)."""
+        return bool(self.kv_source) and self.kv_source[layer] != layer
+
+    @property
+    def cache_layers(self) -> list[int]:
+        """The attention layers that keep keys and values in the cache, in cache order."""
+        return [i for i in range(self.n_layers) if not self.linear(i) and not self.shared(i)]
 
 
 def hybrid_shape(cfg: dict, family: Family) -> dict:
@@ -289,3 +341,47 @@ def longrope(cfg: dict, scaling: dict, source: str) -> tuple[dict, int, float]:
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     return {"rope_type": "longrope", "short_factor": list(scaling["short_factor"])}, original, attention
+
+
+def yarn(cfg: dict, scaling: dict, source: str) -> tuple[dict, float]:
+    """YaRN (gpt-oss) → (the scaling rope_inv_freq reads, the attention factor on cos and sin), as transformers'
+    _compute_yarn_parameters reads the same keys."""
+    original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if not original:
+        raise SpeculantError(f"{source}: yarn needs original_max_position_embeddings")
+    factor = scaling.get("factor") or cfg["max_position_embeddings"] / original
+    attention = scaling.get("attention_factor")
+    mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+
+    def get_mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if attention is None:
+        attention = get_mscale(mscale) / get_mscale(mscale_all) if mscale and mscale_all else get_mscale()
+    return {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original),
+            "beta_fast": float(scaling.get("beta_fast") or 32), "beta_slow": float(scaling.get("beta_slow") or 1),
+            "truncate": bool(scaling.get("truncate", True))}, float(attention)
+
+
+def gemma4_shape(cfg: dict, family: Family, head_dim: int, layer_types: list[str] | None) -> dict:
+    """Gemma 4's ModelConfig fields: per-layer head sizes and KV heads (`per_layer_config`, keyed by layer), KV
+    sharing (the last `num_kv_shared_layers` read the last earlier layer of their type, as transformers'
+    kv_sharing_modes), the per-layer embeddings and attention_k_eq_v."""
+    if not family.value_norm:
+        return {}
+    n = cfg["num_hidden_layers"]
+    per_layer = {int(k): v for k, v in (cfg.get("per_layer_config") or {}).items()}
+    if not per_layer and cfg.get("global_head_dim"):
+        per_layer = {i: {"head_dim": cfg["global_head_dim"]} for i, t in enumerate(layer_types or []) if t == FULL}
+    dims = tuple(per_layer.get(i, {}).get("head_dim") or head_dim for i in range(n))
+    kv = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    heads = tuple(per_layer.get(i, {}).get("num_key_value_heads") or kv for i in range(n))
+    shared, types = int(cfg.get("num_kv_shared_layers") or 0), list(layer_types or [FULL] * n)
+    first = n - shared
+    source = tuple(i if i < first else max(j for j in range(first) if types[j] == types[i]) for i in range(n))
+    ple = int(cfg.get("hidden_size_per_layer_input") or 0)
+    return dict(layer_head_dims=dims if len(set(dims)) > 1 else None,
+                layer_kv_heads=heads if len(set(heads)) > 1 else None, kv_source=source if shared else (),
+                ple_dim=ple, ple_vocab=int(cfg.get("vocab_size_per_layer_input") or cfg["vocab_size"]) if ple else 0,
+                k_eq_v=bool(cfg.get("attention_k_eq_v")), double_wide_shared_mlp=bool(cfg.get("use_double_wide_mlp")),
+                value_norm=True, layer_scalar=family.layer_scalar, moe_beside_mlp=bool(cfg.get("enable_moe_block")))

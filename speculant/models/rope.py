@@ -71,11 +71,42 @@ def rope_inv_freq(cfg: ModelConfig, kind: str = FULL) -> torch.Tensor:
     scaling; every other layer has the model's."""
     local = kind == SLIDING and cfg.local_rope_theta is not None
     theta = cfg.local_rope_theta if local else cfg.rope_theta
-    dim = cfg.rotary_dim or cfg.head_dim
+    if not local and (cfg.rope_scaling or {}).get("rope_type") == "proportional":
+        return proportional_frequencies(theta, cfg.kind_head_dim(kind), cfg.rope_scaling)
+    dim = cfg.rotary_dim or cfg.kind_head_dim(kind)
     # On the CPU even where a model is built on the meta device: meta's arange imports torch._dynamo (seconds).
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
+    if not local and (cfg.rope_scaling or {}).get("rope_type") == "yarn":
+        return F.pad(yarn_frequencies(theta, dim, cfg.rope_scaling), (0, (cfg.head_dim - dim) // 2))
     # Dims that do not rotate (rotary_layout) turn by an angle of 0.
-    return F.pad(scaled_frequencies(inv_freq, None if local else cfg.rope_scaling), (0, (cfg.head_dim - dim) // 2))
+    return F.pad(scaled_frequencies(inv_freq, None if local else cfg.rope_scaling),
+                 (0, (cfg.kind_head_dim(kind) - dim) // 2))
+
+
+def proportional_frequencies(theta: float, head_dim: int, s: dict) -> torch.Tensor:
+    """Gemma 4's global layers: the first partial_rotary_factor of the angles turn as in a head of head_dim (the
+    exponent over the whole head), divided by `factor`; the rest turn by 0 (in fp32, as transformers)."""
+    angles = int(s["partial_rotary_factor"] * head_dim // 2)
+    inv_freq = 1.0 / theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.float32) / head_dim) / s["factor"]
+    return F.pad(inv_freq, (0, head_dim // 2 - angles))
+
+
+def yarn_frequencies(theta: float, dim: int, s: dict) -> torch.Tensor:
+    """YaRN's frequencies: the fast ones kept, the slow ones divided by `factor`, a linear ramp between the
+    dims that turn beta_fast and beta_slow times over the pretrained context (in fp32, as transformers)."""
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(s["original_max_position_embeddings"] / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(s["beta_fast"]), correction_dim(s["beta_slow"])
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    pos = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the share of each frequency extrapolated (kept as it is)
+    return (1.0 / (s["factor"] * pos)) * (1 - keep) + (1.0 / pos) * keep
 
 
 def scaled_frequencies(inv_freq: torch.Tensor, s: dict | None) -> torch.Tensor:
