@@ -195,26 +195,45 @@ def interleave(runners: list[Runner], jobs: list[Job]) -> Iterator[tuple[Runner,
 
 
 def run_jobs(runners: list[Runner], jobs: list[Job], tick: Callable[[str], None] | None = None,
-             repeat: bool = False) -> list[Measurement]:
+             repeat: bool = False, notes: list[str] | None = None) -> list[Measurement]:
     """Each job on each runner, timed. A runner forgets earlier requests before each job (an answer history
     would otherwise draft a repetition from the same prompt's earlier answer); with `repeat`, it then
-    decodes the job once untimed: the case of requests that repeat."""
+    decodes the job once untimed: the case of requests that repeat. A peer that fails is left out of the
+    report (removed from `runners`) with one line in `notes`; our own configurations' errors propagate."""
     out = []
-    for runner, job in interleave(runners, jobs):
+    for runner, job in interleave(list(runners), jobs):
+        if runner not in runners:
+            continue
         if tick:
             tick(runner.name)
         runner.forget()
-        if repeat:
-            runner.run(job.tokens, job.params)
-        m = runner.run(job.tokens, job.params)
+        try:
+            if repeat:
+                runner.run(job.tokens, job.params)
+            m = runner.run(job.tokens, job.params)
+        except Exception as e:
+            drop_failed_peer(runners, runner, e, notes)
+            out = [m for m in out if m.runner != runner.name]
+            continue
         m.prompt_ids, m.prompt_class, m.rep = job.prompt_ids, job.prompt_class, job.rep
         out.append(m)
     return out
 
 
-def warm_up(runners: list[Runner], job: Job) -> None:
+def warm_up(runners: list[Runner], job: Job, notes: list[str] | None = None) -> None:
     """One short untimed run each: first calls pay for kernel selection and page faults."""
     short = [SamplingParams(temperature=p.temperature, seed=p.seed, max_tokens=min(8, p.max_tokens or 8))
              for p in job.params]
-    for runner in runners:
-        runner.run(job.tokens, short)
+    for runner in list(runners):
+        try:
+            runner.run(job.tokens, short)
+        except Exception as e:
+            drop_failed_peer(runners, runner, e, notes)
+
+
+def drop_failed_peer(runners: list[Runner], runner: Runner, error: Exception, notes: list[str] | None) -> None:
+    """A peer's own bug (another library's) must not end the whole benchmark: it is reported and left out."""
+    if runner.family == "speculant" or notes is None:
+        raise error
+    runners.remove(runner)
+    notes.append(f"{runner.name} left out: it failed ({type(error).__name__}: {str(error).splitlines()[0][:160]})")

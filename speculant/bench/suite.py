@@ -375,9 +375,9 @@ def k_sweep(plan: BenchPlan, target: LoadedModel, model_path: Path, prompts: lis
     runners += peer_runners(plan, target, model_path, max_len, notes)
     jobs = make_jobs(prompts, 1, 0.0, plan.max_tokens, plan.reps, plan.seed)
     try:
-        warm_up(runners, jobs[0])
+        warm_up(runners, jobs[0], notes)
         measurements = run_jobs(runners, jobs, progress.phase("k sweep (batch 1)", len(jobs) * len(runners)),
-                                plan.repeat)
+                                plan.repeat, notes)
         notes += [r.summary() for r in runners if hasattr(r, "summary")]
     finally:  # peers that are processes of their own (llama-server) stop here
         for r in runners:

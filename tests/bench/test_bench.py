@@ -267,3 +267,34 @@ def test_advise_prints_a_config_the_cli_takes_as_it_is(config):
     parsed = SpeculativeConfig.parse(flag)
     assert parsed.proposer == measured.proposer and parsed.num_speculative_tokens == 5
     assert parsed == SpeculativeConfig.parse({**config, "num_speculative_tokens": 5})
+
+
+def test_a_failing_peer_is_left_out_with_a_line_and_ours_are_not():
+    """Another library's bug in a peer ends neither the warm-up nor the sweep: the peer is dropped with one note
+    and its measurements with it; an error in one of our own configurations still ends the run."""
+    from speculant.bench.runner import Job, Measurement, Runner, run_jobs, warm_up
+    from speculant.config import SamplingParams
+
+    class Fake(Runner):
+        def __init__(self, name, family, fail_after):
+            super().__init__(name, family, None, 0, name)
+            self.fail_after, self.calls = fail_after, 0
+
+        def run(self, prompts, params):
+            self.calls += 1
+            if self.calls > self.fail_after:
+                raise ValueError("the peer's own bug")
+            return Measurement(self.name, [], "", 1, 0.0, 0, [[1]], ttft_s=0.1, decode_s=0.1, decode_tokens=1)
+
+        def forget(self):
+            pass
+
+    jobs = [Job(["p"], "code", [[1, 2]], [SamplingParams(max_tokens=4)]) for _ in range(3)]
+    ours, peer = Fake("plain", "speculant", 99), Fake("transformers plain", "transformers", 2)
+    runners, notes = [ours, peer], []
+    warm_up(runners, jobs[0], notes)
+    measured = run_jobs(runners, jobs, notes=notes)
+    assert runners == [ours] and {m.runner for m in measured} == {"plain"} and len(measured) == 3
+    assert notes == ["transformers plain left out: it failed (ValueError: the peer's own bug)"]
+    with pytest.raises(ValueError):
+        run_jobs([Fake("plain", "speculant", 0)], jobs, notes=[])
