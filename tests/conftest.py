@@ -138,3 +138,26 @@ def reference_greedy_tokens(ref, prompt: list[int], n_tokens: int = 32) -> list[
         out = ref.generate(torch.tensor([prompt]), max_new_tokens=n_tokens, do_sample=False, eos_token_id=None,
                            pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def reference_model(folder):
+    """transformers' own model of a saved folder, in fp32: the oracle."""
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def rollback_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """Prefill 12, decode one by one past the window, roll 3 back and decode them again as one pass."""
+    slot, cache, n = torch.tensor([0]), model.new_cache(1, 64), ids.shape[1]
+    with torch.no_grad():
+        got = [model.logits(model(ids[:, :12], cache, slot))]
+        got += [model.logits(model(ids[:, t:t + 1], cache, slot)) for t in range(12, n)]
+        cache.rollback(0, n - 3)
+        redo = model.logits(model(ids[:, n - 3:], cache, slot))
+    return torch.cat(got + [redo], dim=1)
+
+
+def reference_rollback_logits(folder, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' logits of ids, the last 3 repeated: what rollback_logits must give."""
+    with torch.no_grad():
+        out = reference_model(folder)(ids).logits
+    return torch.cat((out, out[:, -3:]), dim=1)

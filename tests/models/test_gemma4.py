@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import greedy_tokens, reference_greedy_tokens, transformers
+from conftest import (
+    greedy_tokens,
+    reference_greedy_tokens,
+    reference_model,
+    reference_rollback_logits,
+    rollback_logits,
+    transformers,
+)
 from test_prefix_cache import BUDGET, check_turns, engine_on
 
 from speculant.config import SamplingParams
@@ -59,27 +66,6 @@ def folders(tmp_path_factory):
                                hidden_size_per_layer_input=0, num_kv_shared_layers=0)}
 
 
-def reference(folder):
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-
-def logits(model, ids: torch.Tensor) -> torch.Tensor:
-    """Prefill 12, decode one by one past the window, roll 3 back and decode them again as one pass."""
-    slot, cache, n = torch.tensor([0]), model.new_cache(1, 64), ids.shape[1]
-    with torch.no_grad():
-        got = [model.logits(model(ids[:, :12], cache, slot))]
-        got += [model.logits(model(ids[:, t:t + 1], cache, slot)) for t in range(12, n)]
-        cache.rollback(0, n - 3)
-        redo = model.logits(model(ids[:, n - 3:], cache, slot))
-    return torch.cat(got + [redo], dim=1)
-
-
-def expected_logits(folder, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        out = reference(folder)(ids).logits
-    return torch.cat((out, out[:, -3:]), dim=1)
-
-
 def test_config_and_cache_hold_only_the_unshared_layers(folders):
     model = load_model(folders["target"]).model
     cfg = model.cfg
@@ -92,14 +78,15 @@ def test_config_and_cache_hold_only_the_unshared_layers(folders):
 
 @pytest.mark.parametrize("folder", ["target", "moe"])
 def test_logits_match_transformers(folders, folder):
-    err = (logits(load_model(folders[folder]).model, IDS) - expected_logits(folders[folder], IDS)).abs().max().item()
+    got = rollback_logits(load_model(folders[folder]).model, IDS)
+    err = (got - reference_rollback_logits(folders[folder], IDS)).abs().max().item()
     assert err <= TOL
 
 
 @pytest.mark.slow
 def test_moe_variant_greedy_equals_transformers(folders):
     """The 26B-A4B's form: greedy by prompt lookup in a batch of 3 equals transformers' generate."""
-    ref = reference(folders["moe"])
+    ref = reference_model(folders["moe"])
     target = load_model(folders["moe"])
     assert target.model.cfg.layer_kv_heads == (2, 1) * 3 and target.model.cfg.moe_beside_mlp
     ngram = {"method": "ngram", "num_speculative_tokens": 4}
@@ -117,7 +104,7 @@ def test_each_moe_rule_is_needed(folders, monkeypatch, mutant):
             monkeypatch.setattr(moe, "forward", lambda x, routed_by=None, f=moe.forward: f(x))
         else:
             layer.moe.per_expert_scale.data.fill_(1.0)
-    err = (logits(model, IDS) - expected_logits(folders["moe"], IDS)).abs().max().item()
+    err = (rollback_logits(model, IDS) - reference_rollback_logits(folders["moe"], IDS)).abs().max().item()
     assert err > 10 * TOL
 
 
@@ -144,14 +131,14 @@ def test_each_gemma4_rule_is_needed(folders, monkeypatch, mutant):
         model.cfg.value_norm = False
     elif mutant == "no_per_layer_inputs":
         model.model.embed_tokens_per_layer.weight.data.zero_()
-    err = (logits(model, IDS) - expected_logits(folders["target"], IDS)).abs().max().item()
+    err = (rollback_logits(model, IDS) - reference_rollback_logits(folders["target"], IDS)).abs().max().item()
     assert err > 10 * TOL
 
 
 def test_greedy_and_every_speculation_path_equal_plain(folders):
     """Plain greedy equals transformers' generate; prompt lookup, a draft model, a batch of 3, a prefix-cache hit
     and chunked prefill (check_turns: chunks of 5) equal plain decoding, with KV sharing on."""
-    ref = reference(folders["target"])
+    ref = reference_model(folders["target"])
     expected = [reference_greedy_tokens(ref, p, 16) for p in PROMPTS]
     target = load_model(folders["target"])
     plain = [greedy_tokens(target, [p], n_tokens=16)[0] for p in PROMPTS]
@@ -174,7 +161,7 @@ def write_gemma4_gguf(path, folder):
     import numpy as np
     from test_gguf import close, writer_for
 
-    model = reference(folder)
+    model = reference_model(folder)
     cfg = model.config
     cfg.allow_global_per_layer_attribute_access = True  # the sliding layers' head size and KV heads, as the converter
     full = cfg.rope_parameters[FULL]
@@ -226,9 +213,9 @@ def test_gguf_matches_transformers(gguf_folder, tmp_path, monkeypatch):
     cfg = target.model.cfg
     assert cfg.kv_source == (0, 1, 2, 3, 2, 3) and cfg.layer_head_dims == (32, 64) * 3 and cfg.ple_dim == 16
     ids = IDS % GGUF_VOCAB
-    err = (logits(target.model, ids) - expected_logits(gguf_folder, ids)).abs().max().item()
+    err = (rollback_logits(target.model, ids) - reference_rollback_logits(gguf_folder, ids)).abs().max().item()
     assert err <= TOL
-    ref = reference(gguf_folder)
+    ref = reference_model(gguf_folder)
     prompts = [[t % GGUF_VOCAB for t in p] for p in PROMPTS]
     ngram = {"method": "ngram", "num_speculative_tokens": 4}
     assert greedy_tokens(target, prompts, ngram, max_batch_size=3, n_tokens=16) == \

@@ -10,7 +10,14 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import greedy_tokens, reference_greedy_tokens, transformers
+from conftest import (
+    greedy_tokens,
+    reference_greedy_tokens,
+    reference_model,
+    reference_rollback_logits,
+    rollback_logits,
+    transformers,
+)
 from test_gguf import VOCAB, close, writer_for
 from test_prefix_cache import BUDGET, check_turns, engine_on
 
@@ -51,27 +58,6 @@ def folders(tmp_path_factory):
     return {"target": root / "target", "draft": root / "draft", "gguf": root / "gguf"}
 
 
-def reference(folder):
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-
-def logits(model, ids: torch.Tensor) -> torch.Tensor:
-    """Prefill 12, decode one by one past the window, roll 3 back and decode them again."""
-    slot, cache, n = torch.tensor([0]), model.new_cache(1, 64), ids.shape[1]
-    with torch.no_grad():
-        got = [model.logits(model(ids[:, :12], cache, slot))]
-        got += [model.logits(model(ids[:, t:t + 1], cache, slot)) for t in range(12, n)]
-        cache.rollback(0, n - 3)
-        redo = model.logits(model(ids[:, n - 3:], cache, slot))
-    return torch.cat(got + [redo], dim=1)
-
-
-def expected_logits(folder, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        out = reference(folder)(ids).logits
-    return torch.cat((out, out[:, -3:]), dim=1)
-
-
 def test_config(folders):
     cfg = load_model(folders["target"]).model.cfg
     assert cfg.layer_types == ("sliding_attention", "full_attention") * 2 and cfg.window(0) == WINDOW
@@ -101,7 +87,7 @@ def test_folder_matches_transformers(folders, monkeypatch, mutant):
                 expert.limit = float("inf")
     elif mutant == "window_off":
         model.cfg.sliding_window = None
-    err = (logits(model, IDS) - expected_logits(folders["target"], IDS)).abs().max().item()
+    err = (rollback_logits(model, IDS) - reference_rollback_logits(folders["target"], IDS)).abs().max().item()
     assert err > 10 * TOL if mutant else err <= TOL
 
 
@@ -131,7 +117,7 @@ def run_all(target, draft) -> dict[str, list[list[int]]]:
 
 
 def test_greedy_and_speculation_equal_transformers(folders):
-    ref = reference(folders["target"])
+    ref = reference_model(folders["target"])
     expected = [reference_greedy_tokens(ref, p) for p in PROMPTS]
     target = load_model(folders["target"])
     assert greedy_tokens(target, PROMPTS[:1]) == expected[:1]
@@ -214,7 +200,7 @@ def test_gguf_matches_transformers(folders, tmp_path, monkeypatch, experts):
     """The file's converted folder (the MXFP4 experts dequantized to float32 at load): logits within 1e-4 of
     transformers on the folder the file was written from, greedy tokens equal, speculation equal."""
     monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
-    model = reference(folders["gguf"])
+    model = reference_model(folders["gguf"])
     if experts == Q.MXFP4:
         mxfp4_round_trip(model)
         model.save_pretrained(tmp_path / "mxfp4-values")
@@ -225,9 +211,9 @@ def test_gguf_matches_transformers(folders, tmp_path, monkeypatch, experts):
     assert not native_loadable(path)  # its float folder runs (gguf_native.native_loadable)
     target = load_model(path)
     assert target.model.cfg.rope_scaling["rope_type"] == "yarn" and target.model.cfg.window(0) == WINDOW
-    err = (logits(target.model, IDS) - expected_logits(folder, IDS)).abs().max().item()
+    err = (rollback_logits(target.model, IDS) - reference_rollback_logits(folder, IDS)).abs().max().item()
     assert err <= TOL
-    ref = reference(folder)
+    ref = reference_model(folder)
     expected = [reference_greedy_tokens(ref, p) for p in PROMPTS]
     assert greedy_tokens(target, PROMPTS, max_batch_size=3) == expected
     if experts == Q.F32:  # the slow suite: speculation on the file's model too
