@@ -125,8 +125,12 @@ def transformers_peers(model_path: Path, draft_path: Path | None, ks: list[int],
         skipped.append("transformers assistant_model skipped: no draft model (pass --draft-model)")
     else:
         assistant = load(draft_path)
-        tokenizers = [transformers.AutoTokenizer.from_pretrained(hf_folder_for(p)) for p in (model_path, draft_path)]
-        differ = tokenizers[0].get_vocab() != tokenizers[1].get_vocab()
+        try:
+            tokenizers = [transformers.AutoTokenizer.from_pretrained(hf_folder_for(path))
+                          for path in (model_path, draft_path)]
+            differ = tokenizers[0].get_vocab() != tokenizers[1].get_vocab()
+        except (OSError, ValueError):  # a folder transformers has no tokenizer for: the pair assumed to share one
+            differ = False
         if differ and assistant.config.vocab_size == model.config.vocab_size:
             # transformers takes equal embedding sizes for one tokenizer and refuses to re-tokenize.
             skipped.append("transformers assistant_model skipped: the draft's tokenizer differs from the target's "
