@@ -246,3 +246,14 @@ def test_the_transformers_peer_drafts_across_vocabularies(paths, prompts, tmp_pa
     runners, skipped = transformers_peers(paths["target"], paths["other"], [3], [2], torch.float32,
                                           torch.device("cpu"))
     assert not any(r.method == "assistant" for r in runners) and "vocabulary size is the target's" in skipped[0]
+
+
+@pytest.mark.parametrize("draft", ["sibling", "other"])
+def test_adaptive_k_with_a_draft_of_another_vocabulary_equals_plain(models, paths, prompts, plain, draft):
+    """Adaptive k (its cost curve learned on this target, k chosen per step) over both mappings' drafts: the
+    tokens are plain greedy's, alone and in a batch of 3."""
+    from conftest import greedy_tokens
+
+    spec = {"method": "draft", "model": str(paths[draft]), "num_speculative_tokens": 4, "adaptive": True}
+    for batch in (1, 3):
+        assert greedy_tokens(models["target"], prompts, spec, max_batch_size=batch, n_tokens=12) == plain, batch
